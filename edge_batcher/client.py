@@ -1,0 +1,499 @@
+"""Python clients for the edge-batcher HTTP API (KServe v2 / Open Inference Protocol).
+
+``Client`` is synchronous and uses only the standard library (``http.client``), so scripts on
+a device need nothing but numpy. ``AsyncClient`` uses aiohttp (imported only when it is first
+used) with one pooled session. Both talk to the daemon over its Unix socket (the default) or
+over TCP::
+
+    with Client() as c:                                  # unix:///run/edge-batcher/...
+        out = c.infer("resnet", {"input": batch})["output"]
+
+    async with AsyncClient("http://jetson.local:8000", token="...") as c:
+        out = await c.infer("resnet", {"input": batch})
+
+Requests use Triton's binary tensor extension by default (``binary=True``): tensors travel as
+raw bytes after a JSON header, which is far cheaper than JSON numbers for real payloads.
+``binary=False`` sends and asks for plain JSON, handy for debugging.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import ssl
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote, urlsplit
+
+import numpy as np
+
+from .errors import InvalidInput
+from .protocol.v2 import (
+    BINARY_CONTENT_TYPE,
+    HEADER_LENGTH,
+    JSON_CONTENT_TYPE,
+    DecodedResponse,
+    decode_response,
+    encode_request,
+    parse_header_length,
+)
+
+if TYPE_CHECKING:
+    import aiohttp
+
+DEFAULT_URL = "unix:///run/edge-batcher/edge-batcher.sock"
+
+
+class ClientError(Exception):
+    """The daemon answered with a non-2xx status (or with a body the client cannot decode).
+
+    ``message`` is the daemon's ``{"error": "..."}`` text when there is one.
+    """
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where a client connects, parsed from its URL."""
+
+    scheme: str  # "unix", "http" or "https"
+    host: str  # "localhost" for unix sockets (only used for the Host header)
+    port: int | None  # None for unix sockets
+    socket_path: str | None  # set for unix sockets only
+    base_path: str = ""  # URL path prefix without trailing slash, e.g. "/edge"
+
+    @property
+    def base_url(self) -> str:
+        """An http(s) URL that the request paths are appended to (aiohttp needs one)."""
+        if self.scheme == "unix":
+            return "http://localhost"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}{self.base_path}"
+
+
+def parse_url(url: str) -> Endpoint:
+    """Parse ``unix:///path/to.sock``, ``http://host[:port][/prefix]`` or ``https://...``.
+
+    Raises ValueError with the reason, so a typo in a URL fails at construction time rather
+    than on the first request.
+    """
+    if not isinstance(url, str) or not url:
+        raise ValueError("client URL must be a non-empty string")
+    if url.startswith("unix:"):
+        path = url[len("unix://") :] if url.startswith("unix://") else url[len("unix:") :]
+        if not path:
+            raise ValueError(f"client URL {url!r} names no socket path")
+        return Endpoint(scheme="unix", host="localhost", port=None, socket_path=path)
+
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(
+            f"client URL {url!r}: unsupported scheme {parts.scheme!r}; use unix:///path, "
+            f"http://host:port or https://host:port"
+        )
+    if parts.query or parts.fragment:
+        raise ValueError(f"client URL {url!r} must not have a query or fragment")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"client URL {url!r}: put credentials in token=, not in the URL")
+    if not parts.hostname:
+        raise ValueError(f"client URL {url!r} names no host")
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(f"client URL {url!r} has an invalid port") from None
+    if port is None:
+        port = 443 if parts.scheme == "https" else 80
+    return Endpoint(
+        scheme=parts.scheme,
+        host=parts.hostname,
+        port=port,
+        socket_path=None,
+        base_path=parts.path.rstrip("/"),
+    )
+
+
+# --------------------------------------------------------------------------- shared helpers
+
+
+def _model_path(model: str, suffix: str = "") -> str:
+    return f"/v2/models/{quote(model, safe='')}{suffix}"
+
+
+def _infer_body(
+    inputs: dict[str, np.ndarray],
+    *,
+    outputs: list[str] | None,
+    id: str | None,
+    priority: int | None,
+    timeout_ms: float | None,
+    binary: bool,
+) -> tuple[bytes, dict[str, str]]:
+    """Encode an infer request; return the body and the content headers it needs."""
+    parameters: dict[str, Any] = {}
+    if priority is not None:
+        parameters["priority"] = priority
+    if timeout_ms is not None:
+        parameters["timeout_ms"] = timeout_ms
+    body, header_length = encode_request(
+        inputs,
+        id=id,
+        parameters=parameters or None,
+        outputs=outputs,
+        binary_inputs=binary,
+        binary_outputs=binary,
+    )
+    if header_length is None:
+        return body, {"Content-Type": JSON_CONTENT_TYPE}
+    # JSON mode can still produce a binary body (BYTES that are not utf-8).
+    return body, {"Content-Type": BINARY_CONTENT_TYPE, HEADER_LENGTH: str(header_length)}
+
+
+def _error_message(body: bytes) -> str:
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace").strip() or "(empty body)"
+    if isinstance(doc, dict) and isinstance(doc.get("error"), str):
+        return doc["error"]
+    return body.decode("utf-8", "replace").strip()
+
+
+def _check(status: int, body: bytes) -> None:
+    if not 200 <= status < 300:
+        raise ClientError(status, _error_message(body))
+
+
+def _json(status: int, body: bytes) -> Any:
+    _check(status, body)
+    try:
+        return json.loads(body) if body else None
+    except ValueError as e:
+        raise ClientError(status, f"response is not valid JSON: {e}") from None
+
+
+def _infer_result(status: int, header_length: str | None, body: bytes) -> DecodedResponse:
+    _check(status, body)
+    try:
+        return decode_response(body, parse_header_length(header_length))
+    except InvalidInput as e:
+        raise ClientError(status, f"invalid inference response: {e.message}") from None
+
+
+# --------------------------------------------------------------------------- sync client
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """http.client over a Unix domain socket (the daemon's default, no TCP port needed)."""
+
+    def __init__(self, socket_path: str, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.socket_path = socket_path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+class Client:
+    """Synchronous client; keeps one keep-alive connection. Not safe to share across threads
+    (use one client per thread)."""
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        timeout: float = 30.0,
+        token: str | None = None,
+        binary: bool = True,
+    ):
+        self.endpoint = parse_url(url)
+        self.timeout = timeout
+        self.binary = binary
+        self._headers: dict[str, str] = {}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._conn: http.client.HTTPConnection | None = None
+
+    # -- API
+
+    def infer(
+        self,
+        model: str,
+        inputs: dict[str, np.ndarray],
+        *,
+        outputs: list[str] | None = None,
+        id: str | None = None,
+        priority: int | None = None,
+        timeout_ms: float | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Run one inference request; returns the outputs by name."""
+        return self.infer_response(
+            model, inputs, outputs=outputs, id=id, priority=priority, timeout_ms=timeout_ms
+        ).outputs
+
+    def infer_response(
+        self,
+        model: str,
+        inputs: dict[str, np.ndarray],
+        *,
+        outputs: list[str] | None = None,
+        id: str | None = None,
+        priority: int | None = None,
+        timeout_ms: float | None = None,
+    ) -> DecodedResponse:
+        """Like infer, but returns the whole response (model version, id, parameters)."""
+        body, headers = _infer_body(
+            inputs, outputs=outputs, id=id, priority=priority, timeout_ms=timeout_ms,
+            binary=self.binary,
+        )
+        status, resp_headers, data = self._request(
+            "POST", _model_path(model, "/infer"), body, headers
+        )
+        return _infer_result(status, resp_headers.get(HEADER_LENGTH), data)
+
+    def models(self) -> list[dict]:
+        """The model repository index: [{"name", "version"?, "state", ...}, ...]."""
+        return _json(*self._request_json("POST", "/v2/repository/index", b"{}"))
+
+    def model_metadata(self, model: str) -> dict:
+        return _json(*self._request_json("GET", _model_path(model)))
+
+    def stats(self, model: str) -> dict:
+        return _json(*self._request_json("GET", _model_path(model, "/stats")))
+
+    def live(self) -> bool:
+        return self._health("/v2/health/live")
+
+    def ready(self) -> bool:
+        return self._health("/v2/health/ready")
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- transport
+
+    def _health(self, path: str) -> bool:
+        try:
+            status, _, _ = self._request("GET", path)
+        except (OSError, http.client.HTTPException):
+            return False  # not reachable counts as not live / not ready
+        return status == 200
+
+    def _request_json(
+        self, method: str, path: str, body: bytes | None = None
+    ) -> tuple[int, bytes]:
+        headers = {"Content-Type": JSON_CONTENT_TYPE} if body is not None else {}
+        status, _, data = self._request(method, path, body, headers)
+        return status, data
+
+    def _connect(self) -> http.client.HTTPConnection:
+        ep = self.endpoint
+        if ep.scheme == "unix":
+            assert ep.socket_path is not None
+            return _UnixHTTPConnection(ep.socket_path, self.timeout)
+        if ep.scheme == "https":
+            return http.client.HTTPSConnection(
+                ep.host, ep.port, timeout=self.timeout, context=ssl.create_default_context()
+            )
+        return http.client.HTTPConnection(ep.host, ep.port, timeout=self.timeout)
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, Any, bytes]:
+        """Send one request on the kept-alive connection; returns (status, headers, body).
+
+        If a *reused* connection fails (the daemon closed it while idle, or restarted), the
+        request is retried once on a fresh connection. A fresh connection failing is a real
+        error and propagates (ConnectionRefusedError, FileNotFoundError for a missing
+        socket, TimeoutError...).
+        """
+        all_headers = {**self._headers, **(headers or {})}
+        full_path = self.endpoint.base_path + path
+        for attempt in (1, 2):
+            reused = self._conn is not None
+            if self._conn is None:
+                self._conn = self._connect()
+            conn = self._conn
+            try:
+                conn.request(method, full_path, body=body, headers=all_headers)
+                response = conn.getresponse()
+                data = response.read()
+            except ConnectionError:  # reset, broken pipe, RemoteDisconnected
+                self.close()
+                if reused and attempt == 1:
+                    continue
+                raise
+            except BaseException:  # timeout, protocol error: the connection state is unknown
+                self.close()
+                raise
+            return response.status, response.headers, data  # headers: case-insensitive .get
+        raise AssertionError("unreachable")
+
+
+# --------------------------------------------------------------------------- async client
+
+
+class AsyncClient:
+    """asyncio client on one pooled aiohttp session; use ``async with`` or ``await close()``.
+
+    The session is created on first use, inside the running event loop.
+    """
+
+    def __init__(
+        self,
+        url: str = DEFAULT_URL,
+        *,
+        timeout: float = 30.0,
+        token: str | None = None,
+        binary: bool = True,
+    ):
+        self.endpoint = parse_url(url)
+        self.timeout = timeout
+        self.binary = binary
+        self._headers: dict[str, str] = {}
+        if token:
+            self._headers["Authorization"] = f"Bearer {token}"
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- API
+
+    async def infer(
+        self,
+        model: str,
+        inputs: dict[str, np.ndarray],
+        *,
+        outputs: list[str] | None = None,
+        id: str | None = None,
+        priority: int | None = None,
+        timeout_ms: float | None = None,
+    ) -> dict[str, np.ndarray]:
+        """Run one inference request; returns the outputs by name."""
+        response = await self.infer_response(
+            model, inputs, outputs=outputs, id=id, priority=priority, timeout_ms=timeout_ms
+        )
+        return response.outputs
+
+    async def infer_response(
+        self,
+        model: str,
+        inputs: dict[str, np.ndarray],
+        *,
+        outputs: list[str] | None = None,
+        id: str | None = None,
+        priority: int | None = None,
+        timeout_ms: float | None = None,
+    ) -> DecodedResponse:
+        body, headers = _infer_body(
+            inputs, outputs=outputs, id=id, priority=priority, timeout_ms=timeout_ms,
+            binary=self.binary,
+        )
+        status, resp_headers, data = await self._request(
+            "POST", _model_path(model, "/infer"), body, headers
+        )
+        return _infer_result(status, resp_headers.get(HEADER_LENGTH), data)
+
+    async def models(self) -> list[dict]:
+        status, _, data = await self._request(
+            "POST", "/v2/repository/index", b"{}", {"Content-Type": JSON_CONTENT_TYPE}
+        )
+        return _json(status, data)
+
+    async def model_metadata(self, model: str) -> dict:
+        status, _, data = await self._request("GET", _model_path(model))
+        return _json(status, data)
+
+    async def stats(self, model: str) -> dict:
+        status, _, data = await self._request("GET", _model_path(model, "/stats"))
+        return _json(status, data)
+
+    async def live(self) -> bool:
+        return await self._health("/v2/health/live")
+
+    async def ready(self) -> bool:
+        return await self._health("/v2/health/ready")
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- transport
+
+    async def _health(self, path: str) -> bool:
+        import asyncio
+
+        import aiohttp
+
+        try:
+            status, _, _ = await self._request("GET", path)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            return False
+        return status == 200
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        import aiohttp
+
+        if self._session is None or self._session.closed:
+            if self.endpoint.scheme == "unix":
+                assert self.endpoint.socket_path is not None
+                connector: aiohttp.BaseConnector = aiohttp.UnixConnector(
+                    path=self.endpoint.socket_path
+                )
+            else:
+                connector = aiohttp.TCPConnector()
+            self._session = aiohttp.ClientSession(
+                connector=connector,
+                timeout=aiohttp.ClientTimeout(total=self.timeout),
+                headers=self._headers,
+            )
+        return self._session
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> tuple[int, Any, bytes]:
+        """Send one request; a pooled connection the daemon dropped is retried once."""
+        import aiohttp
+
+        url = self.endpoint.base_url + path
+        for attempt in (1, 2):
+            session = self._get_session()
+            try:
+                async with session.request(method, url, data=body, headers=headers) as resp:
+                    return resp.status, resp.headers, await resp.read()
+            except aiohttp.ServerDisconnectedError:
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")

@@ -1,0 +1,1 @@
+"""Wire protocols: codecs between numpy tensors and request/response bodies."""
