@@ -1,0 +1,268 @@
+"""`edge-batcher bench`: throughput and latency, measured side by side in one run.
+
+For one model it measures, in this order and in the same process:
+
+1. the raw engine ceiling: the engine's infer() called directly at the largest preferred size;
+2. in-process load through the full runtime (queue, policy, worker thread, futures), closed
+   loop (N concurrent callers) and open loop (Poisson arrivals at a fixed rate);
+3. the same closed-loop load with batching off (preferred sizes [1]);
+4. optionally (--unix) the same closed-loop load through a daemon subprocess on a Unix socket,
+   with the binary tensor extension.
+
+Per-request overhead outside the engine = CPU time of the event-loop thread per request
+(queueing, policy, futures, the load generator's own call) + the worker thread's batch
+assembly/splitting time per request. It is CPU time, so the other core's work does not count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import copy
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .config import load_config
+from .errors import EdgeBatcherError
+from .metrics import Metrics
+from .runtime import discover_models, load_runner
+from .types import DATATYPE_TO_NUMPY, InferRequest
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="daemon config (default: built-in defaults)")
+    p.add_argument("--models", help="model repository (default: the config's)")
+    p.add_argument("--model", default="vibration", help="model to load (default: vibration)")
+    p.add_argument("--duration", type=float, default=3.0, help="seconds per phase (default 3)")
+    p.add_argument("--concurrency", type=int, default=64, help="closed-loop callers (default 64)")
+    p.add_argument("--rate", type=float, default=0.0, help="open-loop arrivals per second (default: 70%% of measured closed-loop throughput)")
+    p.add_argument("--unix", action="store_true", help="also load a daemon subprocess over its Unix socket")
+    p.add_argument("--repeat", type=int, default=3, help="repeat each phase, report medians (default 3)")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = load_config(args.config)
+    if args.models:
+        config.models.repository = str(Path(args.models).resolve())
+    results = asyncio.run(_bench(config, args))
+    if args.json:
+        print(json.dumps(results, indent=2))
+    else:
+        print(format_report(results))
+    return 0
+
+
+async def _bench(config, args) -> dict:
+    (mc,) = discover_models(Path(config.models.repository), [args.model])
+    loop = asyncio.get_running_loop()
+    runner = await loop.run_in_executor(None, load_runner, mc, Metrics(), True)
+    engine = runner.engines[0]
+    sample = _sample_inputs(runner)
+    largest = mc.batching.preferred_batch_sizes[-1]
+    out: dict = {"model": mc.name, "preferred_batch_sizes": mc.batching.preferred_batch_sizes,
+                 "concurrency": args.concurrency, "duration_s": args.duration, "repeat": args.repeat}
+
+    ceilings = [_raw_ceiling(engine, sample, largest, args.duration) for _ in range(args.repeat)]
+    out["raw_ceiling_rps"] = statistics.median(ceilings)
+    await runner.close()
+
+    batched = [await _in_process(mc, sample, args, closed=True) for _ in range(args.repeat)]
+    out["in_process_closed"] = _median_run(batched)
+    rate = args.rate or 0.7 * out["in_process_closed"]["throughput_rps"]
+    out["in_process_open"] = _median_run([await _in_process(mc, sample, args, closed=False, rate=rate) for _ in range(args.repeat)])
+
+    unbatched_config = copy.deepcopy(mc)
+    unbatched_config.batching.preferred_batch_sizes = [1]
+    unbatched_config.batching.max_batch_size = 1
+    out["in_process_no_batching"] = _median_run(
+        [await _in_process(unbatched_config, sample, args, closed=True) for _ in range(args.repeat)]
+    )
+    out["ratio_to_ceiling"] = out["in_process_closed"]["throughput_rps"] / out["raw_ceiling_rps"]
+    out["speedup_over_no_batching"] = (
+        out["in_process_closed"]["throughput_rps"] / out["in_process_no_batching"]["throughput_rps"]
+    )
+    if args.unix:
+        out["unix_socket_closed"] = await _over_unix_socket(config, mc.name, sample, args)
+    return out
+
+
+def _sample_inputs(runner) -> dict[str, np.ndarray]:
+    """One request's inputs: random data of the model's input shapes (rows = 1)."""
+    rng = np.random.default_rng(0)
+    inputs = {}
+    for spec in runner.inputs:
+        shape = [1] + [d if d > 0 else 16 for d in spec.shape[1:]]
+        dtype = DATATYPE_TO_NUMPY[spec.datatype]
+        if dtype.kind == "f":
+            inputs[spec.name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype.kind in "iub":
+            inputs[spec.name] = rng.integers(0, 2, shape).astype(dtype)
+        else:
+            inputs[spec.name] = np.full(shape, b"edge-batcher", dtype=object)
+    return inputs
+
+
+def _raw_ceiling(engine, sample: dict[str, np.ndarray], size: int, duration: float) -> float:
+    batch = {k: np.repeat(v, size, axis=0) for k, v in sample.items()}
+    engine.infer(batch)
+    n = 0
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < duration:
+        engine.infer(batch)
+        n += 1
+    return n * size / (time.perf_counter() - t0)
+
+
+async def _in_process(model_config, sample, args, *, closed: bool, rate: float = 0.0) -> dict:
+    loop = asyncio.get_running_loop()
+    metrics = Metrics()
+    runner = await loop.run_in_executor(None, load_runner, model_config, metrics, True)
+    await runner.start()
+
+    latencies: list[float] = []
+    errors: dict[str, int] = {}
+    stop_at = loop.time() + args.duration
+
+    async def one() -> None:
+        t0 = loop.time()
+        try:
+            await runner.infer(InferRequest(model_config.name, sample))
+        except EdgeBatcherError as exc:  # open loop past capacity: count it, as a client would see it
+            errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+            return
+        latencies.append(loop.time() - t0)
+
+    async def caller() -> None:
+        while loop.time() < stop_at:
+            await one()
+
+    cpu0 = time.thread_time()
+    t0 = loop.time()
+    if closed:
+        await asyncio.gather(*(caller() for _ in range(args.concurrency)))
+    else:
+        rng = random.Random(1)
+        tasks = []
+        next_at = loop.time()
+        while next_at < stop_at:
+            next_at += rng.expovariate(rate)
+            delay = next_at - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+        await asyncio.gather(*tasks)
+    wall = loop.time() - t0
+    loop_cpu = time.thread_time() - cpu0
+    stats = runner.statistics()
+    await runner.close()
+    n = len(latencies)
+    worker_io_s = stats["inference_stats"]["compute_input_output"]["ns"] / 1e9
+    return {
+        "requests": n,
+        "throughput_rps": n / wall,
+        "offered_rps": rate if not closed else None,
+        "errors": errors,
+        **_percentiles(latencies),
+        "batch_sizes": {str(b["batch_size"]): b["compute_infer"]["count"] for b in stats["batch_stats"]},
+        "dispatch_reasons": stats["dispatch_reasons"],
+        "padding_ratio": round(stats["padding_ratio"], 4),
+        "overhead_us_per_request": (loop_cpu + worker_io_s) / n * 1e6 if n else None,
+        "loop_cpu_us_per_request": loop_cpu / n * 1e6 if n else None,
+        "engine_us_per_request": stats["inference_stats"]["compute_infer"]["ns"] / 1e3 / n if n else None,
+    }
+
+
+def _percentiles(latencies: list[float]) -> dict:
+    if not latencies:
+        return {"p50_ms": None, "p95_ms": None, "p99_ms": None}
+    a = np.array(latencies) * 1e3
+    return {f"p{q}_ms": float(np.percentile(a, q)) for q in (50, 95, 99)}
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run with the median throughput (its other figures belong to the same run)."""
+    ordered = sorted(runs, key=lambda r: r["throughput_rps"])
+    best = dict(ordered[len(ordered) // 2])
+    best["throughput_rps_all"] = [round(r["throughput_rps"], 1) for r in runs]
+    return best
+
+
+async def _over_unix_socket(config, model: str, sample, args) -> dict:
+    from .client import AsyncClient
+
+    tmp = Path(tempfile.mkdtemp(prefix="edge-batcher-bench-"))
+    sock = tmp / "bench.sock"
+    cmd = [sys.executable, "-m", "edge_batcher.cli", "serve", "--unix-socket", str(sock),
+           "--models", config.models.repository, "--log-level", "WARNING"]
+    if config.source != "<defaults>":
+        cmd[4:4] = ["--config", config.source]
+    env = dict(os.environ, EDGE_BATCHER_MODELS_LOAD=model)
+    proc = subprocess.Popen(cmd, env=env)
+    try:
+        async with AsyncClient(f"unix://{sock}") as client:
+            for _ in range(600):
+                if await client.ready():
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise RuntimeError("daemon did not become ready in 60 s")
+            loop = asyncio.get_running_loop()
+            runs = []
+            for _ in range(args.repeat):
+                latencies: list[float] = []
+                stop_at = loop.time() + args.duration
+
+                async def caller() -> None:
+                    while loop.time() < stop_at:
+                        t0 = loop.time()
+                        await client.infer(model, sample)
+                        latencies.append(loop.time() - t0)
+
+                t0 = loop.time()
+                await asyncio.gather(*(caller() for _ in range(args.concurrency)))
+                wall = loop.time() - t0
+                runs.append({"requests": len(latencies), "throughput_rps": len(latencies) / wall, **_percentiles(latencies)})
+            result = _median_run(runs)
+            stats = await client.stats(model)
+            ms = stats["model_stats"][0]
+            result["batch_sizes"] = {str(b["batch_size"]): b["compute_infer"]["count"] for b in ms["batch_stats"]}
+            result["dispatch_reasons"] = ms["dispatch_reasons"]
+            return result
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def format_report(r: dict) -> str:
+    def phase(title: str, p: dict) -> list[str]:
+        lines = [f"{title}: {p['throughput_rps']:.0f} req/s (runs: {p.get('throughput_rps_all')}), "
+                 f"latency p50 {p['p50_ms']:.2f} ms, p95 {p['p95_ms']:.2f} ms, p99 {p['p99_ms']:.2f} ms"]
+        if p.get("errors"):
+            lines.append(f"    errors {p['errors']}")
+        lines.append(f"    batch sizes {p.get('batch_sizes')}, reasons {p.get('dispatch_reasons')}, padding {p.get('padding_ratio')}")
+        if p.get("overhead_us_per_request") is not None:
+            lines.append(f"    overhead outside the engine {p['overhead_us_per_request']:.1f} us/request "
+                         f"(event loop {p['loop_cpu_us_per_request']:.1f} us), engine {p['engine_us_per_request']:.1f} us/request")
+        return lines
+
+    lines = [f"model {r['model']}, preferred sizes {r['preferred_batch_sizes']}, {r['concurrency']} closed-loop callers, "
+             f"{r['duration_s']} s x {r['repeat']} per phase (medians)",
+             f"raw engine ceiling at size {r['preferred_batch_sizes'][-1]}: {r['raw_ceiling_rps']:.0f} req/s"]
+    lines += phase("in-process, closed loop", r["in_process_closed"])
+    lines += phase(f"in-process, open loop (Poisson {r['in_process_open']['offered_rps']:.0f}/s)", r["in_process_open"])
+    lines += phase("in-process, batching off", r["in_process_no_batching"])
+    if "unix_socket_closed" in r:
+        lines += phase("Unix socket (binary), closed loop", r["unix_socket_closed"])
+    lines.append(f"throughput / raw ceiling: {r['ratio_to_ceiling']:.2f}")
+    lines.append(f"speedup over no batching: {r['speedup_over_no_batching']:.2f}x")
+    return "\n".join(lines)

@@ -1,0 +1,193 @@
+"""Command line: `edge-batcher serve | infer | models | bench`.
+
+Errors the user can fix (bad config, unreachable daemon, bad input) print one line to stderr
+and exit 2 (config/usage) or 1 (request failed), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from .config import load_config, parse_host_port, resolve_socket_path
+from .errors import ConfigError, EdgeBatcherError
+
+log = logging.getLogger("edge_batcher")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except ConfigError as exc:
+        print(f"edge-batcher: configuration error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edge-batcher", description="Memory-aware batching inference daemon for edge devices.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("serve", help="run the daemon in the foreground")
+    p.add_argument("--config", help="TOML config file (default: built-in defaults)")
+    p.add_argument("--unix-socket", help="path of the Unix socket to serve on")
+    p.add_argument("--http", help="also serve the API on TCP HOST:PORT")
+    p.add_argument("--models", help="model repository directory")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    p.set_defaults(func=cmd_serve)
+
+    def add_target(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--url", help="daemon address: unix:///path.sock or http://host:port (default: the local socket)")
+        p.add_argument("--token", help="bearer token for a TCP endpoint that requires one")
+
+    p = sub.add_parser("infer", help="send one request and print the outputs")
+    p.add_argument("model")
+    p.add_argument("--input", "-i", action="append", default=[], metavar="NAME=FILE.npy|JSON",
+                   help="an input tensor: a .npy file, or JSON data (nested lists); repeat for several inputs")
+    p.add_argument("--request", metavar="FILE.json", help="a whole KServe v2 JSON request instead of --input")
+    p.add_argument("--json", action="store_true", help="print outputs as JSON")
+    p.add_argument("--timeout-ms", type=float, help="request deadline")
+    p.add_argument("--priority", type=int)
+    add_target(p)
+    p.set_defaults(func=cmd_infer)
+
+    p = sub.add_parser("models", help="list the daemon's models with their inputs and outputs")
+    p.add_argument("--json", action="store_true")
+    add_target(p)
+    p.set_defaults(func=cmd_models)
+
+    p = sub.add_parser("bench", help="measure throughput and latency (see docs/benchmarks.md)")
+    from .bench import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_bench)
+    return parser
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .daemon import serve
+    from .systemd import configure_logging
+
+    config = load_config(args.config)
+    if args.unix_socket:
+        config.server.unix_socket = args.unix_socket
+    if args.http is not None:
+        if args.http:
+            parse_host_port(args.http, "--http")
+        config.server.http = args.http
+    if args.models:
+        config.models.repository = str(Path(args.models).resolve())
+    if args.log_level:
+        config.server.log_level = args.log_level.upper()
+    try:
+        configure_logging(config.server.log_level, config.server.log_format)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    serve(config)
+    return 0
+
+
+def _client(args: argparse.Namespace):
+    from .client import Client
+
+    url = args.url or f"unix://{resolve_socket_path('auto')}"
+    return Client(url, token=args.token)
+
+
+def cmd_infer(args: argparse.Namespace) -> int:
+    from .client import ClientError
+    from .protocol import v2
+
+    with _client(args) as client:
+        try:
+            if args.request:
+                body = Path(args.request).read_bytes()
+                decoded = v2.decode_request(body)
+                inputs = decoded.inputs
+            else:
+                inputs = dict(_parse_input(spec) for spec in args.input)
+            if not inputs:
+                print("edge-batcher infer: give --input NAME=FILE.npy|JSON or --request FILE.json", file=sys.stderr)
+                return 2
+            outputs = client.infer(args.model, inputs, timeout_ms=args.timeout_ms, priority=args.priority)
+        except ClientError as exc:
+            print(f"edge-batcher infer: {exc.status}: {exc.message}", file=sys.stderr)
+            return 1
+        except (OSError, EdgeBatcherError) as exc:
+            print(f"edge-batcher infer: {exc}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps({k: _jsonable(v) for k, v in outputs.items()}))
+    else:
+        for name, value in outputs.items():
+            print(f"{name} {value.dtype} {list(value.shape)}:")
+            print(np.array2string(value, precision=4, threshold=64))
+    return 0
+
+
+def _parse_input(spec: str) -> tuple[str, np.ndarray]:
+    name, sep, value = spec.partition("=")
+    if not sep or not name:
+        raise ConfigError(f"--input {spec!r}: expected NAME=FILE.npy or NAME=JSON")
+    if value.endswith(".npy"):
+        return name, np.load(value, allow_pickle=False)
+    path = Path(value)
+    text = path.read_text() if path.suffix == ".json" and path.exists() else value
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--input {name}: not a .npy file or valid JSON: {exc}") from None
+    array = np.asarray(data)
+    if array.dtype == np.float64:
+        array = array.astype(np.float32)  # JSON numbers: FP32 is what models almost always take
+    elif array.dtype.kind in "US":
+        array = np.array([s.encode() for s in array.ravel()], dtype=object).reshape(array.shape)
+    return name, array
+
+
+def _jsonable(value: np.ndarray):
+    if value.dtype == object:
+        return [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in value.ravel().tolist()]
+    return value.tolist()
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from .client import ClientError
+
+    with _client(args) as client:
+        try:
+            index = client.models()
+            models = [client.model_metadata(m["name"]) for m in index]
+        except (ClientError, OSError) as exc:
+            print(f"edge-batcher models: {exc}", file=sys.stderr)
+            return 1
+    if args.json:
+        print(json.dumps(models, indent=2))
+        return 0
+    for m in models:
+        params = m.get("parameters", {})
+        print(f"{m['name']}  ({m.get('platform')}, batch sizes {params.get('preferred_batch_sizes')})")
+        if params.get("description"):
+            print(f"  {params['description']}")
+        for kind in ("inputs", "outputs"):
+            for t in m.get(kind, []):
+                print(f"  {kind[:-1]:6} {t['name']}: {t['datatype']} {t['shape']}")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .bench import run
+
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,420 @@
+"""Typed settings: the daemon's TOML config and each model's model.toml.
+
+Everything is validated on load. An unknown key, a wrong type or an impossible value raises
+ConfigError with a message naming the file, the key and what was expected, so start-up stops
+with a sentence a user can act on. Relative paths in a config file are resolved against the
+directory of that file.
+
+Environment overrides: EDGE_BATCHER_<SECTION>_<KEY>, e.g. EDGE_BATCHER_SERVER_UNIX_SOCKET or
+EDGE_BATCHER_MODELS_REPOSITORY. CLI flags (applied by the CLI) override both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, get_args, get_origin, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10 on JetPack 6
+    import tomli as tomllib
+
+from .errors import ConfigError
+
+ENV_PREFIX = "EDGE_BATCHER_"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+# --------------------------------------------------------------------------- daemon config
+
+
+@dataclass
+class ServerSettings:
+    # "auto": $RUNTIME_DIRECTORY (systemd), else $XDG_RUNTIME_DIR/edge-batcher, else
+    # /tmp/edge-batcher-<uid>: a path a normal user can create when not under systemd.
+    unix_socket: str = "auto"
+    socket_mode: str = "0660"
+    http: str = ""  # "HOST:PORT" also serves the API on TCP; empty: Unix socket only
+    max_body_bytes: int = 16 * 1024 * 1024
+    drain_timeout_s: float = 30.0
+    log_level: str = "INFO"
+    log_format: str = "auto"  # auto | plain | journald | json
+
+
+@dataclass
+class ModelsSettings:
+    repository: str = "engines"
+    # Empty: every model found in the repository; else only these names.
+    load: list[str] = field(default_factory=list)
+    warmup: bool = True
+
+
+@dataclass
+class MemorySettings:
+    probe: str = "auto"  # auto | jetson | cuda | nvml | cpu | fixed
+    budget_mb: float = 0.0  # > 0: a fixed budget instead of the probe's free memory
+    reserve_fraction: float = 0.1
+    headroom_mb: float = 256.0
+    refresh_interval_s: float = 1.0
+
+
+@dataclass
+class DaemonConfig:
+    server: ServerSettings = field(default_factory=ServerSettings)
+    models: ModelsSettings = field(default_factory=ModelsSettings)
+    memory: MemorySettings = field(default_factory=MemorySettings)
+    source: str = "<defaults>"  # the file it was loaded from
+
+    def socket_path(self) -> Path:
+        return resolve_socket_path(self.server.unix_socket)
+
+    def repository_path(self) -> Path:
+        return Path(self.models.repository)
+
+
+DAEMON_SECTIONS = {"server": ServerSettings, "models": ModelsSettings, "memory": MemorySettings}
+
+
+def resolve_socket_path(value: str, environ: dict[str, str] | None = None) -> Path:
+    env = os.environ if environ is None else environ
+    if value and value != "auto":
+        return Path(value)
+    if env.get("RUNTIME_DIRECTORY"):
+        return Path(env["RUNTIME_DIRECTORY"].split(":")[0]) / "edge-batcher.sock"
+    if env.get("XDG_RUNTIME_DIR"):
+        return Path(env["XDG_RUNTIME_DIR"]) / "edge-batcher" / "edge-batcher.sock"
+    return Path(f"/tmp/edge-batcher-{os.getuid()}") / "edge-batcher.sock"
+
+
+def load_config(path: str | Path | None, environ: dict[str, str] | None = None) -> DaemonConfig:
+    """Load and validate the daemon config; None gives the built-in defaults (+ env overrides)."""
+    env = os.environ if environ is None else environ
+    raw: dict[str, Any] = {}
+    source = "<defaults>"
+    base = Path.cwd()
+    if path is not None:
+        path = Path(path)
+        raw = _read_toml(path)
+        source = str(path)
+        base = path.resolve().parent
+    config = DaemonConfig(source=source)
+    for key in raw:
+        if key not in DAEMON_SECTIONS:
+            raise ConfigError(
+                f"{source}: unknown section [{key}]; expected one of "
+                + ", ".join(f"[{s}]" for s in DAEMON_SECTIONS)
+            )
+    for section, cls in DAEMON_SECTIONS.items():
+        table = raw.get(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: [{section}] must be a table")
+        table = dict(table)
+        table.update(_env_overrides(section, cls, env))
+        setattr(config, section, build_dataclass(cls, table, f"{source}: [{section}]"))
+    _validate_daemon(config, source)
+    repo = Path(config.models.repository)
+    if not repo.is_absolute():
+        config.models.repository = str((base / repo).resolve())
+    return config
+
+
+def _validate_daemon(config: DaemonConfig, source: str) -> None:
+    s = config.server
+    if s.log_level.upper() not in LOG_LEVELS:
+        raise ConfigError(
+            f"{source}: [server] log_level: expected one of {', '.join(LOG_LEVELS)}, got {s.log_level!r}"
+        )
+    s.log_level = s.log_level.upper()
+    if s.log_format not in ("auto", "plain", "journald", "json"):
+        raise ConfigError(
+            f"{source}: [server] log_format: expected auto, plain, journald or json, got {s.log_format!r}"
+        )
+    try:
+        mode = int(s.socket_mode, 8)
+    except ValueError:
+        raise ConfigError(
+            f"{source}: [server] socket_mode: expected an octal string like \"0660\", got {s.socket_mode!r}"
+        ) from None
+    if not 0 <= mode <= 0o777:
+        raise ConfigError(f"{source}: [server] socket_mode: {s.socket_mode!r} is not a file mode")
+    if s.http:
+        parse_host_port(s.http, f"{source}: [server] http")
+    _positive(s.max_body_bytes, f"{source}: [server] max_body_bytes")
+    _positive(s.drain_timeout_s, f"{source}: [server] drain_timeout_s", allow_zero=True)
+    m = config.memory
+    if not 0.0 <= m.reserve_fraction < 1.0:
+        raise ConfigError(
+            f"{source}: [memory] reserve_fraction: expected 0 <= value < 1, got {m.reserve_fraction}"
+        )
+    _positive(m.budget_mb, f"{source}: [memory] budget_mb", allow_zero=True)
+    _positive(m.headroom_mb, f"{source}: [memory] headroom_mb", allow_zero=True)
+    _positive(m.refresh_interval_s, f"{source}: [memory] refresh_interval_s")
+
+
+def parse_host_port(value: str, where: str = "address") -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{where}: expected HOST:PORT (e.g. 127.0.0.1:8000), got {value!r}")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
+# --------------------------------------------------------------------------- model config
+
+
+@dataclass
+class ExecutionProvider:
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class OnnxRuntimeSettings:
+    # Tried in order; providers this onnxruntime build lacks are skipped with a warning.
+    execution_providers: list[ExecutionProvider] = field(
+        default_factory=lambda: [ExecutionProvider("CPUExecutionProvider")]
+    )
+    intra_op_threads: int = 1
+    inter_op_threads: int = 1
+    graph_optimization_level: str = "all"  # disable | basic | extended | all
+
+
+@dataclass
+class SequenceSettings:
+    """Variable-length inputs: requests batch with others of their length bucket."""
+
+    inputs: list[str]  # inputs that share the dynamic sequence axis
+    axis: int = 1
+    buckets: list[int] = field(default_factory=list)  # ascending boundaries
+    pad_value: float = 0.0
+
+
+@dataclass
+class BatchingSettings:
+    preferred_batch_sizes: list[int] = field(default_factory=lambda: [2, 4, 8])
+    max_batch_size: int = 0  # 0: the largest preferred size
+    max_queue_delay_ms: float = 2.0
+    priority_levels: int = 1  # priorities 0..levels-1, higher first
+    default_priority: int = 0
+    default_timeout_ms: float = 5000.0
+    max_timeout_ms: float = 60000.0
+    queue_capacity: int = 256  # requests waiting per model; beyond it: "overloaded" at once
+
+
+@dataclass
+class TensorOverride:
+    """Narrow what the model file declares: a dynamic dim fixed, or a datatype checked."""
+
+    name: str
+    datatype: str = ""
+    shape: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ModelConfig:
+    name: str
+    directory: Path
+    backend: str = "onnxruntime"
+    model_file: str = "model.onnx"
+    instances: int = 1
+    description: str = ""
+    labels: list[str] = field(default_factory=list)
+    onnxruntime: OnnxRuntimeSettings = field(default_factory=OnnxRuntimeSettings)
+    batching: BatchingSettings = field(default_factory=BatchingSettings)
+    sequence: SequenceSettings | None = None
+    inputs: list[TensorOverride] = field(default_factory=list)
+    outputs: list[TensorOverride] = field(default_factory=list)
+
+    @property
+    def model_path(self) -> Path:
+        return self.directory / self.model_file
+
+
+MODEL_KEYS = {
+    "backend", "model_file", "instances", "description", "labels",
+    "onnxruntime", "batching", "sequence", "inputs", "outputs",
+}  # fmt: skip
+
+
+def load_model_config(model_dir: Path) -> ModelConfig:
+    """Load <repository>/<model>/model.toml; the directory name is the model name."""
+    path = model_dir / "model.toml"
+    raw = _read_toml(path)
+    where = str(path)
+    for key in raw:
+        if key not in MODEL_KEYS:
+            raise ConfigError(f"{where}: unknown key {key!r}; expected one of {', '.join(sorted(MODEL_KEYS))}")
+    raw = dict(raw)
+    providers = raw.get("onnxruntime", {}).get("execution_providers") if isinstance(raw.get("onnxruntime"), dict) else None
+    if providers is not None:
+        # Accept plain names as shorthand for {name = "..."}.
+        if not isinstance(providers, list):
+            raise ConfigError(f"{where}: [onnxruntime] execution_providers: expected a list")
+        raw["onnxruntime"] = dict(raw["onnxruntime"])
+        raw["onnxruntime"]["execution_providers"] = [
+            {"name": p} if isinstance(p, str) else p for p in providers
+        ]
+    raw["name"] = model_dir.name
+    raw["directory"] = model_dir
+    config = build_dataclass(ModelConfig, raw, where)
+    _validate_model(config, where)
+    return config
+
+
+def _validate_model(c: ModelConfig, where: str) -> None:
+    if not c.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
+        raise ConfigError(f"{where}: model name {c.name!r} must use letters, digits, '-', '_' or '.'")
+    _positive(c.instances, f"{where}: instances")
+    b = c.batching
+    sizes = b.preferred_batch_sizes
+    if not sizes or any(s <= 0 for s in sizes) or sorted(set(sizes)) != sizes:
+        raise ConfigError(
+            f"{where}: [batching] preferred_batch_sizes: expected ascending distinct positive sizes "
+            f"like [2, 4, 8], got {sizes}"
+        )
+    if b.max_batch_size == 0:
+        b.max_batch_size = sizes[-1]
+    if b.max_batch_size < sizes[0]:
+        raise ConfigError(
+            f"{where}: [batching] max_batch_size {b.max_batch_size} is smaller than the smallest "
+            f"preferred batch size {sizes[0]}"
+        )
+    _positive(b.max_queue_delay_ms, f"{where}: [batching] max_queue_delay_ms", allow_zero=True)
+    _positive(b.priority_levels, f"{where}: [batching] priority_levels")
+    if not 0 <= b.default_priority < b.priority_levels:
+        raise ConfigError(
+            f"{where}: [batching] default_priority: expected 0..{b.priority_levels - 1}, got {b.default_priority}"
+        )
+    _positive(b.default_timeout_ms, f"{where}: [batching] default_timeout_ms")
+    if b.max_timeout_ms < b.default_timeout_ms:
+        raise ConfigError(
+            f"{where}: [batching] max_timeout_ms {b.max_timeout_ms} is below default_timeout_ms {b.default_timeout_ms}"
+        )
+    _positive(b.queue_capacity, f"{where}: [batching] queue_capacity")
+    if c.sequence is not None:
+        s = c.sequence
+        if not s.inputs:
+            raise ConfigError(f"{where}: [sequence] inputs: name at least one input")
+        if s.axis < 1:
+            raise ConfigError(f"{where}: [sequence] axis: expected >= 1 (axis 0 is the batch), got {s.axis}")
+        if not s.buckets or any(x <= 0 for x in s.buckets) or sorted(set(s.buckets)) != s.buckets:
+            raise ConfigError(
+                f"{where}: [sequence] buckets: expected ascending distinct positive lengths, got {s.buckets}"
+            )
+    if c.onnxruntime.graph_optimization_level not in ("disable", "basic", "extended", "all"):
+        raise ConfigError(
+            f"{where}: [onnxruntime] graph_optimization_level: expected disable, basic, extended or all, "
+            f"got {c.onnxruntime.graph_optimization_level!r}"
+        )
+
+
+# --------------------------------------------------------------------------- generic builder
+
+
+def build_dataclass(cls: type, table: dict[str, Any], where: str) -> Any:
+    """Build dataclass `cls` from a TOML table, checking keys and types; errors name the key."""
+    if not isinstance(table, dict):
+        raise ConfigError(f"{where}: expected a table, got {type(table).__name__}")
+    hints = get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in table:
+        if key not in fields:
+            raise ConfigError(
+                f"{where}: unknown key {key!r}; expected one of {', '.join(n for n in fields if n not in ('source', 'name', 'directory'))}"
+            )
+    values = {}
+    for name, f in fields.items():
+        if name in table:
+            values[name] = _coerce(table[name], hints[name], f"{where} {name}")
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(f"{where}: missing required key {name!r}")
+    return cls(**values)
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    origin = get_origin(hint)
+    if origin is not None and type(None) in get_args(hint):  # Optional[X]
+        if value is None:
+            return None
+        (inner,) = [a for a in get_args(hint) if a is not type(None)]
+        return _coerce(value, inner, where)
+    if dataclasses.is_dataclass(hint):
+        return build_dataclass(hint, value, where)
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (inner,) = get_args(hint)
+        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a table, got {value!r}")
+        return dict(value)
+    if hint is Path:
+        return Path(value)
+    if hint is Any:
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported setting type {hint}")  # a bug in this module
+
+
+def _env_overrides(section: str, cls: type, env: dict[str, str]) -> dict[str, Any]:
+    hints = get_type_hints(cls)
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        var = f"{ENV_PREFIX}{section.upper()}_{f.name.upper()}"
+        if var not in env:
+            continue
+        text, hint = env[var], hints[f.name]
+        try:
+            if hint is bool:
+                lowered = text.strip().lower()
+                if lowered not in ("1", "0", "true", "false", "yes", "no"):
+                    raise ValueError(text)
+                out[f.name] = lowered in ("1", "true", "yes")
+            elif hint is int:
+                out[f.name] = int(text)
+            elif hint is float:
+                out[f.name] = float(text)
+            elif get_origin(hint) is list:
+                out[f.name] = json.loads(text) if text.strip().startswith("[") else [
+                    t.strip() for t in text.split(",") if t.strip()
+                ]
+            else:
+                out[f.name] = text
+        except ValueError:
+            raise ConfigError(f"environment {var}: expected {getattr(hint, '__name__', hint)}, got {text!r}") from None
+    return out
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
+def _positive(value: float, where: str, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{where}: expected a {'non-negative' if allow_zero else 'positive'} number, got {value}")

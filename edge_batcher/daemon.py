@@ -1,0 +1,118 @@
+"""The daemon's lifecycle, in order:
+
+  load config -> load + warm up engines -> listen (Unix socket, optional TCP)
+  -> sd_notify READY=1 -> serve until SIGTERM/SIGINT
+  -> drain: stop listening, refuse new requests, answer everything queued and in flight
+     (up to server.drain_timeout_s) -> STOPPING=1 -> close engines -> remove the socket file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from pathlib import Path
+
+from aiohttp import web
+
+from .config import DaemonConfig, parse_host_port
+from .runtime import Runtime
+from .systemd import Notifier, listen_fds, watchdog_interval
+from .transports.http import create_app
+from .transports.listeners import bind_tcp_socket, bind_unix_socket, remove_socket_file
+
+log = logging.getLogger(__name__)
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig):
+        self.config = config
+        self.runtime = Runtime(config)
+        self.notifier = Notifier.from_env()
+        self._stop = asyncio.Event()
+        self._web: web.AppRunner | None = None
+        self._sites: list[web.BaseSite] = []
+        self._socket_file: tuple[Path, int] | None = None  # (path, inode) we created
+        self._tasks: list[asyncio.Task] = []
+
+    def request_stop(self) -> None:
+        self._stop.set()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        c = self.config
+        log.info("edge-batcher starting: config %s, model repository %s", c.source, c.models.repository)
+        try:
+            await self.runtime.start()
+            await self._listen()
+            self.notifier.ready(self._status_line())
+            interval = watchdog_interval()
+            if interval:
+                self._tasks.append(asyncio.create_task(self._watchdog(interval)))
+            log.info("ready: models %s", ", ".join(sorted(self.runtime.runners)) or "none")
+            await self._stop.wait()
+            log.info("stopping: draining queued and in-flight requests (up to %.0f s)", c.server.drain_timeout_s)
+            self.notifier.stopping("draining")
+            await self._drain()
+        finally:
+            for task in self._tasks:
+                task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self._web is not None:
+                await self._web.cleanup()
+            await self.runtime.close()
+            if self._socket_file is not None:
+                remove_socket_file(*self._socket_file)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            log.info("stopped")
+
+    async def _listen(self) -> None:
+        s = self.config.server
+        app = create_app(self.runtime, max_body_bytes=s.max_body_bytes)
+        # Handlers still running at cleanup were already answered by the drain; don't wait long.
+        self._web = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=5.0)
+        await self._web.setup()
+        inherited = listen_fds()  # socket activation (systemd edge-batcher.socket)
+        if inherited:
+            for sock in inherited:
+                sock.setblocking(False)
+                await self._add_site(web.SockSite(self._web, sock))
+            log.info("serving on %d socket(s) passed by systemd", len(inherited))
+        else:
+            path = self.config.socket_path()
+            sock = bind_unix_socket(path, int(s.socket_mode, 8))
+            self._socket_file = (path, path.stat().st_ino)
+            await self._add_site(web.SockSite(self._web, sock))
+            log.info("serving the v2 API on unix://%s (mode %s)", path, s.socket_mode)
+        if s.http:
+            host, port = parse_host_port(s.http, "[server] http")
+            await self._add_site(web.SockSite(self._web, bind_tcp_socket(host, port)))
+            log.info("serving the v2 API on http://%s:%d", host, port)
+
+    async def _add_site(self, site: web.BaseSite) -> None:
+        await site.start()
+        self._sites.append(site)
+
+    async def _drain(self) -> None:
+        for site in self._sites:
+            await site.stop()  # no new connections; open ones finish their requests
+        await self.runtime.drain(self.config.server.drain_timeout_s)
+
+    async def _watchdog(self, interval: float) -> None:
+        # Sent from the event loop on purpose: if the loop is stuck, pings stop and systemd restarts us.
+        while True:
+            self.notifier.watchdog()
+            self.notifier.status(self._status_line())
+            await asyncio.sleep(interval)
+
+    def _status_line(self) -> str:
+        runners = self.runtime.runners
+        depth = sum(len(r.queue) for r in runners.values())
+        return f"{len(runners)} model(s), {depth} queued"
+
+
+def serve(config: DaemonConfig) -> None:
+    asyncio.run(Daemon(config).run())

@@ -1,0 +1,106 @@
+"""ONNX Runtime backend with a configurable execution-provider chain.
+
+The chain in model.toml is tried in order (e.g. TensorrtExecutionProvider, CUDAExecutionProvider,
+then CPUExecutionProvider); providers this onnxruntime build does not have are skipped with a
+warning, so one model.toml serves a Jetson with onnxruntime-gpu and a laptop with plain
+onnxruntime. CPU is always appended last as ONNX Runtime's own fallback.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import ConfigError, EngineError, OutOfMemory
+from ..types import TensorSpec
+from .base import apply_overrides
+
+log = logging.getLogger(__name__)
+
+# onnxruntime type strings -> v2 datatypes
+_ORT_TYPES = {
+    "tensor(bool)": "BOOL", "tensor(uint8)": "UINT8", "tensor(uint16)": "UINT16",
+    "tensor(uint32)": "UINT32", "tensor(uint64)": "UINT64", "tensor(int8)": "INT8",
+    "tensor(int16)": "INT16", "tensor(int32)": "INT32", "tensor(int64)": "INT64",
+    "tensor(float16)": "FP16", "tensor(float)": "FP32", "tensor(double)": "FP64",
+    "tensor(string)": "BYTES",
+}  # fmt: skip
+
+_OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
+               "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}  # fmt: skip
+
+
+class OnnxRuntimeEngine:
+    def __init__(self, config: ModelConfig):
+        self.config = config
+        self.session = None
+        self.providers: list[str] = []
+        self.inputs: list[TensorSpec] = []
+        self.outputs: list[TensorSpec] = []
+
+    def load(self) -> None:
+        import onnxruntime as ort  # lazily: importing it costs time and memory
+
+        settings = self.config.onnxruntime
+        path = self.config.model_path
+        if not path.exists():
+            raise ConfigError(f"model {self.config.name!r}: model file {path} not found")
+        available = set(ort.get_available_providers())
+        chain: list[tuple[str, dict]] = []
+        for ep in settings.execution_providers:
+            if ep.name in available:
+                chain.append((ep.name, {k: str(v) for k, v in ep.options.items()}))
+            else:
+                log.warning(
+                    "model %s: execution provider %s is not in this onnxruntime build (%s); skipping it",
+                    self.config.name, ep.name, ", ".join(sorted(available)),
+                )
+        if not any(name == "CPUExecutionProvider" for name, _ in chain):
+            chain.append(("CPUExecutionProvider", {}))
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = settings.intra_op_threads
+        options.inter_op_num_threads = settings.inter_op_threads
+        options.graph_optimization_level = getattr(
+            ort.GraphOptimizationLevel, _OPT_LEVELS[settings.graph_optimization_level]
+        )
+        try:
+            self.session = ort.InferenceSession(
+                str(path),
+                sess_options=options,
+                providers=[name for name, _ in chain],
+                provider_options=[opts for _, opts in chain],
+            )
+        except Exception as exc:  # onnxruntime raises its own exception types
+            raise ConfigError(f"model {self.config.name!r}: onnxruntime cannot load {path}: {exc}") from exc
+        self.providers = self.session.get_providers()
+        self.inputs = apply_overrides(
+            [_spec(i) for i in self.session.get_inputs()], self.config.inputs, "input", self.config.name
+        )
+        self.outputs = apply_overrides(
+            [_spec(o) for o in self.session.get_outputs()], self.config.outputs, "output", self.config.name
+        )
+        log.info("model %s: onnxruntime session on %s", self.config.name, ", ".join(self.providers))
+
+    def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        assert self.session is not None, "infer() before load()"
+        try:
+            values = self.session.run(None, inputs)
+        except Exception as exc:
+            text = str(exc)
+            if "out of memory" in text.lower() or "failed to allocate" in text.lower():
+                raise OutOfMemory(f"model {self.config.name!r}: out of memory: {text}") from exc
+            raise EngineError(f"model {self.config.name!r}: onnxruntime failed: {text}") from exc
+        return {spec.name: value for spec, value in zip(self.outputs, values)}
+
+    def close(self) -> None:
+        self.session = None
+
+
+def _spec(node) -> TensorSpec:
+    datatype = _ORT_TYPES.get(node.type)
+    if datatype is None:
+        raise ConfigError(f"tensor {node.name!r} has type {node.type}, which the v2 protocol cannot carry")
+    shape = tuple(d if isinstance(d, int) and d >= 0 else -1 for d in node.shape)
+    return TensorSpec(node.name, datatype, shape)

@@ -1,0 +1,179 @@
+"""Prometheus metrics in text exposition format, without a client library.
+
+Metric names are a public contract (see docs/observability in the README): every name gets
+the prefix `edge_batcher_`. Updates happen on the event loop thread only, so no locks.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+
+PREFIX = "edge_batcher_"
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def _labels(names: tuple[str, ...], values: tuple[str, ...]) -> str:
+    if not names:
+        return ""
+    inner = ",".join(f'{n}="{_escape(str(v))}"' for n, v in zip(names, values))
+    return "{" + inner + "}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value)) if not float(value).is_integer() else str(int(value))
+
+
+class _Metric:
+    kind = ""
+
+    def __init__(self, name: str, help: str, labels: tuple[str, ...] = ()):
+        self.name = PREFIX + name
+        self.help = help
+        self.label_names = labels
+
+    def _key(self, labels: dict[str, str]) -> tuple[str, ...]:
+        if set(labels) != set(self.label_names):
+            raise ValueError(f"{self.name} takes labels {self.label_names}, got {tuple(labels)}")
+        return tuple(str(labels[n]) for n in self.label_names)
+
+    def labels(self, **labels: str):
+        """A child bound to fixed label values: the hot path updates it without building keys."""
+        return _Child(self, self._key(labels))
+
+    def header(self) -> list[str]:
+        return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+
+
+class _Child:
+    __slots__ = ("metric", "key")
+
+    def __init__(self, metric: "_Metric", key: tuple[str, ...]):
+        self.metric = metric
+        self.key = key
+
+    def inc(self, amount: float = 1.0) -> None:
+        values = self.metric.values
+        values[self.key] = values.get(self.key, 0.0) + amount
+
+    def set(self, value: float) -> None:
+        self.metric.values[self.key] = float(value)
+
+    def observe(self, value: float) -> None:
+        self.metric.observe_key(self.key, value)
+
+
+class Counter(_Metric):
+    kind = "counter"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.values: dict[tuple[str, ...], float] = {}
+
+    def inc(self, amount: float = 1.0, **labels: str) -> None:
+        key = self._key(labels)
+        self.values[key] = self.values.get(key, 0.0) + amount
+
+    def get(self, **labels: str) -> float:
+        return self.values.get(self._key(labels), 0.0)
+
+    def render(self) -> list[str]:
+        return self.header() + [
+            f"{self.name}{_labels(self.label_names, k)} {_number(v)}" for k, v in sorted(self.values.items())
+        ]
+
+
+class Gauge(Counter):
+    kind = "gauge"
+
+    def set(self, value: float, **labels: str) -> None:
+        self.values[self._key(labels)] = float(value)
+
+
+class Histogram(_Metric):
+    kind = "histogram"
+
+    def __init__(self, name: str, help: str, labels: tuple[str, ...] = (), buckets=LATENCY_BUCKETS):
+        super().__init__(name, help, labels)
+        self.bounds = tuple(buckets)
+        self.series: dict[tuple[str, ...], list] = {}  # key -> [bucket counts..., sum, count]
+
+    def observe(self, value: float, **labels: str) -> None:
+        self.observe_key(self._key(labels), value)
+
+    def observe_key(self, key: tuple[str, ...], value: float) -> None:
+        s = self.series.get(key)
+        if s is None:
+            s = self.series[key] = [0] * len(self.bounds) + [0.0, 0]
+        i = bisect.bisect_left(self.bounds, value)
+        if i < len(self.bounds):
+            s[i] += 1
+        s[-2] += value
+        s[-1] += 1
+
+    def count(self, **labels: str) -> int:
+        s = self.series.get(self._key(labels))
+        return s[-1] if s else 0
+
+    def render(self) -> list[str]:
+        lines = self.header()
+        for key, s in sorted(self.series.items()):
+            cumulative = 0
+            for bound, n in zip(self.bounds, s):
+                cumulative += n
+                le = _labels(self.label_names + ("le",), key + (_number(bound),))
+                lines.append(f"{self.name}_bucket{le} {cumulative}")
+            lines.append(f"{self.name}_bucket{_labels(self.label_names + ('le',), key + ('+Inf',))} {s[-1]}")
+            lines.append(f"{self.name}_sum{_labels(self.label_names, key)} {_number(s[-2])}")
+            lines.append(f"{self.name}_count{_labels(self.label_names, key)} {s[-1]}")
+        return lines
+
+
+class Metrics:
+    """The daemon's metrics; one instance per runtime (no globals, so tests stay independent)."""
+
+    def __init__(self) -> None:
+        self.requests_total = Counter("requests_total", "Requests answered, by model and status.", ("model", "status"))
+        self.batches_total = Counter(
+            "batches_total", "Batches dispatched, by size, dispatch reason and target.",
+            ("model", "size", "reason", "target"),
+        )
+        self.batch_size = Histogram("batch_size", "Engine batch size (with padding).", ("model",), SIZE_BUCKETS)
+        self.queue_seconds = Histogram("queue_seconds", "Time from arrival to dispatch.", ("model",))
+        self.request_seconds = Histogram("request_seconds", "Time from arrival to answer.", ("model",))
+        self.padding_ratio = Gauge("padding_ratio", "Padding rows / batch rows over all batches so far.", ("model",))
+        self.queue_depth = Gauge("queue_depth", "Requests waiting.", ("model",))
+        self.memory_budget_bytes = Gauge("memory_budget_bytes", "Bytes the scheduler may plan batches with.")
+        self.memory_estimate_bytes = Gauge(
+            "memory_estimate_bytes", "Estimated footprint per model, batch size and part.", ("model", "batch", "part")
+        )
+        self.offloaded_requests_total = Counter(
+            "offloaded_requests_total", "Requests sent to a peer, by reason and outcome.", ("model", "reason", "outcome")
+        )
+        self.oom_retries_total = Counter(
+            "oom_retries_total", "Batches split and retried after the engine ran out of memory.", ("model",)
+        )
+        self._padding = {}  # model -> [padding rows, total rows]
+
+    def add_padding(self, model: str, padding: int, size: int) -> None:
+        acc = self._padding.setdefault(model, [0, 0])
+        acc[0] += padding
+        acc[1] += size
+        self.padding_ratio.set(acc[0] / acc[1] if acc[1] else 0.0, model=model)
+
+    def all(self) -> list[_Metric]:
+        return [m for m in vars(self).values() if isinstance(m, _Metric)]
+
+    def render(self) -> str:
+        lines: list[str] = []
+        for metric in self.all():
+            lines.extend(metric.render())
+        return "\n".join(lines) + "\n"

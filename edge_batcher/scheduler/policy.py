@@ -1,0 +1,142 @@
+"""The batching policy: pure and synchronous. Queue state and a clock reading in, a plan out.
+
+Rules (docs/architecture.md explains them with examples):
+
+* Strict sizes. A batch is always one of the allowed sizes: the preferred sizes that are
+  <= max_batch_size and that the admission hook `fits(size, seq_len)` accepts. When fewer rows
+  wait than a size, the batch is padded up to it, so engines only see sizes they were built
+  and warmed for.
+* Dispatch at once when the largest allowed size is full ("full").
+* Otherwise wait, but no longer than the oldest request's arrival + max_queue_delay ("delay"),
+  and no longer than the earliest deadline minus the estimated execution time at the size it
+  would run at ("deadline"). While draining, dispatch everything now ("drain").
+* Which size, when fewer rows than the largest size wait: the cover of the waiting rows by
+  allowed sizes with the least estimated execution time (learned per size). 12 rows with
+  sizes 2/4/8 become 8 + 4; 3 rows become one 4 (one padding row) rather than 2 + 2.
+  The largest chunk of that cover is dispatched first; the rest is planned again next call.
+* Buckets: requests only batch with their own length bucket. Among buckets that are due,
+  the one holding the highest priority goes first, then the one waiting longest.
+* No allowed size at all: the requests are rejected ("does_not_fit"), never left to hang.
+
+The runner owns the clock, the engines and the futures; this module never awaits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from .queues import BucketQueue, ModelQueue, QueuedRequest
+from .timing import ExecTimeModel
+
+FitsHook = Callable[[int, int], bool]  # (batch_size, seq_len) -> bool
+
+FULL, DELAY, DEADLINE, DRAIN = "full", "delay", "deadline", "drain"
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    preferred_batch_sizes: tuple[int, ...]
+    max_batch_size: int
+    max_queue_delay_s: float
+
+
+@dataclass
+class BatchPlan:
+    requests: list[QueuedRequest]
+    rows: int  # real rows in the batch
+    size: int  # the batch size the engine runs (rows + padding)
+    bucket: int
+    reason: str  # full | delay | deadline | drain
+    target: str = "local"
+
+    @property
+    def padding(self) -> int:
+        return self.size - self.rows
+
+
+@dataclass
+class Decision:
+    plan: BatchPlan | None = None
+    wake_at: float | None = None  # when to call decide() again if nothing else happens
+    rejected: list[QueuedRequest] | None = None  # requests no allowed size can ever take
+    reject_reason: str = ""
+
+
+def allowed_sizes(settings: PolicySettings, bucket: int, fits: FitsHook) -> list[int]:
+    return [
+        s for s in settings.preferred_batch_sizes if s <= settings.max_batch_size and fits(s, bucket)
+    ]
+
+
+def cheapest_cover(rows: int, sizes: list[int], exec_time: ExecTimeModel) -> list[int]:
+    """Sizes (largest first) covering `rows` with the least total estimated execution time."""
+    cost = [0.0] + [float("inf")] * rows
+    choice = [0] * (rows + 1)
+    for k in range(1, rows + 1):
+        for s in sizes:
+            c = exec_time.estimate(s) + cost[max(0, k - s)]
+            # Ties go to the larger size: fewer engine calls for the same estimated time.
+            if c < cost[k] - 1e-12 or (abs(c - cost[k]) <= 1e-12 and s > choice[k]):
+                cost[k], choice[k] = c, s
+    cover, k = [], rows
+    while k > 0:
+        cover.append(choice[k])
+        k = max(0, k - choice[k])
+    return sorted(cover, reverse=True)
+
+
+def decide(
+    queue: ModelQueue,
+    now: float,
+    settings: PolicySettings,
+    exec_time: ExecTimeModel,
+    fits: FitsHook,
+    draining: bool = False,
+) -> Decision:
+    """Plan the next batch to dispatch, or say when to look again. Takes planned requests out
+    of the queue (expired ones must be removed by the caller with queue.expire(now) first)."""
+    due: list[tuple[int, float, BucketQueue, str, list[int]]] = []
+    wake_at: float | None = None
+    for bq in queue.nonempty_buckets():
+        sizes = allowed_sizes(settings, bq.bucket, fits)
+        if not sizes:
+            rejected = queue.take(bq.bucket, bq.rows)
+            return Decision(rejected=rejected, reject_reason=f"no batch size of {list(settings.preferred_batch_sizes)} fits (bucket {bq.bucket})")
+        if draining:
+            reason, at = DRAIN, now
+        elif bq.rows >= sizes[-1]:
+            reason, at = FULL, now
+        else:
+            reason, at = _due_time(bq, sizes, settings, exec_time)
+        if at <= now:
+            due.append((-bq.top_priority(), bq.oldest_arrival(), bq, reason, sizes))
+        elif wake_at is None or at < wake_at:
+            wake_at = at
+    if not due:
+        return Decision(wake_at=wake_at)
+    due.sort(key=lambda d: (d[0], d[1]))
+    _, _, bq, reason, sizes = due[0]
+    size = sizes[-1] if bq.rows >= sizes[-1] else cheapest_cover(bq.rows, sizes, exec_time)[0]
+    taken = queue.take(bq.bucket, size)
+    rows = sum(r.rows for r in taken)
+    plan = BatchPlan(requests=taken, rows=rows, size=_smallest_at_least(rows, sizes), bucket=bq.bucket, reason=reason)
+    # Another bucket (or the rest of this one) may be due now too: the caller decides again.
+    return Decision(plan=plan, wake_at=now if len(due) > 1 or bq.count else wake_at)
+
+
+def _due_time(
+    bq: BucketQueue, sizes: list[int], settings: PolicySettings, exec_time: ExecTimeModel
+) -> tuple[str, float]:
+    by_delay = bq.oldest_arrival() + settings.max_queue_delay_s
+    run_size = _smallest_at_least(bq.rows, sizes)
+    earliest_deadline = min(r.deadline for r in bq.in_order())
+    by_deadline = earliest_deadline - exec_time.estimate(run_size)
+    return (DEADLINE, by_deadline) if by_deadline < by_delay else (DELAY, by_delay)
+
+
+def _smallest_at_least(rows: int, sizes: list[int]) -> int:
+    for s in sizes:
+        if s >= rows:
+            return s
+    return sizes[-1]

@@ -1,0 +1,484 @@
+"""Drives one model: validates and queues requests, asks the policy for batches, runs them.
+
+Threads: everything here runs on the event loop except `_execute`, which runs on the engine
+instance's own worker thread (one thread per instance: inference never blocks the loop, and
+an engine object is only ever touched by one thread). One future per request; a failed batch
+sets the error on every future in it; a caller that went away (cancelled future) does not
+disturb the rest of its batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import DeadlineExceeded, DoesNotFit, EdgeBatcherError, EngineError, InvalidInput, Unavailable
+from ..metrics import Metrics
+from ..types import DATATYPE_TO_NUMPY, InferRequest, InferResponse, TensorSpec
+from . import policy
+from .queues import ModelQueue, QueuedRequest
+from .timing import ExecTimeModel
+
+log = logging.getLogger(__name__)
+
+BATCHES_IN_FLIGHT_PER_INSTANCE = 2
+
+
+@dataclass(eq=False)
+class Pending:
+    """A validated request waiting for its batch."""
+
+    request: InferRequest
+    inputs: dict[str, np.ndarray]
+    rows: int
+    seq_len: int
+    future: asyncio.Future
+    arrival: float
+
+
+@dataclass
+class ModelStats:
+    """Counters behind GET /v2/models/{m}/stats (Triton's statistics extension)."""
+
+    inference_count: int = 0  # rows answered successfully
+    execution_count: int = 0  # engine runs
+    success_count: int = 0
+    success_ns: int = 0
+    fail_count: int = 0
+    fail_ns: int = 0
+    queue_ns: int = 0
+    compute_ns: int = 0  # whole batch on the worker: assemble + engine + split
+    engine_ns: int = 0  # the engine's infer() alone
+    last_inference_ms: int = 0
+    batch_stats: dict[int, list[int]] = field(default_factory=dict)  # size -> [count, ns]
+    reasons: dict[str, int] = field(default_factory=dict)
+    padding_rows: int = 0
+    batch_rows: int = 0
+    expired: int = 0
+    rejected: int = 0
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, engines: list, metrics: Metrics, *, fits: policy.FitsHook | None = None):
+        if not engines:
+            raise ValueError("a model runner needs at least one engine instance")
+        self.config = config
+        self.name = config.name
+        self.engines = engines
+        self.inputs: list[TensorSpec] = engines[0].inputs
+        self.outputs: list[TensorSpec] = engines[0].outputs
+        self.metrics = metrics
+        b = config.batching
+        self.settings = policy.PolicySettings(
+            preferred_batch_sizes=tuple(b.preferred_batch_sizes),
+            max_batch_size=b.max_batch_size,
+            max_queue_delay_s=b.max_queue_delay_ms / 1000.0,
+        )
+        self.fits = fits or (lambda size, seq_len: True)
+        self.exec_time = ExecTimeModel()
+        self.queue = ModelQueue(capacity=b.queue_capacity, priority_levels=b.priority_levels)
+        self.stats = ModelStats()
+        self._input_by_name = {spec.name: spec for spec in self.inputs}
+        # Per input: (name, numpy dtype, rank, sequence axis, [(axis, size) that must match]).
+        self._checks = [
+            (spec.name, DATATYPE_TO_NUMPY[spec.datatype], len(spec.shape), self._seq_axis(spec.name),
+             [(axis, d) for axis, d in enumerate(spec.shape) if axis > 0 and d != -1 and axis != self._seq_axis(spec.name)])
+            for spec in self.inputs
+        ]
+        # Metric children bound once: the hot path updates them without building label keys.
+        m = metrics
+        self._m_ok = m.requests_total.labels(model=self.name, status="200")
+        self._m_depth = m.queue_depth.labels(model=self.name)
+        self._m_size = m.batch_size.labels(model=self.name)
+        self._m_queue_s = m.queue_seconds.labels(model=self.name)
+        self._m_request_s = m.request_seconds.labels(model=self.name)
+        self._output_names = [spec.name for spec in self.outputs]
+        self._executors = [
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{self.name}-{i}") for i in range(len(engines))
+        ]
+        self._idle: asyncio.Queue[int] | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._loop_task: asyncio.Task | None = None
+        self._in_flight: set[asyncio.Task] = set()
+        self._timer_at: float | None = None  # when the waiting loop's timer fires; None: not waiting on one
+        self._draining = False
+        self._closed = False
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def warm_up(self) -> None:
+        """Run every allowed batch size (and bucket) on every instance once before serving, so
+        the first real request at a size is not the slow one; seeds the exec-time model.
+        Blocking: call off the event loop."""
+        buckets = self.config.sequence.buckets if self.config.sequence else [0]
+        for bucket in buckets:
+            for size in policy.allowed_sizes(self.settings, bucket, self.fits):
+                batch = {spec.name: _zeros(spec, size, self._seq_axis(spec.name), bucket) for spec in self.inputs}
+                for engine in self.engines:
+                    timings = []
+                    for _ in range(3):
+                        t0 = time.perf_counter()
+                        engine.infer(batch)
+                        timings.append(time.perf_counter() - t0)
+                    self.exec_time.observe(size, sorted(timings)[1])
+        log.info(
+            "model %s: warmed up sizes %s: %s", self.name, list(self.settings.preferred_batch_sizes),
+            ", ".join(f"{s}: {t * 1e3:.2f} ms" for s, t in sorted(self.exec_time.measured().items())),
+        )
+
+    async def start(self) -> None:
+        self._idle = asyncio.Queue()
+        # Two batch slots per instance: the next batch waits in the worker's queue while the
+        # current one runs, so the engine thread never idles through a round trip to the loop.
+        for _ in range(BATCHES_IN_FLIGHT_PER_INSTANCE):
+            for i in range(len(self.engines)):
+                self._idle.put_nowait(i)
+        self._wakeup = asyncio.Event()
+        self._loop_task = asyncio.create_task(self._serve(), name=f"runner-{self.name}")
+
+    async def drain(self, timeout: float) -> None:
+        """Stop taking requests, run everything queued now, wait for batches in flight."""
+        self._draining = True
+        self._wake()
+        deadline = time.monotonic() + timeout
+        while (len(self.queue) or self._in_flight) and time.monotonic() < deadline:
+            if self._in_flight:
+                await asyncio.wait(list(self._in_flight), timeout=max(0.0, deadline - time.monotonic()))
+            else:
+                await asyncio.sleep(0.005)  # the loop is between plans; let it take the rest
+        for req in self.queue.take_all():
+            self._fail(req.payload, Unavailable(f"model {self.name!r}: daemon stopped before this request could run"))
+
+    async def close(self) -> None:
+        self._closed = True
+        self._draining = True
+        self._wake()
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            await asyncio.gather(self._loop_task, return_exceptions=True)
+        for req in self.queue.take_all():
+            self._fail(req.payload, Unavailable(f"model {self.name!r} was unloaded"))
+        loop = asyncio.get_running_loop()
+        for engine, executor in zip(self.engines, self._executors):
+            await loop.run_in_executor(executor, engine.close)
+            executor.shutdown(wait=False)
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, request: InferRequest) -> asyncio.Future:
+        """Validate and queue a request; the returned future resolves to its InferResponse.
+        Raises InvalidInput, Overloaded or Unavailable at once when it cannot be queued."""
+        if self._draining:
+            raise Unavailable(f"model {self.name!r} is not accepting requests: the daemon is draining")
+        inputs, rows, seq_len = self._validate(request)
+        b = self.config.batching
+        priority = b.default_priority if request.priority is None else request.priority
+        if not 0 <= priority < b.priority_levels:
+            raise InvalidInput(f"priority {priority} is out of range: model {self.name!r} has levels 0..{b.priority_levels - 1}")
+        timeout_s = b.default_timeout_ms / 1000.0 if request.timeout_s is None else request.timeout_s
+        if timeout_s <= 0:
+            raise DeadlineExceeded(f"request timeout {timeout_s * 1000:.1f} ms has already passed")
+        timeout_s = min(timeout_s, b.max_timeout_ms / 1000.0)
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        future = loop.create_future()
+        pending = Pending(request, inputs, rows, seq_len, future, now)
+        queued = QueuedRequest(priority=priority, arrival=now, deadline=now + timeout_s, rows=rows,
+                               bucket=self._bucket(seq_len), payload=pending)
+        self.queue.push(queued)
+        if self._decision_may_change(queued):
+            self._wake()
+        return future
+
+    def _decision_may_change(self, queued: QueuedRequest) -> bool:
+        """Whether this arrival can change the policy's answer before its timer fires: it filled
+        a bucket, it is the first in its bucket, or its deadline comes before the timer.
+        Skipping the other wake-ups keeps the policy off the per-request hot path."""
+        if self._timer_at is None or self.queue.buckets[queued.bucket].count == 1:
+            return True
+        if self.queue.buckets[queued.bucket].rows >= self.settings.preferred_batch_sizes[-1]:
+            return True
+        return queued.deadline - self.exec_time.estimate(self.settings.max_batch_size) < self._timer_at
+
+    async def infer(self, request: InferRequest) -> InferResponse:
+        try:
+            return await self.submit(request)
+        except EdgeBatcherError as exc:
+            self.metrics.requests_total.inc(model=self.name, status=str(exc.status))
+            raise
+
+    def _validate(self, request: InferRequest) -> tuple[dict[str, np.ndarray], int, int]:
+        given = request.inputs
+        unknown = [n for n in given if n not in self._input_by_name]
+        if unknown:
+            raise InvalidInput(
+                f"model {self.name!r} has no input {unknown[0]!r}; its inputs are {', '.join(self._input_by_name)}"
+            )
+        if request.outputs is not None:
+            for name in request.outputs:
+                if name not in self._output_names:
+                    raise InvalidInput(
+                        f"model {self.name!r} has no output {name!r}; its outputs are {', '.join(self._output_names)}"
+                    )
+        rows = None
+        seq_len = 0
+        inputs = {}
+        for name, dtype, rank, seq_axis, fixed in self._checks:
+            array = given.get(name)
+            if array is None:
+                raise InvalidInput(f"missing input {name!r} for model {self.name!r}")
+            spec = self._input_by_name[name]
+            if array.dtype != dtype and not (dtype == object and array.dtype.kind in "OSU"):
+                got = "BYTES" if array.dtype.kind in "OSU" else _v2_name(array.dtype)
+                raise InvalidInput(f"input {name!r}: datatype {got}, model {self.name!r} expects {spec.datatype}")
+            shape = array.shape
+            if len(shape) != rank:
+                raise InvalidInput(
+                    f"input {name!r}: shape {list(shape)} has {len(shape)} dimensions, "
+                    f"model {self.name!r} expects {rank} like {_shape_text(spec.shape)}"
+                )
+            for axis, want in fixed:
+                if shape[axis] != want:
+                    raise InvalidInput(
+                        f"input {name!r}: shape {list(shape)} does not match {_shape_text(spec.shape)} "
+                        f"(dimension {axis} must be {want})"
+                    )
+            if rows is None:
+                rows = shape[0]
+            elif shape[0] != rows:
+                raise InvalidInput(f"inputs disagree on the batch dimension: {name!r} has {shape[0]} rows, others {rows}")
+            if seq_axis is not None:
+                length = shape[seq_axis]
+                if seq_len and length != seq_len:
+                    raise InvalidInput(f"sequence inputs disagree on length: {name!r} has {length}, others {seq_len}")
+                seq_len = length
+            inputs[name] = array
+        if not rows:
+            raise InvalidInput("inputs have 0 rows: nothing to infer")
+        if rows > self.settings.max_batch_size:
+            raise InvalidInput(
+                f"request has {rows} rows, more than model {self.name!r} max_batch_size {self.settings.max_batch_size}; "
+                "split it into smaller requests"
+            )
+        if self.config.sequence is not None:
+            longest = self.config.sequence.buckets[-1]
+            if seq_len == 0 or seq_len > longest:
+                raise InvalidInput(f"sequence length {seq_len} is outside 1..{longest} (the largest bucket) of model {self.name!r}")
+        return inputs, rows, seq_len
+
+    def _seq_axis(self, name: str) -> int | None:
+        seq = self.config.sequence
+        return seq.axis if seq is not None and name in seq.inputs else None
+
+    def _bucket(self, seq_len: int) -> int:
+        if self.config.sequence is None:
+            return 0
+        for boundary in self.config.sequence.buckets:
+            if seq_len <= boundary:
+                return boundary
+        raise AssertionError("validated above")
+
+    # ------------------------------------------------------------------ the loop
+
+    def _wake(self) -> None:
+        if self._wakeup is not None:
+            self._wakeup.set()
+
+    async def _serve(self) -> None:
+        assert self._idle is not None and self._wakeup is not None
+        loop = asyncio.get_running_loop()
+        while True:
+            instance = await self._idle.get()  # batches form while every instance is busy
+            plan = await self._next_plan(loop)
+            task = asyncio.create_task(self._run(plan, instance))
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+
+    async def _next_plan(self, loop: asyncio.AbstractEventLoop) -> policy.BatchPlan:
+        assert self._wakeup is not None
+        while True:
+            now = loop.time()
+            for req in self.queue.expire(now):
+                self.stats.expired += 1
+                waited = (now - req.payload.arrival) * 1000
+                self._fail(req.payload, DeadlineExceeded(
+                    f"deadline passed after {waited:.1f} ms in the queue of model {self.name!r}, before it could run"))
+            decision = policy.decide(self.queue, now, self.settings, self.exec_time, self.fits, self._draining)
+            if decision.rejected:
+                for req in decision.rejected:
+                    self.stats.rejected += 1
+                    self._fail(req.payload, DoesNotFit(f"model {self.name!r}: {decision.reject_reason}"))
+            self._m_depth.set(len(self.queue))
+            if decision.plan is not None:
+                return decision.plan
+            self._wakeup.clear()
+            timer = None
+            if decision.wake_at is not None:
+                timer = loop.call_at(decision.wake_at, self._wakeup.set)
+            self._timer_at = decision.wake_at
+            await self._wakeup.wait()
+            self._timer_at = None
+            if timer is not None:
+                timer.cancel()
+
+    async def _run(self, plan: policy.BatchPlan, instance: int) -> None:
+        loop = asyncio.get_running_loop()
+        pendings = [r.payload for r in plan.requests]
+        dispatched = loop.time()
+        try:
+            results, seconds, engine_seconds = await loop.run_in_executor(
+                self._executors[instance], self._execute, self.engines[instance], pendings, plan
+            )
+        except Exception as exc:
+            error = exc if isinstance(exc, EdgeBatcherError) else EngineError(f"model {self.name!r}: batch failed: {exc}")
+            log.error("model %s: batch of %d failed: %s", self.name, plan.size, error)
+            for p in pendings:
+                self._fail(p, error)
+            self.stats.fail_count += len(pendings)
+            return
+        finally:
+            self._idle.put_nowait(instance)
+        self._record(plan, pendings, dispatched, seconds, engine_seconds)
+        for p, outputs in zip(pendings, results):
+            if p.request.outputs is not None:
+                outputs = {name: outputs[name] for name in p.request.outputs}
+            if not p.future.done():  # done = the caller gave up; the rest of the batch is unaffected
+                p.future.set_result(InferResponse(self.name, p.request.id, outputs))
+
+    def _execute(self, engine, pendings: list[Pending], plan: policy.BatchPlan):
+        """Worker thread: assemble the padded batch, run it, split the outputs per request."""
+        t0 = time.perf_counter()
+        batch = {}
+        for spec in self.inputs:
+            parts = [p.inputs[spec.name] for p in pendings]
+            batch[spec.name] = _stack(parts, plan.size, self._seq_axis(spec.name), plan.bucket,
+                                      self.config.sequence.pad_value if self.config.sequence else 0)
+        t1 = time.perf_counter()
+        outputs = engine.infer(batch)
+        engine_seconds = time.perf_counter() - t1
+        results = []
+        offset = 0
+        for p in pendings:
+            results.append({name: value[offset:offset + p.rows] for name, value in outputs.items()})
+            offset += p.rows
+        return results, time.perf_counter() - t0, engine_seconds
+
+    def _record(
+        self, plan: policy.BatchPlan, pendings: list[Pending], dispatched: float, seconds: float, engine_seconds: float
+    ) -> None:
+        now = asyncio.get_running_loop().time()
+        self.exec_time.observe(plan.size, seconds)
+        s = self.stats
+        ns = int(seconds * 1e9)
+        s.execution_count += 1
+        s.inference_count += plan.rows
+        s.compute_ns += ns
+        s.engine_ns += int(engine_seconds * 1e9)
+        s.last_inference_ms = int(time.time() * 1000)
+        entry = s.batch_stats.setdefault(plan.size, [0, 0])
+        entry[0] += 1
+        entry[1] += int(engine_seconds * 1e9)
+        s.reasons[plan.reason] = s.reasons.get(plan.reason, 0) + 1
+        s.padding_rows += plan.padding
+        s.batch_rows += plan.size
+        m = self.metrics
+        m.batches_total.inc(model=self.name, size=str(plan.size), reason=plan.reason, target=plan.target)
+        self._m_size.observe(plan.size)
+        m.add_padding(self.name, plan.padding, plan.size)
+        self._m_ok.inc(len(pendings))
+        s.success_count += len(pendings)
+        for p in pendings:
+            queued, total = dispatched - p.arrival, now - p.arrival
+            s.queue_ns += int(queued * 1e9)
+            s.success_ns += int(total * 1e9)
+            self._m_queue_s.observe(queued)
+            self._m_request_s.observe(total)
+
+    def _fail(self, pending: Pending, error: EdgeBatcherError) -> None:
+        if not pending.future.done():
+            pending.future.set_exception(error)
+        self.stats.fail_ns += int((asyncio.get_running_loop().time() - pending.arrival) * 1e9)
+
+    # ------------------------------------------------------------------ introspection
+
+    def statistics(self) -> dict:
+        """Triton's statistics-extension shape, plus edge-batcher's dispatch reasons and padding."""
+        s = self.stats
+        return {
+            "name": self.name,
+            "version": "1",
+            "last_inference": s.last_inference_ms,
+            "inference_count": s.inference_count,
+            "execution_count": s.execution_count,
+            "inference_stats": {
+                "success": {"count": s.success_count, "ns": s.success_ns},
+                "fail": {"count": s.fail_count + s.expired + s.rejected, "ns": s.fail_ns},
+                "queue": {"count": s.success_count, "ns": s.queue_ns},
+                "compute_infer": {"count": s.execution_count, "ns": s.engine_ns},
+                # assembling padded batches and splitting outputs, on the engine's worker thread
+                "compute_input_output": {"count": s.execution_count, "ns": s.compute_ns - s.engine_ns},
+            },
+            "batch_stats": [
+                {"batch_size": size, "compute_infer": {"count": c, "ns": ns}}
+                for size, (c, ns) in sorted(s.batch_stats.items())
+            ],
+            "dispatch_reasons": dict(s.reasons),
+            "padding_rows": s.padding_rows,
+            "padding_ratio": s.padding_rows / s.batch_rows if s.batch_rows else 0.0,
+            "expired": s.expired,
+            "queue_depth": len(self.queue),
+            "exec_time_ms": {str(k): round(v * 1e3, 4) for k, v in sorted(self.exec_time.measured().items())},
+        }
+
+
+def _stack(parts: list[np.ndarray], size: int, seq_axis: int | None, bucket: int, pad_value: float) -> np.ndarray:
+    """One batch tensor of `size` rows: the parts, padded on the sequence axis to the bucket,
+    then padding rows (copies of the last real row: always a valid input) up to size."""
+    first = parts[0]
+    shape = list(first.shape)
+    if seq_axis is not None:
+        shape[seq_axis] = bucket
+    shape[0] = size
+    if seq_axis is None and len(parts) == 1 and first.shape[0] == size:
+        return first
+    out = np.empty(shape, dtype=first.dtype)
+    if seq_axis is not None:
+        out.fill(pad_value if first.dtype != object else b"")
+    row = 0
+    for part in parts:
+        n = part.shape[0]
+        if seq_axis is None:
+            out[row:row + n] = part
+        else:
+            index = [slice(row, row + n)] + [slice(None)] * (part.ndim - 1)
+            index[seq_axis] = slice(0, part.shape[seq_axis])
+            out[tuple(index)] = part
+        row += n
+    if row < size:
+        out[row:] = out[row - 1]
+    return out
+
+
+def _zeros(spec: TensorSpec, size: int, seq_axis: int | None, bucket: int) -> np.ndarray:
+    shape = [size] + [(bucket if axis == seq_axis else (d if d > 0 else 1)) for axis, d in enumerate(spec.shape) if axis > 0]
+    dtype = DATATYPE_TO_NUMPY[spec.datatype]
+    if dtype == object:
+        return np.full(shape, b"", dtype=object)
+    return np.zeros(shape, dtype=dtype)
+
+
+def _v2_name(dtype: np.dtype) -> str:
+    for name, d in DATATYPE_TO_NUMPY.items():
+        if d == dtype:
+            return name
+    return str(dtype)
+
+
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join("batch" if i == 0 else ("-1" if d < 0 else str(d)) for i, d in enumerate(shape)) + "]"

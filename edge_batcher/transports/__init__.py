@@ -1,0 +1,1 @@
+"""Transports: the HTTP API (Unix socket and TCP) and MQTT, each translating errors at its edge."""

@@ -1,0 +1,202 @@
+"""The HTTP API (KServe v2 + Triton's extensions), one aiohttp app for the Unix socket and TCP.
+
+This is the HTTP edge of the error tree: EdgeBatcherError subclasses become their status code
+and `{"error": "..."}`; aiohttp's own HTTP errors (unknown route, body too large) get the same
+shape; anything unexpected is logged and answered 500 while the daemon keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from aiohttp import web
+
+from .. import __version__
+from ..errors import EdgeBatcherError, InvalidInput
+from ..protocol import v2
+from ..runtime import Runtime
+from ..types import InferRequest
+
+log = logging.getLogger(__name__)
+
+RUNTIME = web.AppKey("runtime", Runtime)
+# Decoding a body this large would hold the event loop for milliseconds: do it on a thread.
+DECODE_OFF_LOOP_BYTES = 256 * 1024
+
+
+def error_response(status: int, message: str) -> web.Response:
+    return web.json_response({"error": message}, status=status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except EdgeBatcherError as exc:
+        return error_response(exc.status, exc.message)
+    except web.HTTPRequestEntityTooLarge as exc:
+        limit = request.app._client_max_size  # aiohttp keeps the limit here
+        return error_response(413, f"request body too large: limit is {limit} bytes ({exc.text})")
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        if exc.status == 404:
+            return error_response(404, f"no such endpoint: {request.method} {request.path}")
+        if exc.status == 405:
+            return error_response(405, f"method {request.method} not allowed on {request.path}")
+        return error_response(exc.status, exc.text or exc.reason)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # a bug, not bad input: keep serving, say what happened
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def create_app(runtime: Runtime, *, max_body_bytes: int, middlewares: tuple = ()) -> web.Application:
+    app = web.Application(client_max_size=max_body_bytes, middlewares=[error_middleware, *middlewares])
+    app[RUNTIME] = runtime
+    app.add_routes([
+        web.get("/v2/health/live", live),
+        web.get("/v2/health/ready", ready),
+        web.get("/v2", server_metadata),
+        web.post("/v2/repository/index", repository_index),
+        web.get("/v2/models/stats", all_stats),
+        web.get("/v2/models/{model}", model_metadata),
+        web.get("/v2/models/{model}/ready", model_ready),
+        web.get("/v2/models/{model}/stats", model_stats),
+        web.post("/v2/models/{model}/infer", infer),
+        web.get("/metrics", metrics),
+    ])  # fmt: skip
+    return app
+
+
+async def live(request: web.Request) -> web.Response:
+    return web.json_response({"live": True})
+
+
+async def ready(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    body = {"ready": runtime.ready, "models": sorted(runtime.runners)}
+    return web.json_response(body, status=200 if runtime.ready else 503)
+
+
+async def server_metadata(request: web.Request) -> web.Response:
+    return web.json_response({
+        "name": "edge-batcher",
+        "version": __version__,
+        "extensions": ["binary_tensor_data", "statistics", "model_repository"],
+    })
+
+
+async def repository_index(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    return web.json_response(
+        [{"name": name, "version": "1", "state": "READY"} for name in sorted(runtime.runners)]
+    )
+
+
+async def model_metadata(request: web.Request) -> web.Response:
+    runner = request.app[RUNTIME].runner(request.match_info["model"])
+    c = runner.config
+    return web.json_response({
+        "name": runner.name,
+        "versions": ["1"],
+        "platform": c.backend,
+        "inputs": [s.to_json() for s in runner.inputs],
+        "outputs": [s.to_json() for s in runner.outputs],
+        "parameters": {
+            "description": c.description,
+            "labels": c.labels,
+            "preferred_batch_sizes": c.batching.preferred_batch_sizes,
+            "max_batch_size": c.batching.max_batch_size,
+            "max_queue_delay_ms": c.batching.max_queue_delay_ms,
+            "priority_levels": c.batching.priority_levels,
+            "sequence_buckets": c.sequence.buckets if c.sequence else [],
+        },
+    })
+
+
+async def model_ready(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    runtime.runner(request.match_info["model"])  # 404 for an unknown model
+    return web.json_response({"ready": runtime.ready}, status=200 if runtime.ready else 503)
+
+
+async def model_stats(request: web.Request) -> web.Response:
+    runner = request.app[RUNTIME].runner(request.match_info["model"])
+    return web.json_response({"model_stats": [runner.statistics()]})
+
+
+async def all_stats(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    return web.json_response({"model_stats": [r.statistics() for _, r in sorted(runtime.runners.items())]})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    text = request.app[RUNTIME].metrics.render()
+    return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+
+async def infer(request: web.Request) -> web.Response:
+    runtime = request.app[RUNTIME]
+    model = request.match_info["model"]
+    runtime.runner(model)  # unknown model: 404 before reading the body
+    body = await request.read()
+    header_length = _header_length(request)
+    if len(body) > DECODE_OFF_LOOP_BYTES:
+        decoded = await asyncio.get_running_loop().run_in_executor(None, v2.decode_request, body, header_length)
+    else:
+        decoded = v2.decode_request(body, header_length)
+    infer_request = to_infer_request(model, decoded)
+    response = await runtime.infer(infer_request)
+    binary = v2.binary_outputs_for(decoded, list(response.outputs))
+    payload, json_length = v2.encode_response(model, response.id, response.outputs, binary=binary)
+    if json_length is None:
+        return web.Response(body=payload, content_type="application/json")
+    return web.Response(
+        body=payload, content_type=v2.BINARY_CONTENT_TYPE, headers={v2.HEADER_LENGTH: str(json_length)}
+    )
+
+
+def _header_length(request: web.Request) -> int | None:
+    value = request.headers.get(v2.HEADER_LENGTH)
+    if value is None:
+        return None
+    try:
+        length = int(value)
+    except ValueError:
+        raise InvalidInput(f"{v2.HEADER_LENGTH} must be an integer, got {value!r}") from None
+    if length < 0:
+        raise InvalidInput(f"{v2.HEADER_LENGTH} must not be negative, got {length}")
+    return length
+
+
+def to_infer_request(model: str, decoded: v2.DecodedRequest) -> InferRequest:
+    """Map v2 request parameters onto the core's request: priority, and a timeout given as
+    `timeout_ms` or, as Triton's clients send it, `timeout` in microseconds."""
+    params = decoded.parameters or {}
+    priority = params.get("priority")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise InvalidInput(f"parameters.priority must be an integer, got {priority!r}")
+    timeout_s = None
+    if "timeout_ms" in params:
+        timeout_s = _number(params["timeout_ms"], "timeout_ms") / 1000.0
+    elif "timeout" in params:
+        timeout_s = _number(params["timeout"], "timeout") / 1e6
+    return InferRequest(
+        model=model,
+        inputs=decoded.inputs,
+        id=decoded.id,
+        priority=priority,
+        timeout_s=timeout_s,
+        outputs=[o.name for o in decoded.outputs] if decoded.outputs else None,
+        parameters=params,
+    )
+
+
+def _number(value, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidInput(f"parameters.{name} must be a number, got {value!r}")
+    return float(value)
+
