@@ -64,10 +64,50 @@ class MemorySettings:
 
 
 @dataclass
+class StreamMapping:
+    """Plain sensor topics routed to a model (no v2 envelope on the wire)."""
+
+    topic: str  # MQTT topic filter, e.g. "sensors/+/vibration"
+    model: str
+    input: str = ""  # the model input the payload fills; empty: the model's only input
+    encoding: str = "json"  # json: a JSON number array | raw: little-endian bytes of the input's datatype
+    output_topic: str = ""  # template; {1}, {2}... are the filter's wildcard segments, e.g. "results/{1}/vibration"
+
+
+@dataclass
+class MqttSettings:
+    enabled: bool = False
+    host: str = "localhost"
+    port: int = 1883
+    client_id: str = ""  # empty: edge-batcher-<device id>
+    device_id: str = ""  # empty: the host name
+    topic_prefix: str = ""  # empty: edge-batcher/<device id>
+    shared_group: str = ""  # non-empty: subscribe as $share/<group>/... to split requests across daemons
+    qos: int = 1
+    keepalive_s: int = 30
+    session_expiry_s: int = 3600  # persistent session: requests published while we restart are kept
+    username: str = ""
+    password: str = ""
+    password_file: str = ""  # read at start; never logged
+    tls: bool = False
+    ca_file: str = ""
+    cert_file: str = ""
+    key_file: str = ""
+    tls_insecure: bool = False  # skip hostname verification (testing only)
+    max_inflight: int = 20  # QoS 1/2 messages in flight towards the broker
+    max_queued: int = 1000  # outgoing messages buffered while disconnected
+    max_pending: int = 256  # received requests handed to the event loop and not yet answered
+    reconnect_min_s: float = 1.0
+    reconnect_max_s: float = 30.0
+    streams: list[StreamMapping] = field(default_factory=list)
+
+
+@dataclass
 class DaemonConfig:
     server: ServerSettings = field(default_factory=ServerSettings)
     models: ModelsSettings = field(default_factory=ModelsSettings)
     memory: MemorySettings = field(default_factory=MemorySettings)
+    mqtt: MqttSettings = field(default_factory=MqttSettings)
     source: str = "<defaults>"  # the file it was loaded from
 
     def socket_path(self) -> Path:
@@ -77,7 +117,9 @@ class DaemonConfig:
         return Path(self.models.repository)
 
 
-DAEMON_SECTIONS = {"server": ServerSettings, "models": ModelsSettings, "memory": MemorySettings}
+DAEMON_SECTIONS = {
+    "server": ServerSettings, "models": ModelsSettings, "memory": MemorySettings, "mqtt": MqttSettings,
+}  # fmt: skip
 
 
 def resolve_socket_path(value: str, environ: dict[str, str] | None = None) -> Path:
