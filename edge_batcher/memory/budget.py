@@ -1,0 +1,175 @@
+"""The memory budget the scheduler plans batches against.
+
+A probe says what the device has free; the budget turns that into what the scheduler may
+*plan* with:
+
+    available = min(fixed_bytes, free - reserve_fraction * total - headroom_bytes) - reserved
+
+* reserve_fraction and headroom_bytes keep a margin for what no estimate sees (allocator
+  rounding and fragmentation, CUDA/cuDNN workspaces, other processes growing, the kernel).
+* fixed_bytes caps the budget for operators sharing the device with other services.
+* reserved is the memory promised to batches in flight: a batch that has been admitted but
+  whose allocations the probe does not show yet must not be admitted twice against the same
+  free memory. While a running batch's memory *is* visible to the probe it is counted twice
+  (in free and in reserved) until release(); that errs on the safe side and lasts one batch.
+
+Reading the probe costs a file read or a driver call, so available() caches the snapshot and
+re-reads at most every refresh_interval_s; refresh() forces a read after known load changes.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from ..errors import ConfigError
+from .probe import MemoryProbe, MemorySnapshot
+
+MiB = 1 << 20
+
+
+class MemoryBudget:
+    """Bytes the scheduler may plan with; thread-safe (the runner releases from its threads)."""
+
+    def __init__(
+        self,
+        probe: MemoryProbe,
+        *,
+        reserve_fraction: float = 0.1,
+        headroom_bytes: int = 256 * MiB,
+        fixed_bytes: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        refresh_interval_s: float = 1.0,
+    ):
+        if not callable(getattr(probe, "read", None)):
+            raise ConfigError(f"probe must have a read() method, got {probe!r}")
+        if (
+            isinstance(reserve_fraction, bool)
+            or not isinstance(reserve_fraction, (int, float))
+            or not 0.0 <= reserve_fraction < 1.0
+        ):
+            raise ConfigError(f"reserve_fraction must be in [0, 1), got {reserve_fraction!r}")
+        if (
+            isinstance(headroom_bytes, bool)
+            or not isinstance(headroom_bytes, int)
+            or headroom_bytes < 0
+        ):
+            raise ConfigError(f"headroom_bytes must be an integer >= 0, got {headroom_bytes!r}")
+        if fixed_bytes is not None and (
+            isinstance(fixed_bytes, bool) or not isinstance(fixed_bytes, int) or fixed_bytes <= 0
+        ):
+            raise ConfigError(f"fixed_bytes must be an integer > 0 or None, got {fixed_bytes!r}")
+        if not callable(clock):
+            raise ConfigError(f"clock must be callable, got {clock!r}")
+        if (
+            isinstance(refresh_interval_s, bool)
+            or not isinstance(refresh_interval_s, (int, float))
+            or not math.isfinite(refresh_interval_s)
+            or refresh_interval_s < 0
+        ):
+            raise ConfigError(
+                f"refresh_interval_s must be a finite number >= 0, got {refresh_interval_s!r}"
+            )
+        self.probe = probe
+        self.reserve_fraction = float(reserve_fraction)
+        self.headroom_bytes = headroom_bytes
+        self.fixed_bytes = fixed_bytes
+        self.refresh_interval_s = float(refresh_interval_s)
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._read_at: float | None = None
+        self._reserved = 0
+        self.snapshot: MemorySnapshot | None = None
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def refresh(self) -> MemorySnapshot:
+        """Read the probe now. Call after each load change (model load/unload, batch start/end)
+        so the next decision does not use a figure from before the change."""
+        with self._lock:
+            return self._read()
+
+    def _read(self) -> MemorySnapshot:
+        snapshot = self.probe.read()
+        self.snapshot = snapshot
+        self._read_at = self._clock()
+        return snapshot
+
+    def _current(self) -> MemorySnapshot:
+        if (
+            self.snapshot is None
+            or self._read_at is None
+            or self._clock() - self._read_at >= self.refresh_interval_s
+        ):
+            return self._read()
+        return self.snapshot
+
+    def _plannable(self, snapshot: MemorySnapshot) -> int:
+        usable = (
+            snapshot.free_bytes
+            - int(self.reserve_fraction * snapshot.total_bytes)
+            - self.headroom_bytes
+        )
+        if self.fixed_bytes is not None:
+            usable = min(usable, self.fixed_bytes)
+        return usable
+
+    def available(self) -> int:
+        """Bytes a new batch may use now: never negative. Re-reads the probe only when the
+        cached snapshot is refresh_interval_s old, so it is cheap on the hot path."""
+        with self._lock:
+            return max(0, self._plannable(self._current()) - self._reserved)
+
+    # -- in-flight reservations ---------------------------------------------------------------
+
+    @property
+    def reserved(self) -> int:
+        """Bytes currently promised to batches in flight."""
+        return self._reserved
+
+    def reserve(self, nbytes: int) -> None:
+        """Promise nbytes to a batch being admitted; subtracted from available() until released."""
+        _check_nbytes(nbytes)
+        with self._lock:
+            self._reserved += nbytes
+
+    def try_reserve(self, nbytes: int) -> bool:
+        """Check-and-reserve in one step: reserve nbytes only if they fit available().
+
+        Two threads that each call available() and then reserve() could both admit against
+        the same free memory; this does both under one lock.
+        """
+        _check_nbytes(nbytes)
+        with self._lock:
+            if nbytes > max(0, self._plannable(self._current()) - self._reserved):
+                return False
+            self._reserved += nbytes
+            return True
+
+    def release(self, nbytes: int) -> None:
+        """Give back bytes reserved for a batch that finished (or failed)."""
+        _check_nbytes(nbytes)
+        with self._lock:
+            if nbytes > self._reserved:
+                raise ValueError(
+                    f"release({nbytes}) exceeds the {self._reserved} bytes reserved: "
+                    "a batch was released twice or never reserved"
+                )
+            self._reserved -= nbytes
+
+    @contextmanager
+    def reservation(self, nbytes: int) -> Iterator[None]:
+        """``with budget.reservation(n): run_batch()`` reserves n and always releases it."""
+        self.reserve(nbytes)
+        try:
+            yield
+        finally:
+            self.release(nbytes)
+
+
+def _check_nbytes(nbytes: object) -> None:
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"nbytes must be an integer >= 0, got {nbytes!r}")

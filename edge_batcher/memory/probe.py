@@ -1,0 +1,579 @@
+"""Device memory probes: how many bytes this daemon could still allocate right now.
+
+The scheduler only admits a batch whose estimated footprint fits the free memory, so the one
+number that matters is "free for us". Where that number comes from depends on the device:
+
+* Jetson (unified memory): CPU and GPU share one DRAM pool. ``cudaMemGetInfo`` and NVML give
+  wrong or unsupported answers there (NVML memory is "Not Supported" on JetPack 6; vLLM crashes
+  on it, vllm#9728), so :class:`JetsonProbe` reads ``/proc/meminfo`` and never touches CUDA.
+* Discrete NVIDIA GPU: :class:`CudaProbe` (pycuda ``mem_get_info``) or :class:`NvmlProbe`.
+* CPU-only / NPU boxes: :class:`CpuProbe`, psutil bounded by the cgroup memory limit, because a
+  container killed by the OOM killer at ``memory.max`` does not care how much RAM the host has.
+* :class:`FixedProbe`: a configured number, for tests and for operators who want one.
+
+Nothing here runs at import time; pycuda and pynvml are imported only when their probe is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping, Protocol, runtime_checkable
+
+import psutil
+
+from ..errors import ConfigError, EdgeBatcherError
+
+log = logging.getLogger(__name__)
+
+PROBE_KINDS = ("auto", "jetson", "cuda", "nvml", "cpu", "fixed")
+
+# cgroup v1 reports "no limit" as a huge page-rounded number (9223372036854771712), not "max".
+_CGROUP_V1_UNLIMITED = 1 << 62
+
+
+@dataclass(frozen=True)
+class MemorySnapshot:
+    """One reading of a probe.
+
+    free_bytes is what the daemon may still allocate (the probe decides what that means for
+    its device, see each probe's docstring); total_bytes is the size of the pool it comes from.
+    details holds the raw figures the decision was made from, so operators (and the /metrics
+    endpoint) can see *why* free_bytes is what it is. It is read-only and not compared.
+    """
+
+    total_bytes: int
+    free_bytes: int
+    source: str
+    details: Mapping[str, int] = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "details", MappingProxyType(dict(self.details)))
+
+
+@runtime_checkable
+class MemoryProbe(Protocol):
+    """Anything that can report free device memory. read() must be cheap enough to call
+    about once a second and after each model load/unload."""
+
+    name: str
+
+    def read(self) -> MemorySnapshot: ...
+
+
+# --------------------------------------------------------------------------------------------
+# Jetson
+
+
+def is_jetson(root: Path = Path("/")) -> bool:
+    """True on an NVIDIA Tegra/Jetson board (L4T).
+
+    /etc/nv_tegra_release exists on every L4T root file system; the device-tree check also
+    catches containers that mount /proc but not the host's /etc.
+    """
+    root = Path(root)
+    if (root / "etc" / "nv_tegra_release").exists():
+        return True
+    try:
+        compatible = (root / "proc" / "device-tree" / "compatible").read_bytes()
+    except OSError:
+        return False
+    return b"nvidia,tegra" in compatible.lower()
+
+
+def parse_meminfo(text: str) -> dict[str, int]:
+    """/proc/meminfo as {key: bytes}. Values with a "kB" unit are converted to bytes; unit-less
+    lines (HugePages_Total and friends are page counts) are kept as they are."""
+    values: dict[str, int] = {}
+    for line in text.splitlines():
+        key, sep, rest = line.partition(":")
+        if not sep:
+            continue
+        parts = rest.split()
+        if not parts:
+            continue
+        try:
+            number = int(parts[0])
+        except ValueError:
+            continue
+        if len(parts) > 1 and parts[1].lower() == "kb":
+            number *= 1024
+        values[key.strip()] = number
+    return values
+
+
+class JetsonProbe:
+    """Free memory of a Jetson's unified DRAM, from /proc/meminfo (never CUDA, never NVML).
+
+    Two figures bound what the daemon can still allocate:
+
+    1. ``MemAvailable`` (what jtop shows): the kernel's estimate of memory available to new
+       allocations without swapping. It protects the host side: ONNX Runtime's CPU arena,
+       numpy batches and the Python heap all come from here, and nvmap (GPU) allocations are
+       already excluded from it because nvmap pages are neither free nor page cache.
+
+    2. The CUDA-for-Tegra app note's "device allocatable memory"::
+
+           host_alloc = (MemTotal - MemFree) - NvMapMemUsed
+           if host_alloc < SwapFree:  allocatable = MemTotal - NvMapMemUsed
+           else:                      allocatable = MemTotal - (host_alloc - SwapFree)
+
+       It says how much the GPU can get once the kernel has pushed every swappable host page to
+       swap. We report it verbatim as ``details["cuda_allocatable"]``. Note the two branches
+       disagree: the first subtracts the device memory already allocated (NvMapMemUsed), the
+       second does not, so the figure jumps by NvMapMemUsed at host_alloc == SwapFree. The first
+       branch is clearly "what is left"; the second is "device capacity in total". For a "free
+       for us" number we need what is left in both cases, so we also compute::
+
+           cuda_remaining = MemTotal - NvMapMemUsed - max(0, host_alloc - SwapFree)
+
+       which equals the first branch exactly and the second minus NvMapMemUsed (it simplifies
+       to MemFree + SwapFree in that branch).
+
+    free_bytes = min(cuda_remaining, MemAvailable). Why the minimum rather than either alone:
+
+    * cuda_remaining alone would plan on swapping host pages out, which on eMMC/SD/zram turns
+      a batch into a multi-second stall; MemAvailable never counts swap.
+    * MemAvailable alone counts reclaimable page cache as free. The app note counts page
+      cache as used (its host_alloc is MemTotal - MemFree), and on L4T nvmap allocations have
+      been seen to fail while "buff/cache" was large (jtop has a "clear cache" button for this).
+      When swap is exhausted or disabled, the app-note term is the smaller one and wins; with
+      JetPack's default zram swap it rarely binds, so in practice this is MemAvailable.
+
+    The price of the minimum: with swap off and a large page cache (e.g. right after reading a
+    big model file) the budget is only MemFree. That is conservative by design; an operator
+    who disagrees can configure a FixedProbe.
+
+    NvMapMemUsed is missing on some older L4T kernels; it is then taken as 0 (all device memory
+    counted as host memory, which makes host_alloc larger and the estimate more conservative)
+    and ``details["nvmap_reported"]`` is 0.
+
+    The cgroup memory limit of this process (when there is one) bounds the result as well,
+    because a container hits its OOM killer at memory.max however much DRAM the board has.
+    """
+
+    name = "jetson"
+
+    def __init__(
+        self,
+        meminfo_path: str | os.PathLike[str] = "/proc/meminfo",
+        *,
+        cgroup_dir: str | os.PathLike[str] | None = None,
+    ):
+        self.meminfo_path = Path(meminfo_path)
+        self.cgroup_dir = Path(cgroup_dir) if cgroup_dir is not None else None
+        self._warned_nvmap = False
+
+    def read(self) -> MemorySnapshot:
+        try:
+            info = parse_meminfo(self.meminfo_path.read_text())
+        except OSError as e:
+            raise EdgeBatcherError(f"cannot read {self.meminfo_path}: {e}") from e
+        missing = [k for k in ("MemTotal", "MemFree", "MemAvailable") if k not in info]
+        if missing:
+            raise EdgeBatcherError(f"{self.meminfo_path} lacks {', '.join(missing)}")
+        mem_total = info["MemTotal"]
+        mem_free = info["MemFree"]
+        mem_available = info["MemAvailable"]
+        swap_free = info.get("SwapFree", 0)
+        nvmap_reported = "NvMapMemUsed" in info
+        nvmap_used = info.get("NvMapMemUsed", 0)
+        if not nvmap_reported and not self._warned_nvmap:
+            self._warned_nvmap = True
+            log.warning(
+                "%s has no NvMapMemUsed (old L4T kernel?); counting device memory as host memory",
+                self.meminfo_path,
+            )
+
+        host_alloc = (mem_total - mem_free) - nvmap_used
+        if host_alloc < swap_free:
+            cuda_allocatable = mem_total - nvmap_used
+        else:
+            cuda_allocatable = mem_total - (host_alloc - swap_free)
+        cuda_remaining = mem_total - nvmap_used - max(0, host_alloc - swap_free)
+        free = max(0, min(cuda_remaining, mem_available))
+        total = mem_total
+
+        details: dict[str, int] = {
+            "memtotal": mem_total,
+            "memfree": mem_free,
+            "memavailable": mem_available,
+            "swapfree": swap_free,
+            "nvmap_used": nvmap_used,
+            "nvmap_reported": int(nvmap_reported),
+            "host_alloc": host_alloc,
+            "cuda_allocatable": cuda_allocatable,
+            "cuda_remaining": cuda_remaining,
+        }
+        free, total = _apply_cgroup(free, total, self.cgroup_dir, details)
+        return MemorySnapshot(total, free, f"jetson:{self.meminfo_path}", details)
+
+
+# --------------------------------------------------------------------------------------------
+# Discrete GPUs
+
+
+def _import_optional(module: str, probe: str, hint: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ConfigError(
+            f"memory probe {probe!r} needs the Python module {module!r} ({hint}): {e}"
+        ) from e
+
+
+def _refuse_on_jetson(probe: str, root: Path) -> None:
+    if is_jetson(root):
+        raise ConfigError(
+            f"memory probe {probe!r} is not supported on Jetson (unified memory: "
+            "cudaMemGetInfo/NVML report wrong or no figures there); use 'jetson' or 'auto'"
+        )
+
+
+class CudaProbe:
+    """Free/total memory of one CUDA device from pycuda's ``mem_get_info``.
+
+    mem_get_info needs a current context. We retain the device's *primary* context (the one
+    the CUDA runtime, TensorRT and ONNX Runtime's CUDA EP share) instead of creating our own,
+    which would cost a few hundred MB of device memory and would not be the context the
+    engines allocate in. It is retained on the first read and released by close().
+    """
+
+    name = "cuda"
+
+    def __init__(self, device_index: int = 0, *, root: str | os.PathLike[str] = "/"):
+        if isinstance(device_index, bool) or not isinstance(device_index, int) or device_index < 0:
+            raise ConfigError(f"device_index must be an integer >= 0, got {device_index!r}")
+        _refuse_on_jetson(self.name, Path(root))
+        self.device_index = device_index
+        self._context: Any = None
+
+    def read(self) -> MemorySnapshot:
+        cuda = _import_optional("pycuda.driver", self.name, "pip install 'edge-batcher[tensorrt]'")
+        if self._context is None:
+            cuda.init()
+            self._context = cuda.Device(self.device_index).retain_primary_context()
+        self._context.push()
+        try:
+            free, total = cuda.mem_get_info()
+        finally:
+            cuda.Context.pop()
+        return MemorySnapshot(
+            int(total), int(free), f"cuda:{self.device_index}", {"device_index": self.device_index}
+        )
+
+    def close(self) -> None:
+        """Release the primary context reference taken by read()."""
+        if self._context is not None:
+            self._context.detach()
+            self._context = None
+
+
+class NvmlProbe:
+    """Free/total memory of one GPU from NVML (the nvidia-ml-py package, module pynvml).
+
+    Unlike CudaProbe it needs no CUDA context, so it costs no device memory. NVML is
+    initialised on the first read and shut down by close().
+    """
+
+    name = "nvml"
+
+    def __init__(self, device_index: int = 0, *, root: str | os.PathLike[str] = "/"):
+        if isinstance(device_index, bool) or not isinstance(device_index, int) or device_index < 0:
+            raise ConfigError(f"device_index must be an integer >= 0, got {device_index!r}")
+        _refuse_on_jetson(self.name, Path(root))
+        self.device_index = device_index
+        self._nvml: Any = None
+        self._handle: Any = None
+
+    def read(self) -> MemorySnapshot:
+        if self._handle is None:
+            nvml = _import_optional("pynvml", self.name, "pip install nvidia-ml-py")
+            nvml.nvmlInit()
+            self._nvml = nvml
+            self._handle = nvml.nvmlDeviceGetHandleByIndex(self.device_index)
+        info = self._nvml.nvmlDeviceGetMemoryInfo(self._handle)
+        return MemorySnapshot(
+            int(info.total), int(info.free), f"nvml:{self.device_index}",
+            {"device_index": self.device_index, "used": int(info.used)},
+        )
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            self._nvml.nvmlShutdown()
+            self._nvml = None
+            self._handle = None
+
+
+# --------------------------------------------------------------------------------------------
+# CPU and cgroups
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if text == "max":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def _read_stat(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def cgroup_memory_limit(cgroup_dir: Path) -> tuple[int, int, int] | None:
+    """(limit, usage, working_set) of one cgroup directory, or None when it has no limit.
+
+    cgroup v2 (memory.max / memory.current / memory.stat inactive_file) and v1
+    (memory.limit_in_bytes / memory.usage_in_bytes / memory.stat total_inactive_file) are both
+    understood: JetPack 5 (Ubuntu 20.04) still mounts v1.
+
+    working_set = usage - inactive file pages, the figure Kubernetes and Docker use: usage
+    includes page cache (a model file we just read) that the kernel reclaims before it
+    OOM-kills anyone, so the raw usage would make the limit look nearer than it is.
+    """
+    if (cgroup_dir / "memory.max").exists():
+        limit = _read_int(cgroup_dir / "memory.max")
+        usage = _read_int(cgroup_dir / "memory.current")
+        inactive = _read_stat(cgroup_dir / "memory.stat", "inactive_file")
+    elif (cgroup_dir / "memory.limit_in_bytes").exists():
+        limit = _read_int(cgroup_dir / "memory.limit_in_bytes")
+        usage = _read_int(cgroup_dir / "memory.usage_in_bytes")
+        inactive = _read_stat(cgroup_dir / "memory.stat", "total_inactive_file")
+        if limit is not None and limit >= _CGROUP_V1_UNLIMITED:
+            limit = None
+    else:
+        return None
+    if limit is None:
+        return None
+    usage = usage or 0
+    working_set = usage - inactive if inactive <= usage else usage
+    return limit, usage, working_set
+
+
+def own_cgroup_dirs(
+    proc_cgroup: Path = Path("/proc/self/cgroup"), cgroup_root: Path = Path("/sys/fs/cgroup")
+) -> list[Path]:
+    """The memory cgroup directories that limit this process, innermost first.
+
+    v2: the "0::<path>" line of /proc/self/cgroup under cgroup_root, then each parent up to the
+    root, since a parent slice's memory.max limits its children too. v1: the "memory"
+    controller's directory. Inside a container without a cgroup namespace the listed path does
+    not exist in the container's mount, whose root *is* the container's cgroup: fall back to it.
+    """
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return []
+    v2_path: str | None = None
+    v1_path: str | None = None
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        hierarchy, controllers, path = parts
+        if hierarchy == "0" and controllers == "":
+            v2_path = path
+        elif "memory" in controllers.split(","):
+            v1_path = path
+    if v1_path is not None:
+        base = cgroup_root / "memory"
+        leaf = base / v1_path.lstrip("/")
+        return [leaf if leaf.is_dir() else base]
+    if v2_path is not None:
+        leaf = cgroup_root / v2_path.lstrip("/")
+        if not leaf.is_dir():
+            leaf = cgroup_root
+        dirs = [leaf]
+        while leaf != cgroup_root and cgroup_root in leaf.parents:
+            leaf = leaf.parent
+            dirs.append(leaf)
+        return dirs
+    return []
+
+
+def _apply_cgroup(
+    free: int, total: int, cgroup_dir: Path | None, details: dict[str, int]
+) -> tuple[int, int]:
+    """Bound (free, total) by the tightest cgroup limit; record it in details."""
+    dirs = [cgroup_dir] if cgroup_dir is not None else own_cgroup_dirs()
+    best: tuple[int, int, int] | None = None
+    for d in dirs:
+        found = cgroup_memory_limit(d)
+        if found is not None and (best is None or found[0] - found[2] < best[0] - best[2]):
+            best = found
+    if best is None:
+        return free, total
+    limit, usage, working_set = best
+    remaining = max(0, limit - working_set)
+    details.update(
+        cgroup_limit=limit, cgroup_usage=usage, cgroup_working_set=working_set,
+        cgroup_remaining=remaining,
+    )
+    return min(free, remaining), min(total, limit)
+
+
+class CpuProbe:
+    """Host RAM for CPU (and NPU) engines: psutil's ``available`` bounded by the cgroup limit.
+
+    psutil.virtual_memory().available is the kernel's MemAvailable (page cache counted as
+    reclaimable, swap not counted). Inside a container that number is the *host's*, so it is
+    bounded by memory.max - working set of this process's cgroup (and of its parents): the OOM
+    killer acts at the cgroup limit. "max" (or no memory controller) means unlimited.
+
+    cgroup_dir: a directory holding memory.max/memory.current (tests, unusual mounts); None
+    reads /proc/self/cgroup and looks under /sys/fs/cgroup.
+    """
+
+    name = "cpu"
+
+    def __init__(self, *, cgroup_dir: str | os.PathLike[str] | None = None):
+        self.cgroup_dir = Path(cgroup_dir) if cgroup_dir is not None else None
+
+    def read(self) -> MemorySnapshot:
+        vm = psutil.virtual_memory()
+        details: dict[str, int] = {
+            "psutil_total": int(vm.total),
+            "psutil_available": int(vm.available),
+        }
+        free, total = _apply_cgroup(int(vm.available), int(vm.total), self.cgroup_dir, details)
+        source = "psutil+cgroup" if "cgroup_limit" in details else "psutil"
+        return MemorySnapshot(total, free, source, details)
+
+
+class FixedProbe:
+    """A configured budget instead of a measurement.
+
+    For operators who want a hard number (a device shared with other services) and for tests.
+    The attributes are plain and may be changed; reads counts read() calls so a caller can see
+    how often it is polled.
+    """
+
+    name = "fixed"
+
+    def __init__(self, free_bytes: int, total_bytes: int | None = None):
+        _check_bytes("free_bytes", free_bytes)
+        if total_bytes is not None:
+            _check_bytes("total_bytes", total_bytes)
+            if total_bytes < free_bytes:
+                raise ConfigError(f"total_bytes ({total_bytes}) is below free_bytes ({free_bytes})")
+        self.free_bytes = free_bytes
+        self.total_bytes = total_bytes if total_bytes is not None else free_bytes
+        self.reads = 0
+
+    def read(self) -> MemorySnapshot:
+        self.reads += 1
+        return MemorySnapshot(self.total_bytes, self.free_bytes, "fixed")
+
+
+def _check_bytes(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(f"{name} must be an integer number of bytes >= 0, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Selection
+
+_OPTIONS: dict[str, tuple[str, ...]] = {
+    "jetson": ("meminfo_path", "cgroup_dir"),
+    "cuda": ("device_index", "root"),
+    "nvml": ("device_index", "root"),
+    "cpu": ("cgroup_dir",),
+    "fixed": ("free_bytes", "total_bytes"),
+}
+
+
+def _pycuda_has_device() -> bool:
+    if importlib.util.find_spec("pycuda") is None:
+        return False
+    try:
+        cuda = importlib.import_module("pycuda.driver")
+        cuda.init()
+        return cuda.Device.count() > 0
+    except Exception:  # no driver, no device, broken install: all mean "not this probe"
+        return False
+
+
+def _nvml_works(device_index: int) -> bool:
+    if importlib.util.find_spec("pynvml") is None:
+        return False
+    probe = NvmlProbe(device_index)
+    try:
+        probe.read()
+        return True
+    except Exception:  # NVMLError_* or a driver missing: fall through to the next probe
+        return False
+    finally:
+        try:
+            probe.close()
+        except Exception:
+            pass
+
+
+def detect_probe(kind: str = "auto", **options: Any) -> MemoryProbe:
+    """The probe for this machine (auto) or the one named.
+
+    auto: jetson if is_jetson(); else cuda if pycuda imports and sees a device; else nvml if it
+    imports and can read device memory; else cpu. fixed needs free_bytes.
+
+    options are passed to the chosen probe's constructor (meminfo_path, cgroup_dir,
+    device_index, free_bytes, total_bytes; root for the Jetson check). An option the kind
+    cannot use is a ConfigError, so a typo in the config is not silently ignored.
+    """
+    if kind not in PROBE_KINDS:
+        raise ConfigError(
+            f"unknown memory probe {kind!r}; expected one of {', '.join(PROBE_KINDS)}"
+        )
+    allowed = (
+        {o for opts in _OPTIONS.values() for o in opts} if kind == "auto" else set(_OPTIONS[kind])
+    )
+    if kind == "auto":
+        allowed.discard("free_bytes")
+        allowed.discard("total_bytes")
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ConfigError(
+            f"memory probe {kind!r} does not take option(s) {', '.join(unknown)}; "
+            f"it takes {', '.join(sorted(allowed)) or 'none'}"
+        )
+
+    if kind == "auto":
+        root = Path(options.get("root", "/"))
+        if is_jetson(root):
+            kind = "jetson"
+        elif _pycuda_has_device():
+            kind = "cuda"
+        elif _nvml_works(options.get("device_index", 0)):
+            kind = "nvml"
+        else:
+            kind = "cpu"
+        options = {k: v for k, v in options.items() if k in _OPTIONS[kind]}
+
+    if kind == "jetson":
+        return JetsonProbe(**options)
+    if kind == "cuda":
+        return CudaProbe(**options)
+    if kind == "nvml":
+        return NvmlProbe(**options)
+    if kind == "cpu":
+        return CpuProbe(**options)
+    if "free_bytes" not in options:
+        raise ConfigError("memory probe 'fixed' needs free_bytes")
+    return FixedProbe(**options)

@@ -1,0 +1,145 @@
+"""MemoryBudget arithmetic with a FixedProbe and a hand-driven clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge_batcher.errors import ConfigError
+from edge_batcher.memory.budget import MemoryBudget
+from edge_batcher.memory.probe import FixedProbe
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def budget(probe: FixedProbe, clock: Clock, **kwargs: object) -> MemoryBudget:
+    options: dict[str, object] = {"reserve_fraction": 0.1, "headroom_bytes": 50}
+    options.update(kwargs)
+    return MemoryBudget(probe, clock=clock, **options)  # type: ignore[arg-type]
+
+
+def test_available_is_free_minus_reserve_and_headroom() -> None:
+    probe = FixedProbe(1000, total_bytes=2000)
+    b = budget(probe, Clock())
+    assert b.snapshot is None
+    # 1000 free - 0.1 x 2000 total - 50 headroom
+    assert b.available() == 750
+    assert b.snapshot is not None and b.snapshot.free_bytes == 1000
+
+
+def test_probe_is_read_at_most_once_per_refresh_interval() -> None:
+    probe = FixedProbe(1000, total_bytes=2000)
+    clock = Clock()
+    b = budget(probe, clock, refresh_interval_s=1.0)
+    assert b.available() == 750 and probe.reads == 1
+
+    probe.free_bytes = 600
+    clock.now = 0.5
+    assert b.available() == 750  # cached figure, no read
+    assert b.available() == 750
+    assert probe.reads == 1
+
+    clock.now = 1.0
+    assert b.available() == 600 - 200 - 50
+    assert probe.reads == 2
+
+    probe.free_bytes = 800
+    clock.now = 1.2
+    assert b.available() == 350  # still cached...
+    snap = b.refresh()  # ...until a load change forces a read
+    assert snap.free_bytes == 800 and probe.reads == 3
+    assert b.available() == 550 and probe.reads == 3
+
+
+def test_zero_interval_reads_every_time() -> None:
+    probe = FixedProbe(1000, total_bytes=2000)
+    b = budget(probe, Clock(), refresh_interval_s=0)
+    b.available()
+    b.available()
+    assert probe.reads == 2
+
+
+def test_reserve_and_release() -> None:
+    probe = FixedProbe(1000, total_bytes=2000)
+    b = budget(probe, Clock())
+    b.reserve(300)
+    assert b.reserved == 300
+    assert b.available() == 450
+    b.reserve(500)
+    assert b.available() == 0  # 750 - 800, never negative
+    b.release(500)
+    assert b.available() == 450
+    with pytest.raises(ValueError, match="exceeds"):
+        b.release(301)
+    b.release(300)
+    assert b.available() == 750 and b.reserved == 0
+
+    assert not b.try_reserve(751)
+    assert b.try_reserve(750)
+    assert b.available() == 0
+    b.release(750)
+
+    with b.reservation(700):
+        assert b.available() == 50
+    assert b.available() == 750
+    with pytest.raises(RuntimeError):
+        with b.reservation(100):
+            raise RuntimeError("batch failed")
+    assert b.reserved == 0
+
+    with pytest.raises(ValueError, match="nbytes"):
+        b.reserve(-1)
+
+
+def test_fixed_bytes_caps_the_budget() -> None:
+    probe = FixedProbe(1000, total_bytes=2000)
+    b = budget(probe, Clock(), fixed_bytes=300)
+    assert b.available() == 300  # min(300, 750)
+    b.reserve(100)
+    assert b.available() == 200
+    roomy = budget(probe, Clock(), fixed_bytes=10_000)
+    assert roomy.available() == 750  # the device figure is lower
+
+
+def test_never_negative_when_free_is_below_the_margins() -> None:
+    b = budget(FixedProbe(100, total_bytes=2000), Clock())
+    assert b.available() == 0  # 100 - 200 - 50 < 0
+
+
+def test_default_margins() -> None:
+    gib = 1 << 30
+    b = MemoryBudget(FixedProbe(4 * gib, total_bytes=8 * gib), clock=Clock())
+    # 4 GiB - 0.1 x 8 GiB (858993459) - 256 MiB
+    assert b.available() == 4 * gib - 858993459 - 256 * (1 << 20)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"reserve_fraction": 1.0}, "reserve_fraction"),
+        ({"reserve_fraction": -0.1}, "reserve_fraction"),
+        ({"reserve_fraction": "0.1"}, "reserve_fraction"),
+        ({"headroom_bytes": -1}, "headroom_bytes"),
+        ({"headroom_bytes": 1.5}, "headroom_bytes"),
+        ({"fixed_bytes": 0}, "fixed_bytes"),
+        ({"fixed_bytes": True}, "fixed_bytes"),
+        ({"refresh_interval_s": -1}, "refresh_interval_s"),
+        ({"refresh_interval_s": float("nan")}, "refresh_interval_s"),
+        ({"clock": 5}, "clock"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs: dict[str, object], name: str) -> None:
+    with pytest.raises(ConfigError, match=name):
+        MemoryBudget(FixedProbe(1000), **kwargs)  # type: ignore[arg-type]
+
+
+def test_probe_must_be_a_probe() -> None:
+    with pytest.raises(ConfigError, match="probe"):
+        MemoryBudget(object())  # type: ignore[arg-type]
