@@ -344,29 +344,45 @@ class ModelRunner:
             return
         finally:
             self._idle.put_nowait(instance)
-        self._record(plan, pendings, dispatched, seconds, engine_seconds)
+        if engine_seconds:
+            self._record(plan, [p for p, r in zip(pendings, results) if r is not None], dispatched, seconds, engine_seconds)
         for p, outputs in zip(pendings, results):
+            if outputs is None:
+                self.stats.expired += 1
+                self._fail(p, DeadlineExceeded(
+                    f"deadline passed while the batch waited for engine instance {instance} of model {self.name!r}"))
+                continue
             if p.request.outputs is not None:
                 outputs = {name: outputs[name] for name in p.request.outputs}
             if not p.future.done():  # done = the caller gave up; the rest of the batch is unaffected
                 p.future.set_result(InferResponse(self.name, p.request.id, outputs))
 
     def _execute(self, engine, pendings: list[Pending], plan: policy.BatchPlan):
-        """Worker thread: assemble the padded batch, run it, split the outputs per request."""
+        """Worker thread: assemble the padded batch, run it, split the outputs per request.
+
+        A batch may wait here behind the one running, so deadlines are checked again just
+        before the engine runs: expired requests are left out (their slot becomes padding)
+        and get None, which the loop answers with DeadlineExceeded. The clock is the event
+        loop's (time.monotonic), so deadlines compare directly."""
         t0 = time.perf_counter()
+        now = time.monotonic()
+        live = [p for p, r in zip(pendings, plan.requests) if r.deadline > now]
+        if not live:
+            return [None] * len(pendings), 0.0, 0.0
         batch = {}
         for spec in self.inputs:
-            parts = [p.inputs[spec.name] for p in pendings]
+            parts = [p.inputs[spec.name] for p in live]
             batch[spec.name] = _stack(parts, plan.size, self._seq_axis(spec.name), plan.bucket,
                                       self.config.sequence.pad_value if self.config.sequence else 0)
         t1 = time.perf_counter()
         outputs = engine.infer(batch)
         engine_seconds = time.perf_counter() - t1
-        results = []
+        by_pending: dict[int, dict] = {}
         offset = 0
-        for p in pendings:
-            results.append({name: value[offset:offset + p.rows] for name, value in outputs.items()})
+        for p in live:
+            by_pending[id(p)] = {name: value[offset:offset + p.rows] for name, value in outputs.items()}
             offset += p.rows
+        results = [by_pending.get(id(p)) for p in pendings]
         return results, time.perf_counter() - t0, engine_seconds
 
     def _record(

@@ -1,0 +1,303 @@
+"""The batching policy with hand-made requests and a fake clock: no engine, no event loop."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge_batcher.errors import Overloaded
+from edge_batcher.scheduler.policy import (
+    DEADLINE, DELAY, DRAIN, FULL, PolicySettings, cheapest_cover, decide,
+)  # fmt: skip
+from edge_batcher.scheduler.queues import ModelQueue, QueuedRequest
+from edge_batcher.scheduler.timing import ExecTimeModel
+
+SETTINGS = PolicySettings(preferred_batch_sizes=(2, 4, 8), max_batch_size=8, max_queue_delay_s=0.002)
+
+
+def always_fits(size: int, seq_len: int) -> bool:
+    return True
+
+
+class FakeClock:
+    def __init__(self, now: float = 100.0):
+        self.now = now
+
+    def advance(self, seconds: float) -> float:
+        self.now += seconds
+        return self.now
+
+
+def linear_times(fixed: float = 1e-3, per_row: float = 1e-4) -> ExecTimeModel:
+    model = ExecTimeModel()
+    for s in (1, 2, 4, 8):
+        model.observe(s, fixed + per_row * s)
+    return model
+
+
+def make_queue(capacity: int = 100, levels: int = 1) -> ModelQueue:
+    return ModelQueue(capacity=capacity, priority_levels=levels)
+
+
+def push(queue, clock, n=1, *, priority=0, timeout=1.0, rows=1, bucket=0, tag=None):
+    reqs = []
+    for i in range(n):
+        r = QueuedRequest(priority=priority, arrival=clock.now, deadline=clock.now + timeout,
+                          rows=rows, bucket=bucket, payload=(tag, i))
+        queue.push(r)
+        reqs.append(r)
+    return reqs
+
+
+def drain_plans(queue, clock, settings=SETTINGS, times=None, fits=always_fits, draining=False):
+    """Call decide until it stops planning at this instant; return the plans."""
+    plans = []
+    times = times or linear_times()
+    while True:
+        d = decide(queue, clock.now, settings, times, fits, draining)
+        if d.plan is None:
+            return plans, d
+        plans.append(d.plan)
+
+
+# ------------------------------------------------------------------ strict sizes and padding
+
+
+def test_full_largest_size_dispatches_at_once():
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, 8)
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits)
+    assert d.plan is not None
+    assert (d.plan.size, d.plan.rows, d.plan.reason, d.plan.padding) == (8, 8, FULL, 0)
+    assert len(q) == 0
+
+
+def test_twelve_waiting_become_eight_then_four_never_twelve_or_nine_plus_three():
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, 12)
+    clock.advance(0.003)  # past the queue delay: everything is due
+    plans, _ = drain_plans(q, clock)
+    assert [(p.size, p.rows) for p in plans] == [(8, 8), (4, 4)]
+    assert all(p.padding == 0 for p in plans)
+
+
+@pytest.mark.parametrize(
+    "waiting, expected",
+    [
+        (1, [(2, 1)]),  # a lone request is padded to the smallest preferred size
+        (2, [(2, 2)]),
+        (3, [(4, 3)]),  # padding one row beats two engine calls (2 + 2)
+        (5, [(8, 5)]),  # one padded 8 is cheaper than 4 + 2 with these costs
+        (6, [(8, 6)]),
+        (7, [(8, 7)]),
+    ],
+)
+def test_sizes_are_always_preferred_sizes_with_padding(waiting, expected):
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, waiting)
+    clock.advance(0.003)
+    plans, _ = drain_plans(q, clock)
+    assert [(p.size, p.rows) for p in plans] == expected
+    assert all(p.size in (2, 4, 8) for p in plans)
+
+
+def test_padding_choice_follows_measured_costs():
+    # When a size-8 batch is much slower than a 4 and a 2 together, 5 rows become 4 + 2(pad 1).
+    times = ExecTimeModel()
+    for size, seconds in ((2, 1e-3), (4, 1.2e-3), (8, 10e-3)):
+        times.observe(size, seconds)
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, 5)
+    clock.advance(0.003)
+    plans, _ = drain_plans(q, clock, times=times)
+    assert [(p.size, p.rows) for p in plans] == [(4, 4), (2, 1)]
+
+
+def test_cheapest_cover_prefers_exact_fits_of_large_sizes():
+    times = linear_times()
+    assert cheapest_cover(12, [2, 4, 8], times) == [8, 4]
+    assert cheapest_cover(16, [2, 4, 8], times) == [8, 8]
+    assert cheapest_cover(1, [2, 4, 8], times) == [2]
+
+
+def test_multi_row_requests_take_several_slots():
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, 3, rows=3)  # 9 rows in 3 requests
+    clock.advance(0.003)
+    plans, _ = drain_plans(q, clock)
+    # Rows are never split across batches: 3+3 go together (padded to 8), then 3 (padded to 4).
+    assert [(p.size, p.rows, len(p.requests)) for p in plans] == [(8, 6, 2), (4, 3, 1)]
+
+
+# ------------------------------------------------------------------ waiting: delay and deadline
+
+
+def test_waits_for_the_queue_delay_then_dispatches():
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, 3)
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits)
+    assert d.plan is None
+    assert d.wake_at == pytest.approx(clock.now + 0.002)
+    clock.advance(0.001)
+    assert decide(q, clock.now, SETTINGS, linear_times(), always_fits).plan is None
+    clock.advance(0.001)
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits)
+    assert d.plan is not None and d.plan.reason == DELAY and d.plan.size == 4
+
+
+def test_delay_counts_from_the_oldest_request():
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, 1)
+    clock.advance(0.0015)
+    push(q, clock, 1)
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits)
+    assert d.plan is None and d.wake_at == pytest.approx(100.002)
+    clock.advance(0.0005)
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits)
+    assert d.plan is not None and d.plan.rows == 2
+
+
+def test_deadline_minus_execution_time_cuts_the_wait_short():
+    settings = PolicySettings((2, 4, 8), 8, max_queue_delay_s=0.050)
+    times = linear_times(fixed=0.004, per_row=0.0)  # 4 ms at every size
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, 1, timeout=0.010)  # deadline in 10 ms, run takes 4 ms: must go by +6 ms
+    d = decide(q, clock.now, settings, times, always_fits)
+    assert d.plan is None and d.wake_at == pytest.approx(clock.now + 0.006)
+    clock.advance(0.006)
+    d = decide(q, clock.now, settings, times, always_fits)
+    assert d.plan is not None and d.plan.reason == DEADLINE
+
+
+def test_a_later_urgent_request_moves_the_wake_time_earlier():
+    settings = PolicySettings((2, 4, 8), 8, max_queue_delay_s=0.050)
+    times = linear_times(fixed=0.001, per_row=0.0)
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, 1, timeout=1.0)
+    first = decide(q, clock.now, settings, times, always_fits).wake_at
+    push(q, clock, 1, timeout=0.003)
+    second = decide(q, clock.now, settings, times, always_fits).wake_at
+    assert first == pytest.approx(clock.now + 0.050)
+    assert second == pytest.approx(clock.now + 0.002)
+
+
+def test_exec_time_model_learns_and_interpolates():
+    times = ExecTimeModel(alpha=0.5)
+    assert times.estimate(4) == pytest.approx(1e-3 + 4e-4)  # prior before any measurement
+    times.observe(2, 0.002)
+    times.observe(8, 0.008)
+    assert times.estimate(4) == pytest.approx(0.004)  # linear between measured sizes
+    times.observe(8, 0.010)
+    assert times.estimate(8) == pytest.approx(0.009)  # EWMA
+
+
+# ------------------------------------------------------------------ priorities, expiry, capacity
+
+
+def test_higher_priority_requests_go_first():
+    clock, q = FakeClock(), make_queue(levels=3)
+    low = push(q, clock, 6, priority=0, tag="low")
+    clock.advance(0.0001)
+    high = push(q, clock, 4, priority=2, tag="high")
+    plans, _ = drain_plans(q, clock)  # 10 rows: a full 8 now
+    assert len(plans) == 1 and plans[0].size == 8
+    assert plans[0].requests[:4] == high  # all four high ones, though they arrived later
+    assert plans[0].requests[4:] == low[:4]  # then the oldest low ones
+
+
+def test_expired_requests_are_removed_before_planning():
+    clock, q = FakeClock(), make_queue()
+    doomed = push(q, clock, 2, timeout=0.001)
+    kept = push(q, clock, 1, timeout=1.0)
+    clock.advance(0.0015)
+    expired = q.expire(clock.now)
+    assert expired == doomed
+    assert len(q) == 1
+    clock.advance(0.003)
+    plans, _ = drain_plans(q, clock)
+    assert [p.requests for p in plans] == [kept]
+
+
+def test_next_deadline_skips_taken_requests():
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, 8, timeout=0.5)
+    push(q, clock, 1, timeout=2.0)
+    drain_plans(q, clock)  # the 8 are taken
+    assert q.next_deadline() == pytest.approx(clock.now + 2.0)
+
+
+def test_full_queue_rejects_at_once():
+    clock, q = FakeClock(), make_queue(capacity=3)
+    push(q, clock, 3)
+    with pytest.raises(Overloaded, match="queue full: 3 requests waiting"):
+        push(q, clock, 1)
+    assert len(q) == 3
+
+
+def test_drain_dispatches_everything_now():
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, 3)
+    plans, d = drain_plans(q, clock, draining=True)
+    assert [(p.size, p.reason) for p in plans] == [(4, DRAIN)]
+    assert len(q) == 0
+
+
+# ------------------------------------------------------------------ buckets and admission
+
+
+def test_requests_only_batch_within_their_length_bucket():
+    clock, q = FakeClock(), make_queue()
+    short = push(q, clock, 3, bucket=16, tag="short")
+    long_ = push(q, clock, 2, bucket=64, tag="long")
+    clock.advance(0.003)
+    plans, _ = drain_plans(q, clock)
+    assert sorted((p.bucket, p.size, p.rows) for p in plans) == [(16, 4, 3), (64, 2, 2)]
+    by_bucket = {p.bucket: p.requests for p in plans}
+    assert by_bucket[16] == short and by_bucket[64] == long_
+
+
+def test_a_full_bucket_goes_while_another_waits():
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, 1, bucket=16)
+    push(q, clock, 8, bucket=32)
+    plans, d = drain_plans(q, clock)
+    assert [(p.bucket, p.size, p.reason) for p in plans] == [(32, 8, FULL)]
+    assert d.wake_at == pytest.approx(clock.now + 0.002)
+
+
+def test_fits_hook_limits_the_size():
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, 8)
+    plans, _ = drain_plans(q, clock, fits=lambda size, seq: size <= 4)
+    # 4 is now the largest allowed size, so 4 waiting rows are already "full".
+    assert [(p.size, p.reason) for p in plans] == [(4, FULL), (4, FULL)]
+
+
+def test_fits_hook_sees_the_bucket_length():
+    seen = []
+
+    def fits(size, seq_len):
+        seen.append((size, seq_len))
+        return size * seq_len <= 128
+
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, 8, bucket=32)
+    plans, _ = drain_plans(q, clock, fits=fits)
+    assert {p.size for p in plans} == {4}
+    assert (8, 32) in seen
+
+
+def test_nothing_fits_rejects_instead_of_hanging():
+    clock, q = FakeClock(), make_queue()
+    reqs = push(q, clock, 2)
+    d = decide(q, clock.now, SETTINGS, linear_times(), lambda size, seq: False)
+    assert d.plan is None and d.rejected == reqs
+    assert "no batch size" in d.reject_reason
+    assert len(q) == 0
+
+
+def test_max_batch_size_caps_preferred_sizes():
+    settings = PolicySettings((2, 4, 8), max_batch_size=4, max_queue_delay_s=0.002)
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, 8)
+    plans, _ = drain_plans(q, clock, settings=settings)
+    assert [p.size for p in plans] == [4, 4]
