@@ -114,6 +114,7 @@ def cmd_infer(args: argparse.Namespace) -> int:
                 inputs = decoded.inputs
             else:
                 inputs = dict(_parse_input(spec) for spec in args.input)
+                inputs = _cast_json_inputs(client.model_metadata(args.model), inputs, args.input)
             if not inputs:
                 print("edge-batcher infer: give --input NAME=FILE.npy|JSON or --request FILE.json", file=sys.stderr)
                 return 2
@@ -151,6 +152,20 @@ def _parse_input(spec: str) -> tuple[str, np.ndarray]:
     elif array.dtype.kind in "US":
         array = np.array([s.encode() for s in array.ravel()], dtype=object).reshape(array.shape)
     return name, array
+
+
+def _cast_json_inputs(metadata: dict, inputs: dict[str, np.ndarray], specs: list[str]) -> dict[str, np.ndarray]:
+    """JSON numbers carry no datatype: give inputs typed on the command line the model's own."""
+    from .types import DATATYPE_TO_NUMPY
+
+    from_json = {s.partition("=")[0] for s in specs if not s.partition("=")[2].endswith(".npy")}
+    declared = {t["name"]: t["datatype"] for t in metadata.get("inputs", [])}
+    out = {}
+    for name, array in inputs.items():
+        if name in from_json and name in declared and declared[name] != "BYTES":
+            array = array.astype(DATATYPE_TO_NUMPY[declared[name]])
+        out[name] = array
+    return out
 
 
 def _jsonable(value: np.ndarray):

@@ -1,0 +1,33 @@
+# The two commands of the README:
+#   make run   - set up (venv, packages, demo models) and run the daemon on the embedded default
+#   make test  - set up and run the whole test suite (CI runs exactly this, through .ci/run)
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+CONFIG ?= configs/default.toml
+
+.PHONY: setup models run test bench clean
+
+$(BIN)/edge-batcher: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+setup: $(BIN)/edge-batcher
+
+models: setup
+	$(BIN)/python tools/build_demo_models.py --out engines
+
+run: models
+	$(BIN)/edge-batcher serve --config $(CONFIG)
+
+test: setup
+	@command -v mosquitto >/dev/null 2>&1 || echo "note: mosquitto is not installed: MQTT tests will be skipped (apt-get install -y mosquitto)"
+	$(BIN)/python -m pytest -q
+
+bench: models
+	$(BIN)/edge-batcher bench --config $(CONFIG) --unix
+
+clean:
+	rm -rf $(VENV) engines/*/model.onnx engines/*/sample_request.json .pytest_cache
