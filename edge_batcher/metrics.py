@@ -162,6 +162,8 @@ class Metrics:
             "oom_retries_total", "Batches split and retried after the engine ran out of memory.", ("model",)
         )
         self._padding = {}  # model -> [padding rows, total rows]
+        # Called before each render: gauges read from elsewhere (the memory budget) update here.
+        self.collectors: list = []
 
     def add_padding(self, model: str, padding: int, size: int) -> None:
         acc = self._padding.setdefault(model, [0, 0])
@@ -173,6 +175,8 @@ class Metrics:
         return [m for m in vars(self).values() if isinstance(m, _Metric)]
 
     def render(self) -> str:
+        for collect in self.collectors:
+            collect()
         lines: list[str] = []
         for metric in self.all():
             lines.extend(metric.render())

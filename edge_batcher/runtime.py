@@ -10,9 +10,13 @@ import asyncio
 import logging
 from pathlib import Path
 
-from .config import DaemonConfig, ModelConfig, load_model_config
+from .config import DaemonConfig, MemorySettings, ModelConfig, load_model_config
 from .engines.registry import create_engine
 from .errors import ConfigError, ModelNotFound
+from .memory.admission import Admission
+from .memory.budget import MemoryBudget
+from .memory.estimator import Footprint
+from .memory.probe import detect_probe
 from .metrics import Metrics
 from .scheduler.runner import ModelRunner
 from .types import InferRequest, InferResponse
@@ -36,7 +40,49 @@ def discover_models(repository: Path, only: list[str] | None = None) -> list[Mod
     return [load_model_config(d) for d in found.values()]
 
 
-def load_runner(config: ModelConfig, metrics: Metrics, warmup: bool = True) -> ModelRunner:
+MiB = 1 << 20
+
+
+def build_budget(settings: MemorySettings) -> MemoryBudget:
+    """The memory budget from [memory]: a probe of the device's free memory, with margins.
+    probe = "fixed" measures nothing: budget_mb is then the whole budget, without margins."""
+    fixed = int(settings.budget_mb * MiB) if settings.budget_mb > 0 else None
+    if settings.probe == "fixed":
+        if fixed is None:
+            raise ConfigError("[memory] probe = \"fixed\" needs budget_mb > 0")
+        return MemoryBudget(detect_probe("fixed", free_bytes=fixed), reserve_fraction=0.0, headroom_bytes=0,
+                            fixed_bytes=fixed, refresh_interval_s=settings.refresh_interval_s)
+    return MemoryBudget(
+        detect_probe(settings.probe),
+        reserve_fraction=settings.reserve_fraction,
+        headroom_bytes=int(settings.headroom_mb * MiB),
+        fixed_bytes=fixed,
+        refresh_interval_s=settings.refresh_interval_s,
+    )
+
+
+def footprint_source(config: ModelConfig, engine):
+    """Where a model's memory figures come from: the engine itself when it knows them exactly
+    (TensorRT), else the ONNX liveness estimator, else nothing (no admission control)."""
+    if hasattr(engine, "memory_footprint"):
+        def from_engine(batch: int, seq_len: int | None) -> Footprint:
+            f = engine.memory_footprint(batch)
+            return Footprint(weights=f["weights"], activations=f["activations"], kv_cache=f.get("kv_cache", 0))
+
+        return from_engine, None
+    if config.model_path.suffix == ".onnx":
+        from .memory.estimator import OnnxFootprintEstimator
+
+        seq = config.sequence
+        estimator = OnnxFootprintEstimator(
+            config.model_path, sequence_axes={name: seq.axis for name in seq.inputs} if seq else None
+        )
+        return estimator.estimate, estimator
+    return None, None
+
+
+def load_runner(config: ModelConfig, metrics: Metrics, warmup: bool = True,
+                budget: MemoryBudget | None = None) -> ModelRunner:
     """Create, load and warm up every instance of one model. Blocking: run off the event loop."""
     engines = []
     try:
@@ -44,7 +90,13 @@ def load_runner(config: ModelConfig, metrics: Metrics, warmup: bool = True) -> M
             engine = create_engine(config)
             engine.load()
             engines.append(engine)
-        runner = ModelRunner(config, engines, metrics)
+        admission = None
+        if budget is not None:
+            footprint, estimator = footprint_source(config, engines[0])
+            if footprint is not None:
+                admission = Admission(config.name, budget, footprint, estimator)
+                _publish_estimates(config, admission, metrics, budget)
+        runner = ModelRunner(config, engines, metrics, admission=admission)
         _check_batching(config, runner)
         if warmup:
             runner.warm_up()
@@ -53,6 +105,27 @@ def load_runner(config: ModelConfig, metrics: Metrics, warmup: bool = True) -> M
             engine.close()
         raise
     return runner
+
+
+def _publish_estimates(config: ModelConfig, admission: Admission, metrics: Metrics, budget: MemoryBudget) -> None:
+    """Compute (and cache) the footprint of every preferred size and bucket now, at load,
+    count the weights as resident, and publish the figures as metrics."""
+    buckets = config.sequence.buckets if config.sequence else [0]
+    weights = 0
+    for size in config.batching.preferred_batch_sizes:
+        for bucket in buckets:
+            f = admission.footprint(size, bucket)
+            weights = f.weights
+            label = str(size) if not bucket else f"{size}x{bucket}"
+            for part, value in (("weights", f.weights), ("activations", f.activations), ("kv_cache", f.kv_cache)):
+                metrics.memory_estimate_bytes.set(value, model=config.name, batch=label, part=part)
+    budget.resident += weights * config.instances
+    budget.refresh()
+    log.info(
+        "model %s: weights %.1f MiB x %d instance(s); largest batch needs %.1f MiB; budget available %.1f MiB",
+        config.name, weights / MiB, config.instances,
+        admission.batch_bytes(config.batching.preferred_batch_sizes[-1], buckets[-1]) / MiB, budget.available() / MiB,
+    )
 
 
 def _check_batching(config: ModelConfig, runner: ModelRunner) -> None:
@@ -72,6 +145,8 @@ class Runtime:
         self.config = config
         self.metrics = metrics or Metrics()
         self.runners: dict[str, ModelRunner] = {}
+        self.budget = build_budget(config.memory)
+        self.metrics.collectors.append(lambda: self.metrics.memory_budget_bytes.set(self.budget.available()))
         self.ready = False
 
     async def start(self) -> None:
@@ -80,10 +155,17 @@ class Runtime:
         configs = await loop.run_in_executor(
             None, discover_models, Path(self.config.models.repository), self.config.models.load
         )
+        snapshot = self.budget.refresh()
+        log.info(
+            "memory: probe %s, %.0f MiB free of %.0f MiB; budget available %.0f MiB",
+            snapshot.source, snapshot.free_bytes / MiB, snapshot.total_bytes / MiB, self.budget.available() / MiB,
+        )
         if not configs:
             log.warning("model repository %s holds no models", self.config.models.repository)
         for mc in configs:
-            runner = await loop.run_in_executor(None, load_runner, mc, self.metrics, self.config.models.warmup)
+            runner = await loop.run_in_executor(
+                None, load_runner, mc, self.metrics, self.config.models.warmup, self.budget
+            )
             await runner.start()
             self.runners[mc.name] = runner
             log.info(

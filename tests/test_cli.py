@@ -52,7 +52,7 @@ def test_models_lists_inputs_and_outputs(daemon):
     assert "input  signal: FP32 [-1, 256]" in proc.stdout
     proc = cli("models", "--url", daemon.url, "--json")
     names = {m["name"] for m in json.loads(proc.stdout)}
-    assert names == {"vibration", "seqsum", "faulty"}
+    assert names == {"vibration", "seqsum", "faulty", "oomy"}
 
 
 def test_python_client_binary_and_json_give_the_same_answer(daemon):

@@ -77,7 +77,7 @@ def test_health_metadata_index_and_stats_endpoints(daemon):
     status, body = rawhttp.request(daemon.socket, "GET", "/v2")
     assert status == 200 and "binary_tensor_data" in body["extensions"]
     status, body = rawhttp.request(daemon.socket, "POST", "/v2/repository/index", "")
-    assert status == 200 and {m["name"] for m in body} == {"vibration", "seqsum", "faulty"}
+    assert status == 200 and {m["name"] for m in body} == {"vibration", "seqsum", "faulty", "oomy"}
     status, body = rawhttp.request(daemon.socket, "GET", "/v2/models/vibration")
     assert status == 200
     assert body["inputs"] == [{"name": "signal", "datatype": "FP32", "shape": [-1, 256]}]

@@ -3,11 +3,13 @@
 A probe says what the device has free; the budget turns that into what the scheduler may
 *plan* with:
 
-    available = min(fixed_bytes, free - reserve_fraction * total - headroom_bytes) - reserved
+    available = min(fixed_bytes - resident, free - reserve_fraction * total - headroom_bytes) - reserved
 
 * reserve_fraction and headroom_bytes keep a margin for what no estimate sees (allocator
   rounding and fragmentation, CUDA/cuDNN workspaces, other processes growing, the kernel).
-* fixed_bytes caps the budget for operators sharing the device with other services.
+* fixed_bytes caps what the daemon itself uses, model weights included, for operators sharing
+  the device with other services. resident is the weights of the loaded models: they count
+  against fixed_bytes only, because the probe's free memory already reflects them.
 * reserved is the memory promised to batches in flight: a batch that has been admitted but
   whose allocations the probe does not show yet must not be admitted twice against the same
   free memory. While a running batch's memory *is* visible to the probe it is counted twice
@@ -82,6 +84,7 @@ class MemoryBudget:
         self._lock = threading.Lock()
         self._read_at: float | None = None
         self._reserved = 0
+        self.resident = 0  # weights of loaded models (see the module docstring)
         self.snapshot: MemorySnapshot | None = None
 
     # -- reading ------------------------------------------------------------------------------
@@ -114,7 +117,7 @@ class MemoryBudget:
             - self.headroom_bytes
         )
         if self.fixed_bytes is not None:
-            usable = min(usable, self.fixed_bytes)
+            usable = min(usable, self.fixed_bytes - self.resident)
         return usable
 
     def available(self) -> int:

@@ -16,7 +16,9 @@ Rules (docs/architecture.md explains them with examples):
   The largest chunk of that cover is dispatched first; the rest is planned again next call.
 * Buckets: requests only batch with their own length bucket. Among buckets that are due,
   the one holding the highest priority goes first, then the one waiting longest.
-* No allowed size at all: the requests are rejected ("does_not_fit"), never left to hang.
+* No allowed size at all: while batches are in flight (`busy`), their memory will come back,
+  so wait; with nothing in flight, the requests are rejected ("does_not_fit"), never left
+  to hang.
 
 The runner owns the clock, the engines and the futures; this module never awaits.
 """
@@ -93,6 +95,7 @@ def decide(
     exec_time: ExecTimeModel,
     fits: FitsHook,
     draining: bool = False,
+    busy: bool = False,
 ) -> Decision:
     """Plan the next batch to dispatch, or say when to look again. Takes planned requests out
     of the queue (expired ones must be removed by the caller with queue.expire(now) first)."""
@@ -100,6 +103,8 @@ def decide(
     wake_at: float | None = None
     for bq in queue.nonempty_buckets():
         sizes = allowed_sizes(settings, bq.bucket, fits)
+        if not sizes and busy:
+            continue  # memory held by batches in flight comes back when they finish
         if not sizes:
             rejected = queue.take(bq.bucket, bq.rows)
             return Decision(rejected=rejected, reject_reason=f"no batch size of {list(settings.preferred_batch_sizes)} fits (bucket {bq.bucket})")

@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import DeadlineExceeded, DoesNotFit, EdgeBatcherError, EngineError, InvalidInput, Unavailable
+from ..errors import (
+    DeadlineExceeded, DoesNotFit, EdgeBatcherError, EngineError, InvalidInput, OutOfMemory, Unavailable,
+)  # fmt: skip
 from ..metrics import Metrics
 from ..types import DATATYPE_TO_NUMPY, InferRequest, InferResponse, TensorSpec
 from . import policy
@@ -65,7 +67,7 @@ class ModelStats:
 
 
 class ModelRunner:
-    def __init__(self, config: ModelConfig, engines: list, metrics: Metrics, *, fits: policy.FitsHook | None = None):
+    def __init__(self, config: ModelConfig, engines: list, metrics: Metrics, *, admission=None):
         if not engines:
             raise ValueError("a model runner needs at least one engine instance")
         self.config = config
@@ -80,7 +82,8 @@ class ModelRunner:
             max_batch_size=b.max_batch_size,
             max_queue_delay_s=b.max_queue_delay_ms / 1000.0,
         )
-        self.fits = fits or (lambda size, seq_len: True)
+        self.admission = admission  # memory.admission.Admission, or None: no memory limit
+        self.fits = admission.fits if admission is not None else (lambda size, seq_len: True)
         self.exec_time = ExecTimeModel()
         self.queue = ModelQueue(capacity=b.queue_capacity, priority_levels=b.priority_levels)
         self.stats = ModelStats()
@@ -120,16 +123,35 @@ class ModelRunner:
         for bucket in buckets:
             for size in policy.allowed_sizes(self.settings, bucket, self.fits):
                 batch = {spec.name: _zeros(spec, size, self._seq_axis(spec.name), bucket) for spec in self.inputs}
-                for engine in self.engines:
-                    timings = []
-                    for _ in range(3):
-                        t0 = time.perf_counter()
-                        engine.infer(batch)
-                        timings.append(time.perf_counter() - t0)
-                    self.exec_time.observe(size, sorted(timings)[1])
+                try:
+                    for engine in self.engines:
+                        timings = []
+                        for _ in range(3):
+                            t0 = time.perf_counter()
+                            engine.infer(batch)
+                            timings.append(time.perf_counter() - t0)
+                        self.exec_time.observe(size, sorted(timings)[1])
+                except OutOfMemory as exc:
+                    self._cap_batch_size(size, bucket, exc)
+                    break
         log.info(
             "model %s: warmed up sizes %s: %s", self.name, list(self.settings.preferred_batch_sizes),
             ", ".join(f"{s}: {t * 1e3:.2f} ms" for s, t in sorted(self.exec_time.measured().items())),
+        )
+
+    def _cap_batch_size(self, size: int, bucket: int, error: OutOfMemory) -> None:
+        """Warm-up ran out of memory at `size`: serve only the smaller sizes from now on."""
+        smaller = [s for s in self.settings.preferred_batch_sizes if s < size]
+        if not smaller:
+            raise error
+        self.settings = policy.PolicySettings(
+            self.settings.preferred_batch_sizes, smaller[-1], self.settings.max_queue_delay_s
+        )
+        if self.admission is not None:
+            self.admission.raise_calibration()
+        log.warning(
+            "model %s: warm-up ran out of memory at batch %d%s; serving batch sizes up to %d (%s)",
+            self.name, size, f" (bucket {bucket})" if bucket else "", smaller[-1], error,
         )
 
     async def start(self) -> None:
@@ -309,11 +331,17 @@ class ModelRunner:
                 waited = (now - req.payload.arrival) * 1000
                 self._fail(req.payload, DeadlineExceeded(
                     f"deadline passed after {waited:.1f} ms in the queue of model {self.name!r}, before it could run"))
-            decision = policy.decide(self.queue, now, self.settings, self.exec_time, self.fits, self._draining)
+            decision = policy.decide(self.queue, now, self.settings, self.exec_time, self.fits,
+                                     self._draining, busy=bool(self._in_flight))
             if decision.rejected:
+                reason = decision.reject_reason
+                if self.admission is not None:
+                    smallest = self.settings.preferred_batch_sizes[0]
+                    reason = "does not fit in device memory: " + self.admission.explain(smallest, decision.rejected[0].bucket)
+                log.warning("model %s: rejecting %d request(s): %s", self.name, len(decision.rejected), reason)
                 for req in decision.rejected:
                     self.stats.rejected += 1
-                    self._fail(req.payload, DoesNotFit(f"model {self.name!r}: {decision.reject_reason}"))
+                    self._fail(req.payload, DoesNotFit(f"model {self.name!r}: {reason}"))
             self._m_depth.set(len(self.queue))
             if decision.plan is not None:
                 return decision.plan
@@ -328,6 +356,16 @@ class ModelRunner:
                 timer.cancel()
 
     async def _run(self, plan: policy.BatchPlan, instance: int) -> None:
+        reserved = self.admission.reserve(plan.size, plan.bucket) if self.admission is not None else 0
+        try:
+            await self._run_batch(plan, instance)
+        finally:
+            if reserved:
+                self.admission.release(reserved)
+            self._idle.put_nowait(instance)
+            self._wake()  # memory and an instance came back: the policy may plan again
+
+    async def _run_batch(self, plan: policy.BatchPlan, instance: int) -> None:
         loop = asyncio.get_running_loop()
         pendings = [r.payload for r in plan.requests]
         dispatched = loop.time()
@@ -335,6 +373,9 @@ class ModelRunner:
             results, seconds, engine_seconds = await loop.run_in_executor(
                 self._executors[instance], self._execute, self.engines[instance], pendings, plan
             )
+        except OutOfMemory as exc:
+            await self._split_after_oom(plan, instance, exc)
+            return
         except Exception as exc:
             error = exc if isinstance(exc, EdgeBatcherError) else EngineError(f"model {self.name!r}: batch failed: {exc}")
             log.error("model %s: batch of %d failed: %s", self.name, plan.size, error)
@@ -342,8 +383,6 @@ class ModelRunner:
                 self._fail(p, error)
             self.stats.fail_count += len(pendings)
             return
-        finally:
-            self._idle.put_nowait(instance)
         if engine_seconds:
             self._record(plan, [p for p, r in zip(pendings, results) if r is not None], dispatched, seconds, engine_seconds)
         for p, outputs in zip(pendings, results):
@@ -356,6 +395,31 @@ class ModelRunner:
                 outputs = {name: outputs[name] for name in p.request.outputs}
             if not p.future.done():  # done = the caller gave up; the rest of the batch is unaffected
                 p.future.set_result(InferResponse(self.name, p.request.id, outputs))
+
+    async def _split_after_oom(self, plan: policy.BatchPlan, instance: int, error: OutOfMemory) -> None:
+        """The engine ran out of memory although the estimate said the batch fits: raise the
+        estimate's calibration, split the batch in two smaller preferred sizes and retry each
+        on the same instance. A batch of the smallest size that still fails gets the error."""
+        self.metrics.oom_retries_total.inc(model=self.name)
+        factor = self.admission.raise_calibration() if self.admission is not None else None
+        requests = plan.requests
+        if len(requests) < 2:
+            log.error("model %s: out of memory on a batch of %d that cannot be split: %s", self.name, plan.size, error)
+            self._fail(requests[0].payload, error)
+            return
+        log.warning(
+            "model %s: out of memory on a batch of %d; splitting it and retrying (estimate calibration now %s)",
+            self.name, plan.size, f"{factor:.2f}" if factor else "n/a",
+        )
+        half = (len(requests) + 1) // 2
+        for part in (requests[:half], requests[half:]):
+            rows = sum(r.rows for r in part)
+            size = next(s for s in (*self.settings.preferred_batch_sizes, plan.size) if s >= rows)
+            if size >= plan.size:  # multi-row requests that cannot get smaller: the same size would fail again
+                for r in part:
+                    self._fail(r.payload, error)
+                continue
+            await self._run_batch(policy.BatchPlan(part, rows, size, plan.bucket, reason="oom_split"), instance)
 
     def _execute(self, engine, pendings: list[Pending], plan: policy.BatchPlan):
         """Worker thread: assemble the padded batch, run it, split the outputs per request.

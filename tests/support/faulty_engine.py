@@ -26,3 +26,17 @@ class FaultyOnnxEngine(OnnxRuntimeEngine):
         if np.any(values == SLOW):
             time.sleep(0.5)
         return super().infer(inputs)
+
+
+class OomAboveFourEngine(OnnxRuntimeEngine):
+    """Runs the real model but reports out-of-memory for batches larger than 4 rows of real
+    data, like a device whose memory filled up after start-up (warm-up's all-zero batches
+    still pass, so every size is warmed)."""
+
+    def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from edge_batcher.errors import OutOfMemory
+
+        first = next(iter(inputs.values()))
+        if first.shape[0] > 4 and np.any(first):
+            raise OutOfMemory(f"injected out-of-memory: batch of {first.shape[0]} rows (this test engine allows 4)")
+        return super().infer(inputs)

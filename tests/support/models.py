@@ -58,8 +58,20 @@ def add_faulty(out: Path) -> None:
     )
 
 
+def add_oomy(out: Path) -> None:
+    """The vibration model behind an engine that runs out of memory above 4 rows."""
+    d = out / "oomy"
+    d.mkdir(parents=True, exist_ok=True)
+    shutil.copy(out / "vibration" / "model.onnx", d / "model.onnx")
+    (d / "model.toml").write_text(
+        'backend = "tests.support.faulty_engine:OomAboveFourEngine"\n'
+        "[batching]\npreferred_batch_sizes = [2, 4, 8]\nmax_queue_delay_ms = 20.0\n"
+    )
+
+
 def build_repository(out: Path) -> Path:
     build_demo(out)
     build_seqsum(out)
     add_faulty(out)
+    add_oomy(out)
     return out

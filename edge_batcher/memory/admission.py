@@ -1,0 +1,64 @@
+"""Admission: the scheduler's `fits(size, seq_len)` hook for one model, backed by the budget.
+
+A batch's own cost is its activations (peak, calibrated) plus its KV cache; the model's
+weights are resident already (loaded once, see budget.resident). A batch fits when that cost
+is within what the budget has available now; batches dispatched reserve their cost until they
+finish, so concurrent batches are never admitted against the same free memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from .budget import MemoryBudget
+from .estimator import Footprint
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+# After an out-of-memory error the activation estimate was too low: raise it by this factor.
+OOM_CALIBRATION_STEP = 1.25
+
+
+class Admission:
+    def __init__(self, model: str, budget: MemoryBudget, footprint: Callable[[int, int | None], Footprint],
+                 estimator=None):
+        self.model = model
+        self.budget = budget
+        self._footprint = footprint
+        self.estimator = estimator  # has a settable .calibration when the estimate is an ONNX one
+
+    def footprint(self, size: int, seq_len: int) -> Footprint:
+        return self._footprint(size, seq_len or None)
+
+    def batch_bytes(self, size: int, seq_len: int) -> int:
+        f = self.footprint(size, seq_len)
+        return f.activations + f.kv_cache
+
+    def fits(self, size: int, seq_len: int) -> bool:
+        return self.batch_bytes(size, seq_len) <= self.budget.available()
+
+    def reserve(self, size: int, seq_len: int) -> int:
+        nbytes = self.batch_bytes(size, seq_len)
+        self.budget.reserve(nbytes)
+        return nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.budget.release(nbytes)
+
+    def explain(self, size: int, seq_len: int) -> str:
+        f = self.footprint(size, seq_len)
+        return (
+            f"a batch of {size}{f' at length {seq_len}' if seq_len else ''} needs "
+            f"{(f.activations + f.kv_cache) / MiB:.1f} MiB (activations {f.activations / MiB:.1f} MiB, "
+            f"KV {f.kv_cache / MiB:.1f} MiB); the memory budget has {self.budget.available() / MiB:.1f} MiB "
+            f"available ({self.budget.reserved / MiB:.1f} MiB reserved by batches in flight)"
+        )
+
+    def raise_calibration(self) -> float | None:
+        """The engine ran out of memory: estimates were low. Returns the new factor."""
+        if self.estimator is None:
+            return None
+        self.estimator.calibration = self.estimator.calibration * OOM_CALIBRATION_STEP
+        return self.estimator.calibration

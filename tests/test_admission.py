@@ -1,0 +1,87 @@
+"""Memory-aware admission end to end: a real daemon with a fixed, tight memory budget."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from edge_batcher.client import AsyncClient, ClientError
+from edge_batcher.memory.estimator import OnnxFootprintEstimator
+
+MiB = 1 << 20
+
+
+def estimates(model_repo, name="vibration"):
+    est = OnnxFootprintEstimator(model_repo / name / "model.onnx")
+    return {size: est.estimate(size) for size in (2, 4, 8)}
+
+
+async def burst(url: str, model: str, n: int, seed: int = 0):
+    x = np.random.default_rng(seed).standard_normal((n, 256)).astype(np.float32)
+    async with AsyncClient(url) as client:
+        return await asyncio.gather(*(client.infer(model, {"signal": x[i:i + 1]}) for i in range(n)),
+                                    return_exceptions=True)
+
+
+def fixed_budget(model_repo, batch_bytes: int, models=("vibration",)) -> str:
+    """A config whose fixed budget leaves `batch_bytes` for batches after the models' weights."""
+    weights = sum(estimates(model_repo, m)[2].weights for m in models)
+    budget_mb = (weights + batch_bytes) / MiB
+    return f"[models]\nload = {list(models)!r}\n[memory]\nprobe = \"fixed\"\nbudget_mb = {budget_mb!r}\n".replace("'", '"')
+
+
+def test_a_tight_budget_serves_a_burst_in_smaller_batches_that_fit(start_daemon, model_repo):
+    est = estimates(model_repo)
+    room = est[4].activations + est[2].activations // 2  # one batch of 4 fits, never an 8
+    assert est[8].activations > room
+    d = start_daemon(fixed_budget(model_repo, room))
+    results = asyncio.run(burst(d.url, "vibration", 64))
+    assert not [r for r in results if isinstance(r, BaseException)]
+    with d.client() as client:
+        stats = client.stats("vibration")["model_stats"][0]
+    sizes = {b["batch_size"] for b in stats["batch_stats"]}
+    assert sizes and sizes <= {2, 4}, sizes
+    assert 4 in sizes
+    assert all(est[s].activations + est[s].kv_cache <= room for s in sizes)
+    assert stats["inference_count"] == 64
+
+
+def test_a_request_that_can_never_fit_gets_a_clear_error(start_daemon, model_repo):
+    est = estimates(model_repo)
+    d = start_daemon(fixed_budget(model_repo, est[2].activations // 4))
+    with d.client() as client:
+        with pytest.raises(ClientError) as info:
+            client.infer("vibration", {"signal": np.zeros((1, 256), np.float32)})
+        assert client.live()
+    assert info.value.status == 503
+    message = info.value.message
+    assert "does not fit in device memory" in message and "a batch of 2 needs" in message and "MiB" in message
+
+
+def test_metrics_show_the_budget_and_estimates(start_daemon, model_repo):
+    est = estimates(model_repo)
+    d = start_daemon(fixed_budget(model_repo, 64 * MiB))
+    from tests.support import rawhttp
+
+    _, text = rawhttp.request(d.socket, "GET", "/metrics")
+    budget_line = next(line for line in text.splitlines() if line.startswith("edge_batcher_memory_budget_bytes "))
+    assert 60 * MiB < float(budget_line.split()[1]) <= 64 * MiB
+    assert (f'edge_batcher_memory_estimate_bytes{{model="vibration",batch="8",part="activations"}} '
+            f'{est[8].activations}') in text
+
+
+def test_out_of_memory_splits_the_batch_and_retries(start_daemon, model_repo):
+    d = start_daemon('[models]\nload = ["oomy"]\n')
+    results = asyncio.run(burst(d.url, "oomy", 8, seed=4))
+    assert not [r for r in results if isinstance(r, BaseException)], results
+    with d.client() as client:
+        stats = client.stats("oomy")["model_stats"][0]
+    from tests.support import rawhttp
+
+    _, text = rawhttp.request(d.socket, "GET", "/metrics")
+    assert 'edge_batcher_oom_retries_total{model="oomy"}' in text
+    assert stats["inference_count"] == 8
+    assert {b["batch_size"] for b in stats["batch_stats"]} <= {2, 4}
+    assert "splitting it and retrying" in d.log_text()
