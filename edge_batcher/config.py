@@ -270,6 +270,12 @@ class ModelConfig:
     sequence: SequenceSettings | None = None
     inputs: list[TensorOverride] = field(default_factory=list)
     outputs: list[TensorOverride] = field(default_factory=list)
+    # Backend-specific tables, kept as written and validated by their backend with
+    # backend_settings() (so the errors still name the file and key).
+    tensorrt: dict[str, Any] = field(default_factory=dict)
+    tokenizer: dict[str, Any] = field(default_factory=dict)
+    rag: dict[str, Any] = field(default_factory=dict)
+    generator: dict[str, Any] = field(default_factory=dict)
 
     @property
     def model_path(self) -> Path:
@@ -279,7 +285,14 @@ class ModelConfig:
 MODEL_KEYS = {
     "backend", "model_file", "instances", "description", "labels",
     "onnxruntime", "batching", "sequence", "inputs", "outputs",
+    "tensorrt", "tokenizer", "rag", "generator",
 }  # fmt: skip
+
+
+def backend_settings(config: ModelConfig, table: str, cls: type) -> Any:
+    """Build a backend's own settings dataclass from its model.toml table, e.g.
+    backend_settings(config, "tensorrt", TensorRTSettings); errors name the file and key."""
+    return build_dataclass(cls, getattr(config, table), f"{config.directory / 'model.toml'}: [{table}]")
 
 
 def load_model_config(model_dir: Path) -> ModelConfig:

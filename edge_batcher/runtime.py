@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 from .config import DaemonConfig, MemorySettings, ModelConfig, load_model_config
-from .engines.registry import create_engine
+from .engines.registry import create_engine, is_service, service_class
 from .errors import ConfigError, ModelNotFound
 from .memory.admission import Admission
 from .memory.budget import MemoryBudget
@@ -162,10 +162,14 @@ class Runtime:
         )
         if not configs:
             log.warning("model repository %s holds no models", self.config.models.repository)
-        for mc in configs:
-            runner = await loop.run_in_executor(
-                None, load_runner, mc, self.metrics, self.config.models.warmup, self.budget
-            )
+        # Engine models first: services (pipelines, generators) use them.
+        for mc in sorted(configs, key=lambda c: is_service(c.backend)):
+            if is_service(mc.backend):
+                runner = service_class(mc.backend)(mc, self)
+            else:
+                runner = await loop.run_in_executor(
+                    None, load_runner, mc, self.metrics, self.config.models.warmup, self.budget
+                )
             await runner.start()
             self.runners[mc.name] = runner
             log.info(

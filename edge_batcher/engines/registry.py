@@ -18,8 +18,29 @@ BACKENDS = {
 }
 
 
+# Services are models that are not one engine: pipelines over other models (RAG) and
+# schedulers of their own (iteration-level generation). Built as cls(config, runtime) after
+# every engine model is loaded; they implement the runner interface the transports use
+# (name, config, inputs, outputs, queue, start, infer, statistics, drain, close).
+SERVICES = {
+    "rag": "edge_batcher.rag.pipeline:RagService",
+    "generator": "edge_batcher.rag.generate:GenerationService",
+}
+
+
+def is_service(backend: str) -> bool:
+    return backend in SERVICES
+
+
+def service_class(backend: str):
+    return _import(SERVICES[backend], backend)
+
+
 def engine_class(backend: str) -> type[Engine]:
-    target = BACKENDS.get(backend, backend)
+    return _import(BACKENDS.get(backend, backend), backend)
+
+
+def _import(target: str, backend: str):
     module_name, sep, attr = target.partition(":")
     if not sep:
         raise ConfigError(

@@ -74,6 +74,10 @@ class ModelRunner:
         self.name = config.name
         self.engines = engines
         self.inputs: list[TensorSpec] = engines[0].inputs
+        # An engine may turn what clients send into what the model runs on (text -> token ids)
+        # with prepare(inputs) -> (inputs, seq_len); batches are then built from batch_inputs.
+        self._prepare = getattr(engines[0], "prepare", None)
+        self.batch_inputs: list[TensorSpec] = getattr(engines[0], "batch_inputs", None) or self.inputs
         self.outputs: list[TensorSpec] = engines[0].outputs
         self.metrics = metrics
         b = config.batching
@@ -122,7 +126,7 @@ class ModelRunner:
         buckets = self.config.sequence.buckets if self.config.sequence else [0]
         for bucket in buckets:
             for size in policy.allowed_sizes(self.settings, bucket, self.fits):
-                batch = {spec.name: _zeros(spec, size, self._seq_axis(spec.name), bucket) for spec in self.inputs}
+                batch = {spec.name: _zeros(spec, size, self._seq_axis(spec.name), bucket) for spec in self.batch_inputs}
                 try:
                     for engine in self.engines:
                         timings = []
@@ -199,6 +203,9 @@ class ModelRunner:
         if self._draining:
             raise Unavailable(f"model {self.name!r} is not accepting requests: the daemon is draining")
         inputs, rows, seq_len = self._validate(request)
+        if self._prepare is not None:
+            inputs, seq_len = self._prepare(inputs)
+            self._check_seq_len(seq_len)
         b = self.config.batching
         priority = b.default_priority if request.priority is None else request.priority
         if not 0 <= priority < b.priority_levels:
@@ -288,11 +295,15 @@ class ModelRunner:
                 f"request has {rows} rows, more than model {self.name!r} max_batch_size {self.settings.max_batch_size}; "
                 "split it into smaller requests"
             )
+        if self._prepare is None:
+            self._check_seq_len(seq_len)
+        return inputs, rows, seq_len
+
+    def _check_seq_len(self, seq_len: int) -> None:
         if self.config.sequence is not None:
             longest = self.config.sequence.buckets[-1]
             if seq_len == 0 or seq_len > longest:
                 raise InvalidInput(f"sequence length {seq_len} is outside 1..{longest} (the largest bucket) of model {self.name!r}")
-        return inputs, rows, seq_len
 
     def _seq_axis(self, name: str) -> int | None:
         seq = self.config.sequence
@@ -434,7 +445,7 @@ class ModelRunner:
         if not live:
             return [None] * len(pendings), 0.0, 0.0
         batch = {}
-        for spec in self.inputs:
+        for spec in self.batch_inputs:
             parts = [p.inputs[spec.name] for p in live]
             batch[spec.name] = _stack(parts, plan.size, self._seq_axis(spec.name), plan.bucket,
                                       self.config.sequence.pad_value if self.config.sequence else 0)
