@@ -40,6 +40,12 @@ class ServerSettings:
     unix_socket: str = "auto"
     socket_mode: str = "0660"
     http: str = ""  # "HOST:PORT" also serves the API on TCP; empty: Unix socket only
+    # TCP only (the Unix socket is protected by its file mode): a bearer token is required
+    # whenever http is set; from token or, better, token_file. TLS when cert and key are set.
+    token: str = ""
+    token_file: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
     max_body_bytes: int = 16 * 1024 * 1024
     drain_timeout_s: float = 30.0
     log_level: str = "INFO"
@@ -103,11 +109,41 @@ class MqttSettings:
 
 
 @dataclass
+class PeerSettings:
+    """A nearby server speaking KServe v2: another edge-batcher, Triton, MLServer, OVMS."""
+
+    url: str  # http://host:port or https://host:port
+    name: str = ""  # for logs and metrics; default: the URL
+    token: str = ""
+    token_file: str = ""
+    ca_file: str = ""  # verify the peer's TLS certificate against this CA (default: system CAs)
+    tls_insecure: bool = False  # testing only
+    binary: bool = True  # use the binary tensor extension when the peer advertises it
+    model_map: dict[str, str] = field(default_factory=dict)  # local model name -> peer model name
+
+
+@dataclass
+class OffloadSettings:
+    enabled: bool = False
+    peers: list[PeerSettings] = field(default_factory=list)  # tried in order
+    remote_only: list[str] = field(default_factory=list)  # models that always run on a peer
+    # Send a backlog to the peer when the local queue would miss deadlines and the peer's
+    # measured latency would meet them.
+    offload_on_backlog: bool = True
+    health_interval_s: float = 5.0
+    request_timeout_s: float = 30.0  # upper bound; each request's own deadline is tighter
+    breaker_failures: int = 3  # consecutive failures/timeouts that open a peer's breaker
+    breaker_reset_s: float = 10.0  # open -> half-open after this long
+    max_rows: int = 64  # largest batch sent to a peer in one request
+
+
+@dataclass
 class DaemonConfig:
     server: ServerSettings = field(default_factory=ServerSettings)
     models: ModelsSettings = field(default_factory=ModelsSettings)
     memory: MemorySettings = field(default_factory=MemorySettings)
     mqtt: MqttSettings = field(default_factory=MqttSettings)
+    offload: OffloadSettings = field(default_factory=OffloadSettings)
     source: str = "<defaults>"  # the file it was loaded from
 
     def socket_path(self) -> Path:
@@ -119,6 +155,7 @@ class DaemonConfig:
 
 DAEMON_SECTIONS = {
     "server": ServerSettings, "models": ModelsSettings, "memory": MemorySettings, "mqtt": MqttSettings,
+    "offload": OffloadSettings,
 }  # fmt: skip
 
 
@@ -187,6 +224,19 @@ def _validate_daemon(config: DaemonConfig, source: str) -> None:
     if s.http:
         parse_host_port(s.http, f"{source}: [server] http")
     _positive(s.max_body_bytes, f"{source}: [server] max_body_bytes")
+    if bool(s.tls_cert) != bool(s.tls_key):
+        raise ConfigError(f"{source}: [server] tls_cert and tls_key go together: set both or neither")
+    o = config.offload
+    if o.enabled and not o.peers:
+        raise ConfigError(f"{source}: [offload] enabled = true needs at least one [[offload.peers]] entry")
+    for i, peer in enumerate(o.peers):
+        if not peer.url.startswith(("http://", "https://")):
+            raise ConfigError(f"{source}: [[offload.peers]] #{i + 1} url: expected http://HOST:PORT or https://..., got {peer.url!r}")
+    _positive(o.health_interval_s, f"{source}: [offload] health_interval_s")
+    _positive(o.request_timeout_s, f"{source}: [offload] request_timeout_s")
+    _positive(o.breaker_failures, f"{source}: [offload] breaker_failures")
+    _positive(o.breaker_reset_s, f"{source}: [offload] breaker_reset_s")
+    _positive(o.max_rows, f"{source}: [offload] max_rows")
     _positive(s.drain_timeout_s, f"{source}: [server] drain_timeout_s", allow_zero=True)
     m = config.memory
     if not 0.0 <= m.reserve_fraction < 1.0:
@@ -196,6 +246,16 @@ def _validate_daemon(config: DaemonConfig, source: str) -> None:
     _positive(m.budget_mb, f"{source}: [memory] budget_mb", allow_zero=True)
     _positive(m.headroom_mb, f"{source}: [memory] headroom_mb", allow_zero=True)
     _positive(m.refresh_interval_s, f"{source}: [memory] refresh_interval_s")
+
+
+def read_secret(value: str, file: str, where: str) -> str:
+    """A secret from config or, preferably, from a file (first line, stripped). Never logged."""
+    if file:
+        try:
+            return Path(file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{where}_file: cannot read {file}: {exc.strerror}") from None
+    return value
 
 
 def parse_host_port(value: str, where: str = "address") -> tuple[str, int]:
