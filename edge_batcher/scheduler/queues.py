@@ -29,6 +29,7 @@ class QueuedRequest:
     payload: Any = None
     seq: int = field(default=0)
     taken: bool = False  # dispatched or expired: no longer in the queue
+    local_only: bool = False  # its offload failed: retry locally, never send it back
 
 
 class BucketQueue:

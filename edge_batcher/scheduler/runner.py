@@ -19,7 +19,8 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import (
-    DeadlineExceeded, DoesNotFit, EdgeBatcherError, EngineError, InvalidInput, OutOfMemory, Unavailable,
+    DeadlineExceeded, DoesNotFit, EdgeBatcherError, EngineError, InvalidInput, ModelNotFound, OutOfMemory,
+    Overloaded, Unavailable,
 )  # fmt: skip
 from ..metrics import Metrics
 from ..types import DATATYPE_TO_NUMPY, InferRequest, InferResponse, TensorSpec
@@ -64,10 +65,11 @@ class ModelStats:
     batch_rows: int = 0
     expired: int = 0
     rejected: int = 0
+    offloaded: dict[str, int] = field(default_factory=dict)  # "reason/outcome" -> requests
 
 
 class ModelRunner:
-    def __init__(self, config: ModelConfig, engines: list, metrics: Metrics, *, admission=None):
+    def __init__(self, config: ModelConfig, engines: list, metrics: Metrics, *, admission=None, offload=None):
         if not engines:
             raise ValueError("a model runner needs at least one engine instance")
         self.config = config
@@ -88,6 +90,9 @@ class ModelRunner:
         )
         self.admission = admission  # memory.admission.Admission, or None: no memory limit
         self.fits = admission.fits if admission is not None else (lambda size, seq_len: True)
+        # offload.view(model) -> policy.OffloadView; await offload.infer(model, inputs, timeout_s)
+        # -> (outputs, peer name). None: this daemon has no peers.
+        self.offload = offload
         self.exec_time = ExecTimeModel()
         self.queue = ModelQueue(capacity=b.queue_capacity, priority_levels=b.priority_levels)
         self.stats = ModelStats()
@@ -109,10 +114,13 @@ class ModelRunner:
         self._executors = [
             ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{self.name}-{i}") for i in range(len(engines))
         ]
-        self._idle: asyncio.Queue[int] | None = None
+        self._free_slots: list[int] = []  # engine instances with a free batch slot
+        self._busy_until = [0.0] * len(engines)  # when each instance's dispatched work should end
+        self._slot_wait = False  # the loop waits for a slot to free (nothing else to plan)
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
-        self._in_flight: set[asyncio.Task] = set()
+        self._in_flight: set[asyncio.Task] = set()  # local batches and offloads
+        self._local_batches = 0
         self._timer_at: float | None = None  # when the waiting loop's timer fires; None: not waiting on one
         self._draining = False
         self._closed = False
@@ -159,12 +167,9 @@ class ModelRunner:
         )
 
     async def start(self) -> None:
-        self._idle = asyncio.Queue()
         # Two batch slots per instance: the next batch waits in the worker's queue while the
         # current one runs, so the engine thread never idles through a round trip to the loop.
-        for _ in range(BATCHES_IN_FLIGHT_PER_INSTANCE):
-            for i in range(len(self.engines)):
-                self._idle.put_nowait(i)
+        self._free_slots = [i for _ in range(BATCHES_IN_FLIGHT_PER_INSTANCE) for i in range(len(self.engines))]
         self._wakeup = asyncio.Event()
         self._loop_task = asyncio.create_task(self._serve(), name=f"runner-{self.name}")
 
@@ -220,15 +225,33 @@ class ModelRunner:
         pending = Pending(request, inputs, rows, seq_len, future, now)
         queued = QueuedRequest(priority=priority, arrival=now, deadline=now + timeout_s, rows=rows,
                                bucket=self._bucket(seq_len), payload=pending)
+        if rows > self.settings.max_batch_size:
+            self._submit_oversized(queued)
+            return future
         self.queue.push(queued)
         if self._decision_may_change(queued):
             self._wake()
         return future
 
+    def _submit_oversized(self, queued: QueuedRequest) -> None:
+        """More rows than the local engine takes: straight to a peer, or a clear error."""
+        view = self.offload.view(self.name) if self.offload is not None else policy.NO_OFFLOAD
+        if policy.oversized_target(queued.rows, self.settings, view) != "peer":
+            peer_note = "" if self.offload is None else " and no peer can take it now"
+            raise InvalidInput(
+                f"request has {queued.rows} rows, more than model {self.name!r} max_batch_size "
+                f"{self.settings.max_batch_size}{peer_note}; split it into smaller requests"
+            )
+        queued.taken = True
+        plan = policy.BatchPlan([queued], queued.rows, queued.rows, queued.bucket, policy.TOO_LARGE, target="peer")
+        self._track(asyncio.create_task(self._offload_batch(plan)))
+
     def _decision_may_change(self, queued: QueuedRequest) -> bool:
         """Whether this arrival can change the policy's answer before its timer fires: it filled
         a bucket, it is the first in its bucket, or its deadline comes before the timer.
         Skipping the other wake-ups keeps the policy off the per-request hot path."""
+        if self._slot_wait:  # every slot is busy: a freed slot wakes the loop anyway
+            return self._timer_at is not None and queued.deadline < self._timer_at
         if self._timer_at is None or self.queue.buckets[queued.bucket].count == 1:
             return True
         if self.queue.buckets[queued.bucket].rows >= self.settings.preferred_batch_sizes[-1]:
@@ -290,11 +313,6 @@ class ModelRunner:
             inputs[name] = array
         if not rows:
             raise InvalidInput("inputs have 0 rows: nothing to infer")
-        if rows > self.settings.max_batch_size:
-            raise InvalidInput(
-                f"request has {rows} rows, more than model {self.name!r} max_batch_size {self.settings.max_batch_size}; "
-                "split it into smaller requests"
-            )
         if self._prepare is None:
             self._check_seq_len(seq_len)
         return inputs, rows, seq_len
@@ -324,14 +342,28 @@ class ModelRunner:
             self._wakeup.set()
 
     async def _serve(self) -> None:
-        assert self._idle is not None and self._wakeup is not None
+        assert self._wakeup is not None
         loop = asyncio.get_running_loop()
         while True:
-            instance = await self._idle.get()  # batches form while every instance is busy
             plan = await self._next_plan(loop)
-            task = asyncio.create_task(self._run(plan, instance))
-            self._in_flight.add(task)
-            task.add_done_callback(self._in_flight.discard)
+            if plan.target == "peer":
+                self._track(asyncio.create_task(self._offload_batch(plan)))
+                continue
+            instance = min(self._free_slots, key=lambda i: self._busy_until[i])
+            self._free_slots.remove(instance)
+            now = loop.time()
+            self._busy_until[instance] = max(now, self._busy_until[instance]) + self.exec_time.estimate(plan.size)
+            self._local_batches += 1
+            self._track(asyncio.create_task(self._run(plan, instance)))
+
+    def _track(self, task: asyncio.Task) -> None:
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
+
+    def _busy_seconds(self, now: float) -> float:
+        """Estimated wait before a batch dispatched now would start on a local instance."""
+        candidates = self._free_slots or range(len(self.engines))
+        return max(0.0, min(self._busy_until[i] for i in candidates) - now)
 
     async def _next_plan(self, loop: asyncio.AbstractEventLoop) -> policy.BatchPlan:
         assert self._wakeup is not None
@@ -342,17 +374,14 @@ class ModelRunner:
                 waited = (now - req.payload.arrival) * 1000
                 self._fail(req.payload, DeadlineExceeded(
                     f"deadline passed after {waited:.1f} ms in the queue of model {self.name!r}, before it could run"))
-            decision = policy.decide(self.queue, now, self.settings, self.exec_time, self.fits,
-                                     self._draining, busy=bool(self._in_flight))
+            local_free = bool(self._free_slots)
+            decision = policy.decide(
+                self.queue, now, self.settings, self.exec_time, self.fits, self._draining,
+                busy=self._local_batches > 0, local_free=local_free, busy_s=self._busy_seconds(now),
+                offload=self.offload.view(self.name) if self.offload is not None else policy.NO_OFFLOAD,
+            )
             if decision.rejected:
-                reason = decision.reject_reason
-                if self.admission is not None:
-                    smallest = self.settings.preferred_batch_sizes[0]
-                    reason = "does not fit in device memory: " + self.admission.explain(smallest, decision.rejected[0].bucket)
-                log.warning("model %s: rejecting %d request(s): %s", self.name, len(decision.rejected), reason)
-                for req in decision.rejected:
-                    self.stats.rejected += 1
-                    self._fail(req.payload, DoesNotFit(f"model {self.name!r}: {reason}"))
+                self._reject(decision)
             self._m_depth.set(len(self.queue))
             if decision.plan is not None:
                 return decision.plan
@@ -361,10 +390,26 @@ class ModelRunner:
             if decision.wake_at is not None:
                 timer = loop.call_at(decision.wake_at, self._wakeup.set)
             self._timer_at = decision.wake_at
+            self._slot_wait = not local_free
             await self._wakeup.wait()
             self._timer_at = None
+            self._slot_wait = False
             if timer is not None:
                 timer.cancel()
+
+    def _reject(self, decision: policy.Decision) -> None:
+        if decision.reject_kind == policy.NO_PEER:
+            error = Unavailable(f"model {self.name!r}: {decision.reject_reason}")
+        else:
+            reason = decision.reject_reason
+            if self.admission is not None:
+                smallest = self.settings.preferred_batch_sizes[0]
+                reason = "does not fit in device memory: " + self.admission.explain(smallest, decision.rejected[0].bucket)
+            error = DoesNotFit(f"model {self.name!r}: {reason}")
+        log.warning("model %s: rejecting %d request(s): %s", self.name, len(decision.rejected), error)
+        for req in decision.rejected:
+            self.stats.rejected += 1
+            self._fail(req.payload, error)
 
     async def _run(self, plan: policy.BatchPlan, instance: int) -> None:
         reserved = self.admission.reserve(plan.size, plan.bucket) if self.admission is not None else 0
@@ -373,7 +418,10 @@ class ModelRunner:
         finally:
             if reserved:
                 self.admission.release(reserved)
-            self._idle.put_nowait(instance)
+            self._free_slots.append(instance)
+            self._local_batches -= 1
+            if self._free_slots.count(instance) == BATCHES_IN_FLIGHT_PER_INSTANCE:
+                self._busy_until[instance] = 0.0  # idle: nothing of its estimate is left
             self._wake()  # memory and an instance came back: the policy may plan again
 
     async def _run_batch(self, plan: policy.BatchPlan, instance: int) -> None:
@@ -431,6 +479,70 @@ class ModelRunner:
                     self._fail(r.payload, error)
                 continue
             await self._run_batch(policy.BatchPlan(part, rows, size, plan.bucket, reason="oom_split"), instance)
+
+    async def _offload_batch(self, plan: policy.BatchPlan) -> None:
+        """Run a plan on a peer. Its inputs are what the clients sent (before any prepare
+        hook), unpadded: rows of requests with equal shapes go in one v2 request, others alone.
+        A peer that rejects the input (4xx) answers the requests with its error; a peer that
+        fails is retried locally while the deadlines allow, else answered 503."""
+        loop = asyncio.get_running_loop()
+        pendings = [r.payload for r in plan.requests]
+        timeout_s = min(r.deadline for r in plan.requests) - loop.time()
+        groups: dict[tuple, list[int]] = {}
+        for i, p in enumerate(pendings):
+            groups.setdefault(tuple((k, v.shape[1:], v.dtype.str) for k, v in sorted(p.request.inputs.items())), []).append(i)
+
+        async def send(indexes: list[int]) -> None:
+            inputs = {name: np.concatenate([pendings[i].request.inputs[name] for i in indexes])
+                      for name in pendings[indexes[0]].request.inputs}
+            outputs, _peer = await self.offload.infer(self.name, inputs, timeout_s)
+            offset = 0
+            for i in indexes:
+                p = pendings[i]
+                result = {name: value[offset:offset + p.rows] for name, value in outputs.items()}
+                offset += p.rows
+                if p.request.outputs is not None:
+                    result = {name: result[name] for name in p.request.outputs if name in result}
+                if not p.future.done():
+                    p.future.set_result(InferResponse(self.name, p.request.id, result))
+
+        results = await asyncio.gather(*(send(ix) for ix in groups.values()), return_exceptions=True)
+        for indexes, outcome in zip(groups.values(), results):
+            group = [plan.requests[i] for i in indexes]
+            if not isinstance(outcome, BaseException):
+                self._count_offload(plan.reason, "ok", group)
+            elif isinstance(outcome, (InvalidInput, ModelNotFound)):
+                self._count_offload(plan.reason, "failed", group)
+                for r in group:
+                    self._fail(r.payload, outcome)
+            else:
+                self._offload_failed(plan.reason, group, outcome)
+        self._wake()
+
+    def _offload_failed(self, reason: str, group: list[QueuedRequest], error: BaseException) -> None:
+        loop_now = asyncio.get_running_loop().time()
+        local_ok = reason not in (policy.REMOTE_ONLY, policy.TOO_LARGE)
+        log.warning("model %s: offload of %d request(s) failed: %s%s", self.name, len(group), error,
+                    "; retrying locally" if local_ok else "")
+        for r in group:
+            if local_ok and r.deadline - loop_now > self.exec_time.estimate(self.settings.preferred_batch_sizes[0]):
+                retry = QueuedRequest(priority=r.priority, arrival=r.arrival, deadline=r.deadline, rows=r.rows,
+                                      bucket=r.bucket, payload=r.payload, local_only=True)
+                try:
+                    self.queue.push(retry)
+                    self._count_offload(reason, "failed_local_retry", [r])
+                    continue
+                except Overloaded:
+                    pass
+            self._count_offload(reason, "failed", [r])
+            self._fail(r.payload, Unavailable(f"model {self.name!r}: offload to the peer failed ({error}) "
+                                              "and it cannot run locally in time"))
+
+    def _count_offload(self, reason: str, outcome: str, group: list[QueuedRequest]) -> None:
+        n = len(group)
+        self.metrics.offloaded_requests_total.inc(n, model=self.name, reason=reason, outcome=outcome)
+        key = f"{reason}/{outcome}"
+        self.stats.offloaded[key] = self.stats.offloaded.get(key, 0) + n
 
     def _execute(self, engine, pendings: list[Pending], plan: policy.BatchPlan):
         """Worker thread: assemble the padded batch, run it, split the outputs per request.
@@ -523,6 +635,7 @@ class ModelRunner:
             "padding_rows": s.padding_rows,
             "padding_ratio": s.padding_rows / s.batch_rows if s.batch_rows else 0.0,
             "expired": s.expired,
+            "offloaded": dict(s.offloaded),
             "queue_depth": len(self.queue),
             "exec_time_ms": {str(k): round(v * 1e3, 4) for k, v in sorted(self.exec_time.measured().items())},
         }

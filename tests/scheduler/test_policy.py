@@ -301,3 +301,79 @@ def test_max_batch_size_caps_preferred_sizes():
     push(q, clock, 8)
     plans, _ = drain_plans(q, clock, settings=settings)
     assert [p.size for p in plans] == [4, 4]
+
+
+# ------------------------------------------------------------------ offload to a peer
+
+from edge_batcher.scheduler.policy import (  # noqa: E402
+    BACKLOG, DOES_NOT_FIT, NO_PEER, REMOTE_ONLY, OffloadView, oversized_target,
+)  # fmt: skip
+
+PEER = OffloadView(peer_available=True, peer_latency_s=0.005)
+
+
+def test_remote_only_models_go_to_the_peer_at_once_unpadded():
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, 3)
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits,
+               offload=OffloadView(peer_available=True, remote_only=True))
+    assert d.plan is not None
+    assert (d.plan.target, d.plan.reason, d.plan.rows, d.plan.size) == ("peer", REMOTE_ONLY, 3, 3)
+
+
+def test_remote_only_without_a_peer_is_rejected_with_its_reason():
+    clock, q = FakeClock(), make_queue()
+    reqs = push(q, clock, 2)
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits,
+               offload=OffloadView(peer_available=False, remote_only=True))
+    assert d.rejected == reqs and d.reject_kind == NO_PEER
+
+
+def test_what_fits_nowhere_locally_goes_to_the_peer():
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, 5)
+    d = decide(q, clock.now, SETTINGS, linear_times(), lambda size, seq: False, offload=PEER)
+    assert d.plan is not None and (d.plan.target, d.plan.reason, d.plan.rows) == ("peer", DOES_NOT_FIT, 5)
+    # While local batches are in flight their memory comes back: wait instead.
+    push(q, clock, 1)
+    d = decide(q, clock.now, SETTINGS, linear_times(), lambda size, seq: False, busy=True, offload=PEER)
+    assert d.plan is None and d.rejected is None
+
+
+def test_a_backlog_that_would_miss_its_deadline_goes_to_the_peer():
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, 8, timeout=0.050)
+    # Local would start in 200 ms: too late for a 50 ms deadline; the peer answers in 5 ms.
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, busy=True, busy_s=0.200, offload=PEER)
+    assert d.plan is not None and (d.plan.target, d.plan.reason) == ("peer", BACKLOG)
+    # Same backlog, but the peer is slower than the deadline: stay local.
+    push(q, clock, 8, timeout=0.050)
+    slow_peer = OffloadView(peer_available=True, peer_latency_s=0.100)
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, busy=True, busy_s=0.200, offload=slow_peer)
+    assert d.plan is not None and d.plan.target == "local"
+
+
+def test_without_a_free_local_slot_only_peer_plans_are_made():
+    clock, q = FakeClock(), make_queue()
+    push(q, clock, 8, timeout=1.0)  # full, but no local slot and the deadline is far
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, busy=True, local_free=False,
+               busy_s=0.010, offload=PEER)
+    assert d.plan is None
+    # It looks again when waiting any longer for a local slot would miss the deadline.
+    assert d.wake_at == pytest.approx(clock.now + 1.0 - linear_times().estimate(8) - 0.010)
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, busy=True, local_free=False)
+    assert d.plan is None and d.wake_at is None  # no peer: the runner wakes it when a slot frees
+
+
+def test_requests_whose_offload_failed_are_retried_locally_not_sent_back():
+    clock, q = FakeClock(), make_queue()
+    for r in push(q, clock, 8, timeout=0.050):
+        r.local_only = True
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, busy=True, busy_s=0.200, offload=PEER)
+    assert d.plan is not None and d.plan.target == "local"
+
+
+def test_requests_larger_than_the_local_engine():
+    assert oversized_target(12, SETTINGS, PEER) == "peer"
+    assert oversized_target(12, SETTINGS, OffloadView(peer_available=False)) == "reject"
+    assert oversized_target(100, SETTINGS, PEER) == "reject"  # beyond what one peer request carries
