@@ -64,6 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_target(p)
     p.set_defaults(func=cmd_models)
 
+    p = sub.add_parser("estimate", help="memory footprint per model, batch size and bucket vs the device budget")
+    from .memory.report import add_arguments as add_estimate_arguments
+
+    add_estimate_arguments(p)
+    p.set_defaults(func=cmd_estimate)
+
     p = sub.add_parser("bench", help="measure throughput and latency (see docs/benchmarks.md)")
     from .bench import add_arguments
 
@@ -196,6 +202,12 @@ def cmd_models(args: argparse.Namespace) -> int:
             for t in m.get(kind, []):
                 print(f"  {kind[:-1]:6} {t['name']}: {t['datatype']} {t['shape']}")
     return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from .memory.report import run
+
+    return run(args)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -67,6 +67,10 @@ class MemorySettings:
     reserve_fraction: float = 0.1
     headroom_mb: float = 256.0
     refresh_interval_s: float = 1.0
+    # At load, measure one batch per ONNX model in a subprocess and scale the activation
+    # estimate to what ONNX Runtime really allocated (docs/memory.md). Costs a second or two
+    # and a second copy of the weights briefly: off by default on small devices.
+    calibrate_at_warmup: bool = False
 
 
 @dataclass

@@ -82,7 +82,7 @@ def footprint_source(config: ModelConfig, engine):
 
 
 def load_runner(config: ModelConfig, metrics: Metrics, warmup: bool = True,
-                budget: MemoryBudget | None = None) -> ModelRunner:
+                budget: MemoryBudget | None = None, calibrate: bool = False) -> ModelRunner:
     """Create, load and warm up every instance of one model. Blocking: run off the event loop."""
     engines = []
     try:
@@ -94,6 +94,8 @@ def load_runner(config: ModelConfig, metrics: Metrics, warmup: bool = True,
         if budget is not None:
             footprint, estimator = footprint_source(config, engines[0])
             if footprint is not None:
+                if calibrate and estimator is not None:
+                    _calibrate(config, estimator)
                 admission = Admission(config.name, budget, footprint, estimator)
                 _publish_estimates(config, admission, metrics, budget)
         runner = ModelRunner(config, engines, metrics, admission=admission)
@@ -105,6 +107,17 @@ def load_runner(config: ModelConfig, metrics: Metrics, warmup: bool = True,
             engine.close()
         raise
     return runner
+
+
+def _calibrate(config: ModelConfig, estimator) -> None:
+    """Scale the liveness estimate to a measured batch: the largest preferred size at the
+    largest bucket (activations big enough to measure). One factor serves every bucket."""
+    from .memory.report import calibrate
+
+    seq_len = config.sequence.buckets[-1] if config.sequence else None
+    result = calibrate(estimator, config, config.batching.preferred_batch_sizes[-1], seq_len)
+    log.info("model %s: activation estimate calibration %.2f (%s)", config.name, result.factor,
+             "measured" if result.applied else f"not applied: {result.reason}")
 
 
 def _publish_estimates(config: ModelConfig, admission: Admission, metrics: Metrics, budget: MemoryBudget) -> None:

@@ -250,11 +250,12 @@ class ModelRunner:
         """Whether this arrival can change the policy's answer before its timer fires: it filled
         a bucket, it is the first in its bucket, or its deadline comes before the timer.
         Skipping the other wake-ups keeps the policy off the per-request hot path."""
-        if self._slot_wait:  # every slot is busy: a freed slot wakes the loop anyway
-            return self._timer_at is not None and queued.deadline < self._timer_at
-        if self._timer_at is None or self.queue.buckets[queued.bucket].count == 1:
+        if self._slot_wait and self.offload is None:
+            return False  # every slot is busy and there is no peer: only a freed slot matters
+        bucket = self.queue.buckets[queued.bucket]
+        if self._timer_at is None or bucket.count == 1:
             return True
-        if self.queue.buckets[queued.bucket].rows >= self.settings.preferred_batch_sizes[-1]:
+        if not self._slot_wait and bucket.rows >= self.settings.preferred_batch_sizes[-1]:
             return True
         return queued.deadline - self.exec_time.estimate(self.settings.max_batch_size) < self._timer_at
 
@@ -496,6 +497,7 @@ class ModelRunner:
             inputs = {name: np.concatenate([pendings[i].request.inputs[name] for i in indexes])
                       for name in pendings[indexes[0]].request.inputs}
             outputs, _peer = await self.offload.infer(self.name, inputs, timeout_s)
+            self._count_offload(plan.reason, "ok", [plan.requests[i] for i in indexes])
             offset = 0
             for i in indexes:
                 p = pendings[i]
@@ -510,8 +512,8 @@ class ModelRunner:
         for indexes, outcome in zip(groups.values(), results):
             group = [plan.requests[i] for i in indexes]
             if not isinstance(outcome, BaseException):
-                self._count_offload(plan.reason, "ok", group)
-            elif isinstance(outcome, (InvalidInput, ModelNotFound)):
+                continue
+            if isinstance(outcome, (InvalidInput, ModelNotFound)):
                 self._count_offload(plan.reason, "failed", group)
                 for r in group:
                     self._fail(r.payload, outcome)

@@ -1,0 +1,149 @@
+"""ModelRunner in-process with small engines written here (numpy, honest implementations of
+the Engine interface) and an in-process peer port: warm-up caps, offload paths."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_batcher.config import BatchingSettings, ModelConfig
+from edge_batcher.errors import InvalidInput, OutOfMemory, Unavailable
+from edge_batcher.metrics import Metrics
+from edge_batcher.scheduler import policy
+from edge_batcher.scheduler.runner import ModelRunner
+from edge_batcher.types import InferRequest, TensorSpec
+
+
+class RowSumEngine:
+    """y = sum of each row of x; optionally out of memory above `oom_above` rows, and slow
+    (delay_s) on batches of 8 rows."""
+
+    def __init__(self, oom_above: int | None = None, delay_s: float = 0.0):
+        self.inputs = [TensorSpec("x", "FP32", (-1, 4))]
+        self.outputs = [TensorSpec("y", "FP32", (-1,))]
+        self.oom_above = oom_above
+        self.delay_s = delay_s
+        self.sizes: list[int] = []
+
+    def load(self) -> None:
+        pass
+
+    def infer(self, inputs):
+        x = inputs["x"]
+        self.sizes.append(x.shape[0])
+        if self.oom_above is not None and x.shape[0] > self.oom_above:
+            raise OutOfMemory(f"out of memory at {x.shape[0]} rows")
+        if self.delay_s and x.shape[0] == 8:
+            import time
+
+            time.sleep(self.delay_s)
+        return {"y": x.sum(axis=1)}
+
+    def close(self) -> None:
+        pass
+
+
+class PeerPort:
+    """An in-process peer with the offload port's interface: computes the same row sums."""
+
+    def __init__(self, available=True, latency_s=0.001, fail=False, remote_only=False):
+        self.available, self.latency_s, self.fail, self.remote_only = available, latency_s, fail, remote_only
+        self.calls: list[int] = []
+
+    def view(self, model):
+        return policy.OffloadView(peer_available=self.available, peer_latency_s=self.latency_s,
+                                  remote_only=self.remote_only)
+
+    async def infer(self, model, inputs, timeout_s):
+        self.calls.append(inputs["x"].shape[0])
+        if self.fail:
+            raise Unavailable("peer is down")
+        return {"y": inputs["x"].sum(axis=1)}, "peer-1"
+
+
+def config(**batching) -> ModelConfig:
+    batching.setdefault("max_batch_size", 8)  # load_model_config fills this in from the sizes
+    return ModelConfig(name="rowsum", directory=Path("."), batching=BatchingSettings(**batching))
+
+
+def request(rows=1, seed=0, timeout_s=None):
+    x = np.random.default_rng(seed).standard_normal((rows, 4)).astype(np.float32)
+    return x, InferRequest("rowsum", {"x": x}, timeout_s=timeout_s)
+
+
+def test_warm_up_out_of_memory_caps_the_sizes_served():
+    engine = RowSumEngine(oom_above=4)
+    runner = ModelRunner(config(max_batch_size=8), [engine], Metrics())
+    runner.warm_up()
+    assert runner.settings.max_batch_size == 4
+    assert 8 in engine.sizes  # it was tried, then excluded
+
+
+async def test_requests_larger_than_the_engine_go_to_the_peer():
+    peer = PeerPort()
+    runner = ModelRunner(config(), [RowSumEngine()], Metrics(), offload=peer)
+    await runner.start()
+    x, req = request(rows=12)
+    out = await runner.infer(req)
+    np.testing.assert_allclose(out.outputs["y"], x.sum(axis=1), rtol=1e-6)
+    assert peer.calls == [12]
+    assert runner.statistics()["offloaded"] == {"too_large/ok": 1}
+    await runner.close()
+
+
+async def test_larger_than_the_engine_without_a_peer_is_a_clear_error():
+    runner = ModelRunner(config(), [RowSumEngine()], Metrics(), offload=PeerPort(available=False))
+    await runner.start()
+    with pytest.raises(InvalidInput, match="12 rows, more than model 'rowsum' max_batch_size 8 and no peer"):
+        await runner.infer(request(rows=12)[1])
+    await runner.close()
+
+
+async def test_remote_only_model_runs_on_the_peer_and_a_failed_peer_is_503():
+    peer = PeerPort(remote_only=True)
+    engine = RowSumEngine()
+    runner = ModelRunner(config(), [engine], Metrics(), offload=peer)
+    await runner.start()
+    x, req = request(rows=1)
+    out = await runner.infer(req)
+    np.testing.assert_allclose(out.outputs["y"], x.sum(axis=1), rtol=1e-6)
+    assert engine.sizes == [] and peer.calls == [1]
+    peer.fail = True
+    with pytest.raises(Unavailable, match="offload to the peer failed"):
+        await runner.infer(request()[1])
+    await runner.close()
+
+
+async def test_a_backlog_goes_to_the_peer_and_a_failed_offload_is_retried_locally():
+    peer = PeerPort(latency_s=0.001)
+    engine = RowSumEngine(delay_s=0.3)  # one slow local batch at a time
+    runner = ModelRunner(config(max_queue_delay_ms=1.0), [engine], Metrics(), offload=peer)
+    runner.exec_time.observe(8, 0.3)  # what warm-up would have measured
+    await runner.start()
+    # Fill both local slots with long work, then send requests whose deadline (100 ms) the
+    # local engine cannot meet: they must go to the peer.
+    blockers = [asyncio.create_task(runner.infer(request(rows=8, seed=i, timeout_s=5)[1])) for i in range(2)]
+    await asyncio.sleep(0.02)
+    xs, reqs = zip(*(request(seed=10 + i, timeout_s=0.1) for i in range(6)))
+    outs = await asyncio.gather(*(runner.infer(r) for r in reqs))
+    for x, out in zip(xs, outs):
+        np.testing.assert_allclose(out.outputs["y"], x.sum(axis=1), rtol=1e-6)
+    assert sum(peer.calls) == 6
+    assert runner.statistics()["offloaded"].get("backlog/ok") == 6
+    await asyncio.gather(*blockers)
+    # The peer fails: the request goes back to the local queue and is answered when a slot
+    # frees. (The local estimate for size 2 is pessimistic here, so the backlog rule first
+    # sends it to the peer; in reality a size-2 batch is fast.)
+    peer.fail = True
+    blockers = [asyncio.create_task(runner.infer(request(rows=8, seed=i, timeout_s=5)[1])) for i in range(2)]
+    await asyncio.sleep(0.02)
+    x, req = request(seed=99, timeout_s=0.8)
+    runner.exec_time.observe(2, 0.3)
+    out = await runner.infer(req)
+    np.testing.assert_allclose(out.outputs["y"], x.sum(axis=1), rtol=1e-6)
+    assert runner.statistics()["offloaded"].get("backlog/failed_local_retry") == 1
+    await asyncio.gather(*blockers)
+    await runner.close()
