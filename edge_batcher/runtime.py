@@ -181,7 +181,8 @@ class Runtime:
                 runner = service_class(mc.backend)(mc, self)
             else:
                 runner = await loop.run_in_executor(
-                    None, load_runner, mc, self.metrics, self.config.models.warmup, self.budget
+                    None, load_runner, mc, self.metrics, self.config.models.warmup, self.budget,
+                    self.config.memory.calibrate_at_warmup,
                 )
             await runner.start()
             self.runners[mc.name] = runner
