@@ -1,0 +1,1 @@
+"""Test doubles for parts that cannot run here (TensorRT and CUDA need an NVIDIA GPU)."""

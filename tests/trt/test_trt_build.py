@@ -1,0 +1,218 @@
+"""build-engine: argument handling (pure), and builds through FakeTensorRT."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 on JetPack 6
+    import tomli as tomllib
+
+from edge_batcher.config import load_model_config
+from edge_batcher.engines import trt_build
+from edge_batcher.engines.tensorrt import TensorRTSettings, tensorrt_settings
+from edge_batcher.errors import ConfigError
+from tests.fakes.fake_tensorrt import FakeTensorRT, tensorrt_installed
+
+
+def build_args(*argv: str):
+    return trt_build.make_parser().parse_args(list(argv))
+
+
+def request(repo, *argv, source="vibration"):
+    return trt_build.request_from_args(build_args(str(repo / source / "model.onnx"), *argv))
+
+
+# ------------------------------------------------------------------ arguments -> BuildRequest
+
+
+def test_defaults_come_from_the_source_model(repo):
+    r = request(repo)
+    assert r.model == "vibration-trt"
+    assert r.repository == repo and r.model_dir == repo / "vibration-trt"
+    assert r.plan_path == repo / "vibration-trt" / "model.plan"
+    assert r.sizes == [2, 4, 8]
+    assert (r.precision, r.profile_mode, r.dla_core, r.gpu_fallback) == ("fp32", "per_size", -1, True)
+    assert [p.inputs["signal"].opt for p in r.profiles] == [(2, 256), (4, 256), (8, 256)]
+    assert r.source is not None and r.source.name == "vibration"
+
+
+def test_explicit_options(repo, tmp_path):
+    r = request(repo, "--model", "vib16", "--repository", str(tmp_path / "other"), "--sizes", "1, 2,4",
+                "--fp16", "--range", "--workspace-mb", "256", "--timing-cache", str(tmp_path / "t.cache"))
+    assert (r.model, r.repository, r.sizes, r.precision, r.profile_mode, r.workspace_mb) == (
+        "vib16", tmp_path / "other", [1, 2, 4], "fp16", "range", 256)
+    (p,) = r.profiles
+    assert (p.inputs["signal"].min, p.inputs["signal"].max) == ((1, 256), (4, 256))
+    s = r.settings()
+    assert (s.precision, s.profiles, s.workspace_mb, s.timing_cache) == ("fp16", "range", 256, str(tmp_path / "t.cache"))
+    assert s.onnx == "../../engines/vibration/model.onnx"
+
+
+def test_a_bare_onnx_file_gets_default_sizes_and_a_name_from_the_file(tmp_path, repo):
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / "detector.onnx").write_bytes((repo / "vibration" / "model.onnx").read_bytes())
+    r = trt_build.request_from_args(build_args(str(lone / "detector.onnx"), "--repository", str(tmp_path / "e")))
+    assert (r.model, r.sizes, r.source) == ("detector-trt", [2, 4, 8], None)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--sizes", "4,2"], "ascending distinct positive"),
+        (["--sizes", "2,2"], "ascending distinct positive"),
+        (["--sizes", "0,2"], "ascending distinct positive"),
+        (["--sizes", "two"], "comma-separated integers"),
+        (["--dla-core", "0"], "--dla-core needs --fp16 or --int8"),
+        (["--dla-core", "0", "--fp16", "--range"], "cannot use --range"),
+        (["--dla-core", "-2", "--fp16"], "DLA core number >= 0"),
+        (["--no-gpu-fallback"], "only applies with --dla-core"),
+        (["--int8"], "--int8 needs --calibration-cache"),
+        (["--calibration-cache", "x.cache"], "only applies with --int8"),
+        (["--int8", "--calibration-cache", "/nonexistent/calib.cache"], "not found"),
+        (["--workspace-mb", "-1"], ">= 0"),
+        (["--timing-cache", "/nonexistent/dir/t.cache"], "does not exist"),
+        (["--model", "bad name"], "letters, digits"),
+    ],
+)
+def test_invalid_arguments_are_config_errors(repo, argv, message):
+    with pytest.raises(ConfigError, match=message):
+        request(repo, *argv)
+
+
+def test_int8_needs_the_users_calibration_cache_and_says_so(repo):
+    with pytest.raises(ConfigError) as info:
+        request(repo, "--int8")
+    assert "your own representative data" in str(info.value) and "Q/DQ" in str(info.value)
+
+
+def test_int8_with_a_calibration_cache(repo, tmp_path):
+    cache = tmp_path / "calib.cache"
+    cache.write_bytes(b"TRT-100300-EntropyCalibration2\n")
+    r = request(repo, "--int8", "--calibration-cache", str(cache))
+    assert r.precision == "int8" and r.calibration_cache == cache
+
+
+def test_missing_onnx_and_existing_outputs(repo, build):
+    with pytest.raises(ConfigError, match="ONNX model not found"):
+        trt_build.request_from_args(build_args(str(repo / "nope.onnx")))
+    build()
+    with pytest.raises(ConfigError, match="model.plan exists; pass --force"):
+        request(repo)
+    assert request(repo, "--force").force
+
+
+def test_an_unplannable_input_is_refused_before_tensorrt(repo):
+    # seqsum's x is [batch, seq]; without its [sequence] table the seq axis has no sizes to plan
+    (repo / "seqsum" / "model.toml").write_text('backend = "onnxruntime"\n')
+    with pytest.raises(ConfigError, match="'x' dimension 1 is dynamic"):
+        request(repo, source="seqsum")
+
+
+# ------------------------------------------------------------------ builds with the fake
+
+
+def test_build_writes_plan_record_and_a_loadable_model_toml(repo, build, trt):
+    model_dir = build("--fp16")
+    assert (model_dir / "model.plan").is_file()
+    info = json.loads((model_dir / "model.plan.json").read_text())
+    assert info["tensorrt"] == trt.__version__ and info["precision"] == "fp16" and info["fake"] is True
+    assert info["profiles"][1] == {"signal": {"min": [4, 256], "opt": [4, 256], "max": [4, 256]}}
+    assert len(info["onnx_sha256"]) == 64
+    raw = tomllib.loads((model_dir / "model.toml").read_text())
+    assert raw["backend"] == "tensorrt" and raw["model_file"] == "model.plan"
+    assert raw["batching"]["preferred_batch_sizes"] == [2, 4, 8]
+    assert raw["batching"]["queue_capacity"] == 1024  # inherited from the source model.toml
+    assert raw["labels"] == ["normal", "imbalance", "misalignment", "bearing_fault"]
+    assert raw["tensorrt"]["precision"] == "fp16" and raw["tensorrt"]["onnx"] == "../vibration/model.onnx"
+    config = load_model_config(model_dir)
+    assert config.backend == "tensorrt"
+    s = tensorrt_settings(config)
+    assert isinstance(s, TensorRTSettings) and s.precision == "fp16" and s.profiles == "per_size"
+    assert (model_dir / s.onnx).resolve() == (repo / "vibration" / "model.onnx").resolve()
+
+
+def test_sequence_settings_are_carried_over(repo, build):
+    config = load_model_config(build(source="seqsum"))
+    assert config.sequence is not None and config.sequence.buckets == [8, 16, 32]
+    assert config.model_file == "model.plan"
+
+
+def test_timing_cache_is_loaded_and_saved(repo, build, tmp_path):
+    cache = tmp_path / "timing.cache"
+    build("--timing-cache", str(cache), model="a")
+    first = json.loads(cache.read_bytes())
+    assert len(first) == 3  # one entry per profile
+    build("--timing-cache", str(cache), "--sizes", "2,4,8,16", model="b")
+    second = json.loads(cache.read_bytes())
+    assert set(first) < set(second) and len(second) == 4  # reused the three, added one
+
+
+def test_progress_is_printed_by_phase(repo, trt, cuda, capsys):
+    rc = trt_build.build_engine_main([str(repo / "vibration" / "model.onnx")], trt, cuda)
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "building vibration-trt: 3 profile(s) (profile 0: signal 2x256; profile 1: signal 4x256; " in out
+    assert "Building engine (3 steps)" in out and "  Building optimization profiles (3 steps)" in out
+    assert "Building engine: done in" in out
+    assert f"wrote {repo / 'vibration-trt' / 'model.plan'}" in out
+
+
+def test_quiet_build_prints_no_phases(repo, trt, cuda, capsys):
+    assert trt_build.build_engine_main([str(repo / "vibration" / "model.onnx"), "--quiet"], trt, cuda) == 0
+    assert "Building engine" not in capsys.readouterr().out
+
+
+def test_dla_build_sets_the_builder_up_for_dla(repo, build, cuda):
+    agx = FakeTensorRT(cuda, num_dla_cores=2)
+    model_dir = build("--fp16", "--dla-core", "1", trt_module=agx)
+    plan = json.loads((model_dir / "model.plan").read_text())
+    assert plan["dla_core"] == 1 and plan["precision"] == "fp16"
+    assert tomllib.loads((model_dir / "model.toml").read_text())["tensorrt"]["dla_core"] == 1
+
+
+def test_a_tensorrt_build_failure_exits_1_with_tensorrts_reason(repo, trt, cuda, capsys):
+    # An Orin Nano has no DLA; without GPU fallback TensorRT refuses.
+    rc = trt_build.build_engine_main(
+        [str(repo / "vibration" / "model.onnx"), "--fp16", "--dla-core", "0", "--no-gpu-fallback", "--quiet"], trt, cuda)
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "could not build vibration-trt" in err and "GPU fallback is off" in err
+    assert not (repo / "vibration-trt").exists()
+
+
+def test_bad_arguments_exit_2(repo, trt, cuda, capsys):
+    assert trt_build.build_engine_main([str(repo / "vibration" / "model.onnx"), "--dla-core", "0"], trt, cuda) == 2
+    assert "--dla-core needs --fp16" in capsys.readouterr().err
+
+
+def test_without_tensorrt_the_cli_says_it_is_needed_and_exits_2(repo, capsys):
+    if tensorrt_installed():
+        pytest.skip("tensorrt is installed here")
+    assert trt_build.build_engine_main([str(repo / "vibration" / "model.onnx")]) == 2
+    err = capsys.readouterr().err
+    assert "TensorRT is needed" in err and "JetPack" in err and "pip install 'edge-batcher[tensorrt]'" in err
+
+
+def test_tools_build_engine_script_runs(repo):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "tools" / "build_engine.py"
+    proc = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True)
+    assert proc.returncode == 0 and "--dla-core" in proc.stdout and "--timing-cache" in proc.stdout
+    if not tensorrt_installed():
+        proc = subprocess.run([sys.executable, str(script), str(repo / "vibration" / "model.onnx")],
+                              capture_output=True, text=True)
+        assert proc.returncode == 2 and "TensorRT is needed" in proc.stderr
+
+
+def test_model_toml_values_are_valid_toml():
+    assert trt_build._toml_value('say "hi"\\') == '"say \\"hi\\"\\\\"'
+    assert tomllib.loads(f"x = {trt_build._toml_value(['a', 1, 2.5, True])}")["x"] == ["a", 1, 2.5, True]
