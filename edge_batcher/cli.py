@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_estimate_arguments(p)
     p.set_defaults(func=cmd_estimate)
 
+    p = sub.add_parser("build-engine", help="build a TensorRT engine with profiles for the preferred sizes (docs/tensorrt.md)")
+    from .engines import trt_build
+
+    trt_build.add_arguments(p)
+    p.set_defaults(func=trt_build.run)
+
     p = sub.add_parser("bench", help="measure throughput and latency (see docs/benchmarks.md)")
     from .bench import add_arguments
 

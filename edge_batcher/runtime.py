@@ -65,9 +65,11 @@ def footprint_source(config: ModelConfig, engine):
     """Where a model's memory figures come from: the engine itself when it knows them exactly
     (TensorRT), else the ONNX liveness estimator, else nothing (no admission control)."""
     if hasattr(engine, "memory_footprint"):
+        # TensorRT allocates weights, activations and I/O buffers once at load: all of it is
+        # resident, and a batch itself allocates nothing more (per_batch, normally 0).
         def from_engine(batch: int, seq_len: int | None) -> Footprint:
-            f = engine.memory_footprint(batch)
-            return Footprint(weights=f["weights"], activations=f["activations"], kv_cache=f.get("kv_cache", 0))
+            f = engine.memory_footprint(batch, seq_len)
+            return Footprint(weights=f["resident"], activations=f["per_batch"], kv_cache=0)
 
         return from_engine, None
     if config.model_path.suffix == ".onnx":
