@@ -1,9 +1,10 @@
 """The daemon's lifecycle, in order:
 
-  load config -> load + warm up engines -> listen (Unix socket, optional TCP)
+  load config -> load + warm up engines -> listen (Unix socket, optional TCP) -> MQTT (if enabled)
   -> sd_notify READY=1 -> serve until SIGTERM/SIGINT
-  -> drain: stop listening, refuse new requests, answer everything queued and in flight
-     (up to server.drain_timeout_s) -> STOPPING=1 -> close engines -> remove the socket file.
+  -> drain: stop listening, take no new MQTT messages (they stay unacked for redelivery), answer
+     everything queued and in flight (up to server.drain_timeout_s), publish and ack those MQTT
+     replies, disconnect -> STOPPING=1 -> close engines -> remove the socket file.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .runtime import Runtime
 from .systemd import Notifier, listen_fds, watchdog_interval
 from .transports.http import create_app
 from .transports.listeners import bind_tcp_socket, bind_unix_socket, remove_socket_file
+from .transports.mqtt import MqttTransport
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +36,9 @@ class Daemon:
         self._sites: list[web.BaseSite] = []
         self._socket_file: tuple[Path, int] | None = None  # (path, inode) we created
         self._tasks: list[asyncio.Task] = []
+        # Built here so a bad [mqtt] section stops start-up before any model loads.
+        self.mqtt = MqttTransport(config.mqtt, self.runtime) if config.mqtt.enabled else None
+        self.health_checks = {"mqtt": (lambda: self.mqtt.state) if self.mqtt else (lambda: "disabled")}
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -47,6 +52,8 @@ class Daemon:
         try:
             await self.runtime.start()
             await self._listen()
+            if self.mqtt is not None:
+                await self.mqtt.start()
             self.notifier.ready(self._status_line())
             interval = watchdog_interval()
             if interval:
@@ -60,6 +67,8 @@ class Daemon:
             for task in self._tasks:
                 task.cancel()
             await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self.mqtt is not None:
+                await self.mqtt.stop(timeout=0)  # already stopped after a drain; at once after an error
             if self._web is not None:
                 await self._web.cleanup()
             await self.runtime.close()
@@ -71,7 +80,7 @@ class Daemon:
 
     async def _listen(self) -> None:
         s = self.config.server
-        app = create_app(self.runtime, max_body_bytes=s.max_body_bytes)
+        app = create_app(self.runtime, max_body_bytes=s.max_body_bytes, health_checks=self.health_checks)
         # Handlers still running at cleanup were already answered by the drain; don't wait long.
         self._web = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=5.0)
         await self._web.setup()
@@ -99,7 +108,11 @@ class Daemon:
     async def _drain(self) -> None:
         for site in self._sites:
             await site.stop()  # no new connections; open ones finish their requests
+        if self.mqtt is not None:
+            self.mqtt.pause()  # new messages stay unacked: the broker redelivers them after the restart
         await self.runtime.drain(self.config.server.drain_timeout_s)
+        if self.mqtt is not None:
+            await self.mqtt.stop()  # publishes and acks the replies of what the drain answered
 
     async def _watchdog(self, interval: float) -> None:
         # Sent from the event loop on purpose: if the loop is stuck, pings stop and systemd restarts us.
@@ -111,7 +124,7 @@ class Daemon:
     def _status_line(self) -> str:
         runners = self.runtime.runners
         depth = sum(len(r.queue) for r in runners.values())
-        return f"{len(runners)} model(s), {depth} queued"
+        return f"{len(runners)} model(s), {depth} queued, mqtt {self.health_checks['mqtt']()}"
 
 
 def serve(config: DaemonConfig) -> None:

@@ -21,6 +21,8 @@ from ..types import InferRequest
 log = logging.getLogger(__name__)
 
 RUNTIME = web.AppKey("runtime", Runtime)
+# name -> callable giving a component's state for GET /v2/health/ready, e.g. {"mqtt": lambda: "connected"}.
+HEALTH_CHECKS = web.AppKey("health_checks", dict)
 # Decoding a body this large would hold the event loop for milliseconds: do it on a thread.
 DECODE_OFF_LOOP_BYTES = 256 * 1024
 
@@ -53,9 +55,12 @@ async def error_middleware(request: web.Request, handler):
         return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
-def create_app(runtime: Runtime, *, max_body_bytes: int, middlewares: tuple = ()) -> web.Application:
+def create_app(
+    runtime: Runtime, *, max_body_bytes: int, middlewares: tuple = (), health_checks: dict | None = None
+) -> web.Application:
     app = web.Application(client_max_size=max_body_bytes, middlewares=[error_middleware, *middlewares])
     app[RUNTIME] = runtime
+    app[HEALTH_CHECKS] = health_checks if health_checks is not None else {}
     app.add_routes([
         web.get("/v2/health/live", live),
         web.get("/v2/health/ready", ready),
@@ -78,6 +83,10 @@ async def live(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     body = {"ready": runtime.ready, "models": sorted(runtime.runners)}
+    # Other transports' states ("mqtt": "connected" | "disconnected" | "disabled") are reported but
+    # do not decide readiness: while the broker is away this socket still serves every model.
+    for name, check in request.app[HEALTH_CHECKS].items():
+        body[name] = check()
     return web.json_response(body, status=200 if runtime.ready else 503)
 
 

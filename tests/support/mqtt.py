@@ -4,6 +4,7 @@ an event loop on its own thread, and `edge-batcher serve` subprocesses. Fixtures
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import queue
@@ -48,15 +49,19 @@ def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
 class Broker:
     """mosquitto on a private loopback port with its own config file; restartable on that port."""
 
-    def __init__(self, home: Path, port: int | None = None, persistence: bool = False):
+    def __init__(self, home: Path, port: int | None = None, persistence: bool = False, extra: list[str] = ()):
         self.home = home
+        home.mkdir(parents=True, exist_ok=True)
         self.port = port or free_port()
         self.config = home / "mosquitto.conf"
         self.log = home / "mosquitto.log"
         lines = [f"listener {self.port} 127.0.0.1", "allow_anonymous true",
-                 f"persistence {'true' if persistence else 'false'}"]
+                 f"persistence {'true' if persistence else 'false'}", "set_tcp_nodelay true"]
         if persistence:
             lines.append(f"persistence_location {home}/")
+        lines += list(extra)  # e.g. TLS: cafile/certfile/keyfile
+        if os.geteuid() == 0:  # stay root: the files live in the test's private (0700) tmp directory
+            lines.append("user root")
         self.config.write_text("\n".join(lines) + "\n")
         self.proc: subprocess.Popen | None = None
 
@@ -86,6 +91,21 @@ class Broker:
                 self.proc.kill()
                 self.proc.wait()
         self.proc = None
+
+
+def make_tls_files(directory: Path) -> dict[str, Path]:
+    """A throwaway CA and a server certificate for 127.0.0.1/localhost signed by it (openssl CLI)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    f = {name: directory / name for name in ("ca.crt", "ca.key", "server.crt", "server.key", "server.csr", "san.ext")}
+    f["san.ext"].write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    run = functools.partial(subprocess.run, check=True, capture_output=True)
+    run(["openssl", "req", "-x509", *ec, "-keyout", f["ca.key"], "-out", f["ca.crt"], "-days", "1",
+         "-subj", "/CN=edge-batcher test CA"])
+    run(["openssl", "req", *ec, "-keyout", f["server.key"], "-out", f["server.csr"], "-subj", "/CN=localhost"])
+    run(["openssl", "x509", "-req", "-in", f["server.csr"], "-CA", f["ca.crt"], "-CAkey", f["ca.key"],
+         "-CAcreateserial", "-out", f["server.crt"], "-days", "1", "-extfile", f["san.ext"]])
+    return f
 
 
 class LoopThread:
@@ -124,7 +144,7 @@ class TestClient:
 
     __test__ = False  # not a test class
 
-    def __init__(self, port: int, client_id: str | None = None):
+    def __init__(self, port: int, client_id: str | None = None, tls_ca: str | None = None):
         self.client = Client(CallbackAPIVersion.VERSION2, client_id=client_id or f"tc-{uuid.uuid4().hex[:8]}",
                              protocol=MQTTProtocolVersion.MQTTv5)
         self.messages: queue.Queue[Reply] = queue.Queue()
@@ -134,6 +154,8 @@ class TestClient:
         self.client.on_connect = lambda c, u, f, rc, p: self._connected.set()
         self.client.on_message = self._on_message
         self.client.on_subscribe = self._on_subscribe
+        if tls_ca:
+            self.client.tls_set(ca_certs=tls_ca)
         self.client.connect("127.0.0.1", port, keepalive=10)
         self.client.loop_start()
         assert self._connected.wait(10), "test client did not connect"
