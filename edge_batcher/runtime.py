@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
+from typing import Callable
 
 from .config import DaemonConfig, MemorySettings, ModelConfig, load_model_config
 from .engines.registry import create_engine, is_service, service_class
@@ -93,14 +94,16 @@ def load_runner(config: ModelConfig, metrics: Metrics, warmup: bool = True,
             engine.load()
             engines.append(engine)
         admission = None
+        resident = 0
         if budget is not None:
             footprint, estimator = footprint_source(config, engines[0])
             if footprint is not None:
                 if calibrate and estimator is not None:
                     _calibrate(config, estimator)
                 admission = Admission(config.name, budget, footprint, estimator)
-                _publish_estimates(config, admission, metrics, budget)
+                resident = _publish_estimates(config, admission, metrics, budget)
         runner = ModelRunner(config, engines, metrics, admission=admission)
+        runner.resident_bytes = resident  # given back to the budget when the model is unloaded
         _check_batching(config, runner)
         if warmup:
             runner.warm_up()
@@ -122,9 +125,9 @@ def _calibrate(config: ModelConfig, estimator) -> None:
              "measured" if result.applied else f"not applied: {result.reason}")
 
 
-def _publish_estimates(config: ModelConfig, admission: Admission, metrics: Metrics, budget: MemoryBudget) -> None:
+def _publish_estimates(config: ModelConfig, admission: Admission, metrics: Metrics, budget: MemoryBudget) -> int:
     """Compute (and cache) the footprint of every preferred size and bucket now, at load,
-    count the weights as resident, and publish the figures as metrics."""
+    count the weights as resident, and publish the figures as metrics. Returns the resident bytes."""
     buckets = config.sequence.buckets if config.sequence else [0]
     weights = 0
     for size in config.batching.preferred_batch_sizes:
@@ -134,13 +137,15 @@ def _publish_estimates(config: ModelConfig, admission: Admission, metrics: Metri
             label = str(size) if not bucket else f"{size}x{bucket}"
             for part, value in (("weights", f.weights), ("activations", f.activations), ("kv_cache", f.kv_cache)):
                 metrics.memory_estimate_bytes.set(value, model=config.name, batch=label, part=part)
-    budget.resident += weights * config.instances
+    resident = weights * config.instances
+    budget.resident += resident
     budget.refresh()
     log.info(
         "model %s: weights %.1f MiB x %d instance(s); largest batch needs %.1f MiB; budget available %.1f MiB",
         config.name, weights / MiB, config.instances,
         admission.batch_bytes(config.batching.preferred_batch_sizes[-1], buckets[-1]) / MiB, budget.available() / MiB,
     )
+    return resident
 
 
 def _check_batching(config: ModelConfig, runner: ModelRunner) -> None:
@@ -155,6 +160,18 @@ def _check_batching(config: ModelConfig, runner: ModelRunner) -> None:
             )
 
 
+def model_fingerprint(config: ModelConfig) -> tuple:
+    """What identifies a model's version on disk: its model.toml text and its model file's
+    size and modification time. A reload reloads the models whose fingerprint changed."""
+    toml = (config.directory / "model.toml").read_bytes()
+    try:
+        st = config.model_path.stat()
+        model_file = (st.st_size, st.st_mtime_ns)
+    except OSError:
+        model_file = None
+    return (toml, model_file)
+
+
 class Runtime:
     def __init__(self, config: DaemonConfig, metrics: Metrics | None = None):
         self.config = config
@@ -163,6 +180,10 @@ class Runtime:
         self.budget = build_budget(config.memory)
         self.metrics.collectors.append(lambda: self.metrics.memory_budget_bytes.set(self.budget.available()))
         self.ready = False
+        # Called with a model's name before it loads (the daemon extends systemd's start timeout).
+        self.on_model_loading: Callable[[str], None] | None = None
+        self._fingerprints: dict[str, tuple] = {}
+        self._reload_lock = asyncio.Lock()
 
     async def start(self) -> None:
         """Load every model (in a worker thread: loads block for seconds) and start its runner."""
@@ -177,22 +198,75 @@ class Runtime:
         )
         if not configs:
             log.warning("model repository %s holds no models", self.config.models.repository)
-        # Engine models first: services (pipelines, generators) use them.
-        for mc in sorted(configs, key=lambda c: is_service(c.backend)):
-            if is_service(mc.backend):
-                runner = service_class(mc.backend)(mc, self)
-            else:
-                runner = await loop.run_in_executor(
-                    None, load_runner, mc, self.metrics, self.config.models.warmup, self.budget,
-                    self.config.memory.calibrate_at_warmup,
-                )
-            await runner.start()
-            self.runners[mc.name] = runner
-            log.info(
-                "model %s loaded: %d instance(s), sizes %s, inputs %s", mc.name, mc.instances,
-                mc.batching.preferred_batch_sizes, ", ".join(f"{s.name}{list(s.shape)}:{s.datatype}" for s in runner.inputs),
-            )
+        for mc in _services_last(configs):
+            self.runners[mc.name] = await self._load(mc)
         self.ready = True
+
+    async def _load(self, mc: ModelConfig):
+        loop = asyncio.get_running_loop()
+        if self.on_model_loading is not None:
+            self.on_model_loading(mc.name)
+        if is_service(mc.backend):
+            runner = service_class(mc.backend)(mc, self)
+        else:
+            runner = await loop.run_in_executor(
+                None, load_runner, mc, self.metrics, self.config.models.warmup, self.budget,
+                self.config.memory.calibrate_at_warmup,
+            )
+        await runner.start()
+        self._fingerprints[mc.name] = await loop.run_in_executor(None, model_fingerprint, mc)
+        log.info(
+            "model %s loaded: %d instance(s), sizes %s, inputs %s", mc.name, mc.instances,
+            mc.batching.preferred_batch_sizes, ", ".join(f"{s.name}{list(s.shape)}:{s.datatype}" for s in runner.inputs),
+        )
+        return runner
+
+    async def _unload(self, runner, timeout: float) -> None:
+        """Answer what the runner has queued and in flight, then free it."""
+        await runner.drain(timeout)
+        await runner.close()
+        resident = getattr(runner, "resident_bytes", 0)
+        if resident:
+            self.budget.resident -= resident
+            self.budget.refresh()
+
+    async def reload(self) -> dict[str, list[str]]:
+        """Re-read the model repository (SIGHUP): load added models, reload changed ones, unload
+        removed ones. Requests for the other models are untouched. A changed model keeps serving
+        on its old version until the new one is loaded and warm; then new requests go to the new
+        one and the old one finishes what it has. A model that fails to load is logged and the
+        old version (if any) stays."""
+        async with self._reload_lock:
+            loop = asyncio.get_running_loop()
+            configs = await loop.run_in_executor(
+                None, discover_models, Path(self.config.models.repository), self.config.models.load
+            )
+            wanted = {mc.name: mc for mc in configs}
+            changes: dict[str, list[str]] = {"added": [], "changed": [], "removed": [], "failed": []}
+            for mc in _services_last(configs):
+                if mc.name in self.runners:
+                    fingerprint = await loop.run_in_executor(None, model_fingerprint, mc)
+                    if fingerprint == self._fingerprints.get(mc.name):
+                        continue
+                kind = "changed" if mc.name in self.runners else "added"
+                try:
+                    new = await self._load(mc)
+                except Exception as exc:  # a bad new version must not take the daemon down
+                    log.error("reload: model %s could not be loaded, keeping what was there: %s", mc.name, exc)
+                    changes["failed"].append(mc.name)
+                    continue
+                old = self.runners.get(mc.name)
+                self.runners[mc.name] = new
+                if old is not None:
+                    await self._unload(old, self.config.server.drain_timeout_s)
+                changes[kind].append(mc.name)
+            for name in [n for n in self.runners if n not in wanted]:
+                old = self.runners.pop(name)
+                self._fingerprints.pop(name, None)
+                await self._unload(old, self.config.server.drain_timeout_s)
+                changes["removed"].append(name)
+            log.info("reload: %s", ", ".join(f"{k} {v}" for k, v in changes.items() if v) or "no changes")
+            return changes
 
     def runner(self, name: str) -> ModelRunner:
         try:
@@ -213,3 +287,8 @@ class Runtime:
         for runner in self.runners.values():
             await runner.close()
         self.runners.clear()
+
+
+def _services_last(configs: list[ModelConfig]) -> list[ModelConfig]:
+    """Engine models first: services (pipelines, generators) use them."""
+    return sorted(configs, key=lambda c: is_service(c.backend))
