@@ -1,7 +1,7 @@
 """The daemon's lifecycle, in order:
 
   load config -> load + warm up engines -> listen (Unix socket, optional TCP) -> MQTT (if enabled)
-  -> sd_notify READY=1 -> serve until SIGTERM/SIGINT
+  -> sd_notify READY=1 -> serve until SIGTERM/SIGINT (SIGHUP: reload the model repository)
   -> drain: stop listening, take no new MQTT messages (they stay unacked for redelivery), answer
      everything queued and in flight (up to server.drain_timeout_s), publish and ack those MQTT
      replies, disconnect -> STOPPING=1 -> close engines -> remove the socket file.
@@ -25,6 +25,10 @@ from .transports.mqtt import MqttTransport
 
 log = logging.getLogger(__name__)
 
+# Each model load asks systemd for this much more start-up time (EXTEND_TIMEOUT_USEC), so a
+# long load or warm-up is not killed by TimeoutStartSec while the daemon is visibly progressing.
+LOAD_TIMEOUT_EXTENSION_S = 300.0
+
 
 class Daemon:
     def __init__(self, config: DaemonConfig):
@@ -43,17 +47,40 @@ class Daemon:
     def request_stop(self) -> None:
         self._stop.set()
 
+    def request_reload(self) -> None:
+        self._tasks.append(asyncio.create_task(self._reload()))
+
+    async def _reload(self) -> None:
+        self.notifier.reloading("reloading the model repository")
+        try:
+            await self.runtime.reload()
+        except Exception:  # e.g. the repository became unreadable: keep serving what is loaded
+            log.exception("reload failed; still serving the models loaded before")
+        self.notifier.ready(self._status_line())
+
+    def _model_loading(self, name: str) -> None:
+        self.notifier.extend_timeout(LOAD_TIMEOUT_EXTENSION_S)
+        self.notifier.status(f"loading model {name}")
+
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         c = self.config
         log.info("edge-batcher starting: config %s, model repository %s", c.source, c.models.repository)
+        log.info(
+            "transports: unix socket %s, tcp %s, mqtt %s; offload %s",
+            c.socket_path(), c.server.http or "off",
+            f"{c.mqtt.host}:{c.mqtt.port}" if c.mqtt.enabled else "off",
+            ", ".join(p.name or p.url for p in c.offload.peers) if c.offload.enabled else "off",
+        )
+        self.runtime.on_model_loading = self._model_loading
         try:
             await self.runtime.start()
             await self._listen()
             if self.mqtt is not None:
                 await self.mqtt.start()
+            loop.add_signal_handler(signal.SIGHUP, self.request_reload)  # only once serving
             self.notifier.ready(self._status_line())
             interval = watchdog_interval()
             if interval:
@@ -74,7 +101,7 @@ class Daemon:
             await self.runtime.close()
             if self._socket_file is not None:
                 remove_socket_file(*self._socket_file)
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
             log.info("stopped")
 

@@ -161,6 +161,10 @@ class Metrics:
         self.oom_retries_total = Counter(
             "oom_retries_total", "Batches split and retried after the engine ran out of memory.", ("model",)
         )
+        self.process_resident_bytes = Gauge("process_resident_bytes", "Resident memory of the daemon process.")
+        self.device_memory_bytes = Gauge(
+            "device_memory_bytes", "Device memory as the memory probe last read it.", ("kind",)
+        )
         self._padding = {}  # model -> [padding rows, total rows]
         # Called before each render: gauges read from elsewhere (the memory budget) update here.
         self.collectors: list = []

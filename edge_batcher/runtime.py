@@ -178,12 +178,23 @@ class Runtime:
         self.metrics = metrics or Metrics()
         self.runners: dict[str, ModelRunner] = {}
         self.budget = build_budget(config.memory)
-        self.metrics.collectors.append(lambda: self.metrics.memory_budget_bytes.set(self.budget.available()))
+        self.metrics.collectors.append(self._collect_memory)
         self.ready = False
         # Called with a model's name before it loads (the daemon extends systemd's start timeout).
         self.on_model_loading: Callable[[str], None] | None = None
         self._fingerprints: dict[str, tuple] = {}
         self._reload_lock = asyncio.Lock()
+
+    def _collect_memory(self) -> None:
+        import psutil
+
+        m = self.metrics
+        m.memory_budget_bytes.set(self.budget.available())
+        m.process_resident_bytes.set(psutil.Process().memory_info().rss)
+        snapshot = self.budget.snapshot
+        if snapshot is not None:
+            m.device_memory_bytes.set(snapshot.total_bytes, kind="total")
+            m.device_memory_bytes.set(snapshot.free_bytes, kind="free")
 
     async def start(self) -> None:
         """Load every model (in a worker thread: loads block for seconds) and start its runner."""

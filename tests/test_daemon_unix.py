@@ -223,23 +223,36 @@ def test_variable_length_requests_batch_by_bucket(start_daemon):
 
 def test_sigterm_drains_queued_requests_before_exit(start_daemon):
     d = start_daemon()
-    slow = windows(1)
-    slow[0, 0] = SLOW
+    slow = windows(16)
+    slow[:, 0] = SLOW
     answers: list = []
+
+    async def queue_depth(client) -> int:
+        return (await client.stats("faulty"))["model_stats"][0]["queue_depth"]
+
+    async def wait_for_depth(client, depth: int) -> None:
+        for _ in range(300):
+            if await queue_depth(client) == depth:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"queue depth never reached {depth}")
 
     async def run():
         async with AsyncClient(d.url) as client:
-            tasks = [asyncio.create_task(client.infer("faulty", {"signal": slow}, timeout_ms=20000)) for _ in range(2)]
+            # Two slow batches of 8 take both batch slots of the single instance (0.5 s each)...
+            tasks = [asyncio.create_task(client.infer("faulty", {"signal": x[None]}, timeout_ms=20000)) for x in slow]
+            await wait_for_depth(client, 0)
+            # ...so these 20 wait in the queue when SIGTERM arrives.
             tasks += [asyncio.create_task(client.infer("faulty", {"signal": x[None]}, timeout_ms=20000))
                       for x in windows(20, seed=5)]
-            await asyncio.sleep(0.2)  # the slow batches run; the rest wait in the queue
+            await wait_for_depth(client, 20)
             d.proc.send_signal(signal.SIGTERM)
             answers.extend(await asyncio.gather(*tasks, return_exceptions=True))
 
     asyncio.run(run())
     errors = [a for a in answers if isinstance(a, BaseException)]
     assert not errors, errors
-    assert len(answers) == 22
+    assert len(answers) == 36
     assert d.proc.wait(timeout=30) == 0
     assert not d.socket.exists()
     log = d.log_text()
