@@ -1,0 +1,27 @@
+"""The benchmark tool runs every phase and reports coherent figures (no speed thresholds here:
+targets live in the benchmark's own output, see docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_bench_reports_every_phase(model_repo):
+    proc = subprocess.run(
+        [sys.executable, "-m", "edge_batcher.cli", "bench", "--models", str(model_repo), "--duration", "0.5",
+         "--repeat", "1", "--concurrency", "16", "--unix", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["raw_ceiling_rps"] > 0
+    for phase in ("in_process_closed", "in_process_open", "in_process_no_batching", "unix_socket_closed"):
+        p = r[phase]
+        assert p["requests"] > 0 and p["throughput_rps"] > 0, phase
+        assert 0 < p["p50_ms"] <= p["p95_ms"] <= p["p99_ms"], phase
+    assert set(r["in_process_closed"]["batch_sizes"]) <= {"2", "4", "8"}
+    assert set(r["in_process_no_batching"]["batch_sizes"]) == {"1"}
+    assert r["in_process_closed"]["overhead_us_per_request"] > 0
+    assert r["speedup_over_no_batching"] == r["in_process_closed"]["throughput_rps"] / r["in_process_no_batching"]["throughput_rps"]
