@@ -16,9 +16,11 @@ from pathlib import Path
 
 from aiohttp import web
 
-from .config import DaemonConfig, parse_host_port
+from .config import DaemonConfig, parse_host_port, read_secret
+from .errors import ConfigError
 from .runtime import Runtime
 from .systemd import Notifier, listen_fds, watchdog_interval
+from .transports.auth import bearer_auth_middleware, tls_context
 from .transports.http import create_app
 from .transports.listeners import bind_tcp_socket, bind_unix_socket, remove_socket_file
 from .transports.mqtt import MqttTransport
@@ -107,7 +109,16 @@ class Daemon:
 
     async def _listen(self) -> None:
         s = self.config.server
-        app = create_app(self.runtime, max_body_bytes=s.max_body_bytes, health_checks=self.health_checks)
+        middlewares = ()
+        if s.http:
+            # TCP reaches beyond this device: a bearer token is required there (the Unix socket
+            # is guarded by its file mode and needs none).
+            token = read_secret(s.token, s.token_file, "[server] token")
+            if not token:
+                raise ConfigError("[server] http is set: a bearer token is required on TCP; set token_file (or token)")
+            middlewares = (bearer_auth_middleware(token),)
+        app = create_app(self.runtime, max_body_bytes=s.max_body_bytes, health_checks=self.health_checks,
+                         middlewares=middlewares)
         # Handlers still running at cleanup were already answered by the drain; don't wait long.
         self._web = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=5.0)
         await self._web.setup()
@@ -125,8 +136,10 @@ class Daemon:
             log.info("serving the v2 API on unix://%s (mode %s)", path, s.socket_mode)
         if s.http:
             host, port = parse_host_port(s.http, "[server] http")
-            await self._add_site(web.SockSite(self._web, bind_tcp_socket(host, port)))
-            log.info("serving the v2 API on http://%s:%d", host, port)
+            ssl_context = tls_context(s.tls_cert, s.tls_key) if s.tls_cert else None
+            await self._add_site(web.SockSite(self._web, bind_tcp_socket(host, port), ssl_context=ssl_context))
+            log.info("serving the v2 API on %s://%s:%d (bearer token required)",
+                     "https" if ssl_context else "http", host, port)
 
     async def _add_site(self, site: web.BaseSite) -> None:
         await site.start()

@@ -85,7 +85,7 @@ def footprint_source(config: ModelConfig, engine):
 
 
 def load_runner(config: ModelConfig, metrics: Metrics, warmup: bool = True,
-                budget: MemoryBudget | None = None, calibrate: bool = False) -> ModelRunner:
+                budget: MemoryBudget | None = None, calibrate: bool = False, offload=None) -> ModelRunner:
     """Create, load and warm up every instance of one model. Blocking: run off the event loop."""
     engines = []
     try:
@@ -102,7 +102,7 @@ def load_runner(config: ModelConfig, metrics: Metrics, warmup: bool = True,
                     _calibrate(config, estimator)
                 admission = Admission(config.name, budget, footprint, estimator)
                 resident = _publish_estimates(config, admission, metrics, budget)
-        runner = ModelRunner(config, engines, metrics, admission=admission)
+        runner = ModelRunner(config, engines, metrics, admission=admission, offload=offload)
         runner.resident_bytes = resident  # given back to the budget when the model is unloaded
         _check_batching(config, runner)
         if warmup:
@@ -183,6 +183,12 @@ class Runtime:
         # Called with a model's name before it loads (the daemon extends systemd's start timeout).
         self.on_model_loading: Callable[[str], None] | None = None
         self._fingerprints: dict[str, tuple] = {}
+        # Peers for offloading (docs/offload.md); every runner gets it as its offload port.
+        self.offload = None
+        if config.offload.enabled:
+            from .offload.peers import PeerPool
+
+            self.offload = PeerPool(config.offload)
         self._reload_lock = asyncio.Lock()
 
     def _collect_memory(self) -> None:
@@ -209,6 +215,12 @@ class Runtime:
         )
         if not configs:
             log.warning("model repository %s holds no models", self.config.models.repository)
+        if self.offload is not None:
+            await self.offload.start()
+            await self.offload.check_now()  # know which peers are up before the first request
+            for peer in self.offload.status():
+                log.info("offload peer %s (%s): %s", peer["name"], peer["url"],
+                         "healthy" if peer["healthy"] else "not reachable yet")
         for mc in _services_last(configs):
             self.runners[mc.name] = await self._load(mc)
         self.ready = True
@@ -222,7 +234,7 @@ class Runtime:
         else:
             runner = await loop.run_in_executor(
                 None, load_runner, mc, self.metrics, self.config.models.warmup, self.budget,
-                self.config.memory.calibrate_at_warmup,
+                self.config.memory.calibrate_at_warmup, self.offload,
             )
         await runner.start()
         self._fingerprints[mc.name] = await loop.run_in_executor(None, model_fingerprint, mc)
@@ -298,6 +310,8 @@ class Runtime:
         for runner in self.runners.values():
             await runner.close()
         self.runners.clear()
+        if self.offload is not None:
+            await self.offload.stop()
 
 
 def _services_last(configs: list[ModelConfig]) -> list[ModelConfig]:

@@ -171,8 +171,9 @@ def decide(
             if local_done > deadline and peer_done <= deadline and (at <= now or not local_free):
                 return _peer_plan(queue, bq, offload, BACKLOG)
             if not local_free:
-                # Look again when waiting for a local slot would start to miss the deadline.
-                at = deadline - exec_time.estimate(run_size) - busy_s
+                # Look again when waiting for a local slot would start to miss the deadline,
+                # and at half the time left at the latest: a stuck engine's wait keeps growing.
+                at = min(deadline - exec_time.estimate(run_size) - busy_s, now + max((deadline - now) / 2, 0.001))
                 wake_at = at if wake_at is None else min(wake_at, at)
                 continue
         if not local_free:
@@ -186,6 +187,8 @@ def decide(
     due.sort(key=lambda d: (d[0], d[1]))
     _, _, bq, reason, sizes = due[0]
     size = sizes[-1] if bq.rows >= sizes[-1] else cheapest_cover(bq.rows, sizes, exec_time)[0]
+    # Requests are never split: the batch must hold at least the head request's rows.
+    size = max(size, _smallest_at_least(next(bq.in_order()).rows, sizes))
     taken = queue.take(bq.bucket, size)
     rows = sum(r.rows for r in taken)
     plan = BatchPlan(requests=taken, rows=rows, size=_smallest_at_least(rows, sizes), bucket=bq.bucket, reason=reason)

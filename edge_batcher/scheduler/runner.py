@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -116,6 +117,7 @@ class ModelRunner:
         ]
         self._free_slots: list[int] = []  # engine instances with a free batch slot
         self._busy_until = [0.0] * len(engines)  # when each instance's dispatched work should end
+        self._dispatched: list[deque[float]] = [deque() for _ in engines]  # dispatch times in flight
         self._slot_wait = False  # the loop waits for a slot to free (nothing else to plan)
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
@@ -354,6 +356,7 @@ class ModelRunner:
             self._free_slots.remove(instance)
             now = loop.time()
             self._busy_until[instance] = max(now, self._busy_until[instance]) + self.exec_time.estimate(plan.size)
+            self._dispatched[instance].append(now)
             self._local_batches += 1
             self._track(asyncio.create_task(self._run(plan, instance)))
 
@@ -362,9 +365,18 @@ class ModelRunner:
         task.add_done_callback(self._in_flight.discard)
 
     def _busy_seconds(self, now: float) -> float:
-        """Estimated wait before a batch dispatched now would start on a local instance."""
-        candidates = self._free_slots or range(len(self.engines))
-        return max(0.0, min(self._busy_until[i] for i in candidates) - now)
+        """Estimated wait before a batch dispatched now would start on a local instance.
+
+        From the learned execution times; but when an instance's work has overrun its
+        estimate (a stuck or suddenly slow engine), assume it needs as long again as it has
+        already run, rather than trusting an estimate that has proven wrong."""
+        def wait(i: int) -> float:
+            expected = self._busy_until[i] - now
+            if expected <= 0 and self._dispatched[i]:
+                return now - self._dispatched[i][0]
+            return max(0.0, expected)
+
+        return min(wait(i) for i in (self._free_slots or range(len(self.engines))))
 
     async def _next_plan(self, loop: asyncio.AbstractEventLoop) -> policy.BatchPlan:
         assert self._wakeup is not None
@@ -420,6 +432,7 @@ class ModelRunner:
             if reserved:
                 self.admission.release(reserved)
             self._free_slots.append(instance)
+            self._dispatched[instance].popleft()
             self._local_batches -= 1
             if self._free_slots.count(instance) == BATCHES_IN_FLIGHT_PER_INSTANCE:
                 self._busy_until[instance] = 0.0  # idle: nothing of its estimate is left
@@ -482,63 +495,49 @@ class ModelRunner:
             await self._run_batch(policy.BatchPlan(part, rows, size, plan.bucket, reason="oom_split"), instance)
 
     async def _offload_batch(self, plan: policy.BatchPlan) -> None:
-        """Run a plan on a peer. Its inputs are what the clients sent (before any prepare
-        hook), unpadded: rows of requests with equal shapes go in one v2 request, others alone.
-        A peer that rejects the input (4xx) answers the requests with its error; a peer that
-        fails is retried locally while the deadlines allow, else answered 503."""
+        """Run a plan on a peer: each request as its own v2 request, concurrently over the
+        peer's pooled connection, with what the client sent (before any prepare hook). The peer
+        batches them with its own limits, which this daemon cannot know; and a peer's answer
+        about one request (a 4xx) concerns that request alone. A request whose offload fails
+        is retried locally while its deadline allows."""
         loop = asyncio.get_running_loop()
-        pendings = [r.payload for r in plan.requests]
-        timeout_s = min(r.deadline for r in plan.requests) - loop.time()
-        groups: dict[tuple, list[int]] = {}
-        for i, p in enumerate(pendings):
-            groups.setdefault(tuple((k, v.shape[1:], v.dtype.str) for k, v in sorted(p.request.inputs.items())), []).append(i)
 
-        async def send(indexes: list[int]) -> None:
-            inputs = {name: np.concatenate([pendings[i].request.inputs[name] for i in indexes])
-                      for name in pendings[indexes[0]].request.inputs}
-            outputs, _peer = await self.offload.infer(self.name, inputs, timeout_s)
-            self._count_offload(plan.reason, "ok", [plan.requests[i] for i in indexes])
-            offset = 0
-            for i in indexes:
-                p = pendings[i]
-                result = {name: value[offset:offset + p.rows] for name, value in outputs.items()}
-                offset += p.rows
-                if p.request.outputs is not None:
-                    result = {name: result[name] for name in p.request.outputs if name in result}
-                if not p.future.done():
-                    p.future.set_result(InferResponse(self.name, p.request.id, result))
+        async def send(r: QueuedRequest) -> None:
+            p = r.payload
+            outputs, _peer = await self.offload.infer(self.name, p.request.inputs, r.deadline - loop.time())
+            self._count_offload(plan.reason, "ok", [r])
+            if p.request.outputs is not None:
+                outputs = {name: outputs[name] for name in p.request.outputs if name in outputs}
+            if not p.future.done():
+                p.future.set_result(InferResponse(self.name, p.request.id, outputs))
 
-        results = await asyncio.gather(*(send(ix) for ix in groups.values()), return_exceptions=True)
-        for indexes, outcome in zip(groups.values(), results):
-            group = [plan.requests[i] for i in indexes]
-            if not isinstance(outcome, BaseException):
-                continue
-            if isinstance(outcome, (InvalidInput, ModelNotFound)):
-                self._count_offload(plan.reason, "failed", group)
-                for r in group:
-                    self._fail(r.payload, outcome)
-            else:
-                self._offload_failed(plan.reason, group, outcome)
+        results = await asyncio.gather(*(send(r) for r in plan.requests), return_exceptions=True)
+        for r, outcome in zip(plan.requests, results):
+            if isinstance(outcome, BaseException):
+                self._offload_failed(plan.reason, r, outcome)
         self._wake()
 
-    def _offload_failed(self, reason: str, group: list[QueuedRequest], error: BaseException) -> None:
-        loop_now = asyncio.get_running_loop().time()
+    def _offload_failed(self, reason: str, r: QueuedRequest, error: BaseException) -> None:
+        now = asyncio.get_running_loop().time()
         local_ok = reason not in (policy.REMOTE_ONLY, policy.TOO_LARGE)
-        log.warning("model %s: offload of %d request(s) failed: %s%s", self.name, len(group), error,
-                    "; retrying locally" if local_ok else "")
-        for r in group:
-            if local_ok and r.deadline - loop_now > self.exec_time.estimate(self.settings.preferred_batch_sizes[0]):
-                retry = QueuedRequest(priority=r.priority, arrival=r.arrival, deadline=r.deadline, rows=r.rows,
-                                      bucket=r.bucket, payload=r.payload, local_only=True)
-                try:
-                    self.queue.push(retry)
-                    self._count_offload(reason, "failed_local_retry", [r])
-                    continue
-                except Overloaded:
-                    pass
-            self._count_offload(reason, "failed", [r])
-            self._fail(r.payload, Unavailable(f"model {self.name!r}: offload to the peer failed ({error}) "
-                                              "and it cannot run locally in time"))
+        if local_ok and r.deadline - now > self.exec_time.estimate(self.settings.preferred_batch_sizes[0]):
+            retry = QueuedRequest(priority=r.priority, arrival=r.arrival, deadline=r.deadline, rows=r.rows,
+                                  bucket=r.bucket, payload=r.payload, local_only=True)
+            try:
+                self.queue.push(retry)
+                self._count_offload(reason, "failed_local_retry", [r])
+                log.warning("model %s: offload failed (%s); retrying locally", self.name, error)
+                return
+            except Overloaded:
+                pass
+        self._count_offload(reason, "failed", [r])
+        if isinstance(error, EdgeBatcherError) and error.status < 500:
+            answer = error  # the peer's verdict on this request's input (400, 404): pass it on
+        else:
+            answer = Unavailable(f"model {self.name!r}: offload to the peer failed ({error}) "
+                                 "and it cannot run locally in time")
+        log.warning("model %s: offload failed: %s", self.name, answer)
+        self._fail(r.payload, answer)
 
     def _count_offload(self, reason: str, outcome: str, group: list[QueuedRequest]) -> None:
         n = len(group)

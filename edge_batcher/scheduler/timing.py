@@ -28,7 +28,7 @@ class ExecTimeModel:
         if size in known:
             return known[size]
         if not known:
-            return self.prior_fixed_s + self.prior_per_row_s * size
+            return self._prior(size)
         below = [s for s in known if s < size]
         above = [s for s in known if s > size]
         if below and above:
@@ -36,6 +36,9 @@ class ExecTimeModel:
             frac = (size - lo) / (hi - lo)
             return known[lo] + frac * (known[hi] - known[lo])
         nearest = max(below) if below else min(above)
-        # Scale the fixed part as is and the per-row part by size, using the prior's split.
-        per_row = max(self.prior_per_row_s, 0.0)
-        return max(known[nearest] + per_row * (size - nearest), 1e-6)
+        # Outside the measured range: scale the nearest measurement by the prior's shape, so a
+        # smaller size is never estimated cheaper than zero or a larger one cheaper than it.
+        return known[nearest] * self._prior(size) / self._prior(nearest)
+
+    def _prior(self, size: int) -> float:
+        return self.prior_fixed_s + self.prior_per_row_s * size

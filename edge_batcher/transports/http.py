@@ -139,7 +139,10 @@ async def model_stats(request: web.Request) -> web.Response:
 
 async def all_stats(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
-    return web.json_response({"model_stats": [r.statistics() for _, r in sorted(runtime.runners.items())]})
+    body = {"model_stats": [r.statistics() for _, r in sorted(runtime.runners.items())]}
+    if runtime.offload is not None:
+        body["offload_peers"] = runtime.offload.status()
+    return web.json_response(body)
 
 
 async def metrics(request: web.Request) -> web.Response:

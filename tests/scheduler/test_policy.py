@@ -359,8 +359,13 @@ def test_without_a_free_local_slot_only_peer_plans_are_made():
     d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, busy=True, local_free=False,
                busy_s=0.010, offload=PEER)
     assert d.plan is None
-    # It looks again when waiting any longer for a local slot would miss the deadline.
-    assert d.wake_at == pytest.approx(clock.now + 1.0 - linear_times().estimate(8) - 0.010)
+    # It looks again at half the time left (a busy engine's wait can grow), or earlier when
+    # waiting any longer for a local slot would miss the deadline.
+    assert d.wake_at == pytest.approx(clock.now + 0.5)
+    push(q, clock, 1, timeout=0.012)
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, busy=True, local_free=False,
+               busy_s=0.010, offload=OffloadView(peer_available=True, peer_latency_s=0.5))
+    assert d.wake_at == pytest.approx(clock.now + 0.012 - linear_times().estimate(8) - 0.010)
     d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, busy=True, local_free=False)
     assert d.plan is None and d.wake_at is None  # no peer: the runner wakes it when a slot frees
 
@@ -377,3 +382,21 @@ def test_requests_larger_than_the_local_engine():
     assert oversized_target(12, SETTINGS, PEER) == "peer"
     assert oversized_target(12, SETTINGS, OffloadView(peer_available=False)) == "reject"
     assert oversized_target(100, SETTINGS, PEER) == "reject"  # beyond what one peer request carries
+
+
+def test_a_multi_row_head_request_is_never_left_behind_by_a_smaller_cover():
+    # Found with real timings: a fast measured size 4 made size 2 look almost free, the cover
+    # became 2 + 2, and a 4-row request could not be taken by a batch of 2.
+    times = ExecTimeModel()
+    times.observe(4, 0.0001)
+    clock, q = FakeClock(), make_queue()
+    (req,) = push(q, clock, 1, rows=4)
+    clock.advance(0.003)
+    plans, _ = drain_plans(q, clock, times=times)
+    assert [(p.size, p.rows, p.requests) for p in plans] == [(4, 4, [req])]
+
+
+def test_extrapolated_times_stay_positive_and_ordered():
+    times = ExecTimeModel()
+    times.observe(4, 0.0001)
+    assert 0 < times.estimate(2) < times.estimate(4) < times.estimate(8)
