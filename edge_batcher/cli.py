@@ -76,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
     trt_build.add_arguments(p)
     p.set_defaults(func=trt_build.run)
 
+    p = sub.add_parser("index", help="build and inspect the RAG document index (docs/rag.md)")
+    from .rag.index_cli import add_arguments as add_index_arguments
+
+    add_index_arguments(p)
+    p.set_defaults(func=cmd_index)
+
     p = sub.add_parser("bench", help="measure throughput and latency (see docs/benchmarks.md)")
     from .bench import add_arguments
 
@@ -212,6 +218,12 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from .memory.report import run
+
+    return run(args)
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from .rag.index_cli import run
 
     return run(args)
 

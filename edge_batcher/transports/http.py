@@ -73,6 +73,9 @@ def create_app(
         web.post("/v2/models/{model}/infer", infer),
         web.get("/metrics", metrics),
     ])  # fmt: skip
+    from .http_generate import add_generate_routes  # imports RUNTIME from this module
+
+    add_generate_routes(app)
     return app
 
 
@@ -94,7 +97,7 @@ async def server_metadata(request: web.Request) -> web.Response:
     return web.json_response({
         "name": "edge-batcher",
         "version": __version__,
-        "extensions": ["binary_tensor_data", "statistics", "model_repository"],
+        "extensions": ["binary_tensor_data", "statistics", "model_repository", "generate"],
     })
 
 
@@ -163,7 +166,8 @@ async def infer(request: web.Request) -> web.Response:
     infer_request = to_infer_request(model, decoded)
     response = await runtime.infer(infer_request)
     binary = v2.binary_outputs_for(decoded, list(response.outputs))
-    payload, json_length = v2.encode_response(model, response.id, response.outputs, binary=binary)
+    payload, json_length = v2.encode_response(model, response.id, response.outputs, binary=binary,
+                                              parameters=response.parameters or None)
     if json_length is None:
         return web.Response(body=payload, content_type="application/json")
     return web.Response(
