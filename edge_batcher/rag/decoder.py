@@ -1,0 +1,183 @@
+"""A decoder LLM in the Hugging Face Optimum ONNX layout, and the KV cache of a running batch.
+
+Optimum's `text-generation-with-past` export (optimum-cli export onnx --task
+text-generation-with-past) has::
+
+    inputs   input_ids [batch, seq], attention_mask [batch, past + seq], position_ids [batch, seq]
+             (most architectures), past_key_values.N.key / .value [batch, kv_heads, past, head_dim]
+             (and use_cache_branch [1] in "merged" exports)
+    outputs  logits [batch, seq, vocab], present.N.key / .value [batch, kv_heads, past + seq, head_dim]
+
+The batch is kept LEFT-padded: every row's tokens end at the last column, so one decode step
+appends one column for all rows. A row's padding columns have attention_mask 0 (the model
+gives them zero attention weight) and its position ids count only its real tokens, so a row
+computes what it would compute alone; only floating-point rounding of the batched matmuls
+differs. Sequences joining are prefilled on their own (batch 1, no padding) and their cache is
+padded to the batch's width and concatenated; rows that finish are dropped at once and the
+columns that became padding for every remaining row are trimmed.
+
+Thread: a Decoder and its BatchCache are used by the generation worker thread only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..engines.onnxruntime import OnnxRuntimeEngine
+from ..errors import ConfigError
+from .kv import DTYPE_BYTES, KvShape
+
+_PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+_ORT_FLOAT = {"FP32": np.float32, "FP16": np.float16}
+
+
+@dataclass
+class BatchCache:
+    """The running batch's KV cache, left-padded: past[2*layer + (0 key | 1 value)] is
+    [rows, kv_heads, width, head_dim]; mask [rows, width]; positions [rows] = the next
+    position of each row (its number of real tokens)."""
+
+    past: list[np.ndarray]
+    mask: np.ndarray
+    positions: np.ndarray
+
+    @property
+    def rows(self) -> int:
+        return int(self.mask.shape[0])
+
+    @property
+    def width(self) -> int:
+        return int(self.mask.shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in self.past)
+
+
+class Decoder:
+    def __init__(self, config: ModelConfig, kv_heads: int = 0, head_dim: int = 0):
+        self.config = config
+        self.engine = OnnxRuntimeEngine(config)
+        self._kv_heads_override = kv_heads
+        self._head_dim_override = head_dim
+        self.kv: KvShape | None = None
+        self.vocab = 0
+
+    def load(self) -> None:
+        """Load the session and read the KV layout from its inputs. Blocking."""
+        self.engine.load()
+        where = f"{self.config.directory / 'model.toml'}"
+        specs = {s.name: s for s in self.engine.inputs}
+        for name in ("input_ids", "attention_mask"):
+            if name not in specs:
+                raise ConfigError(f"{where}: {self.config.model_path} is not an Optimum decoder export: no input {name!r} "
+                                  f"(inputs: {', '.join(specs)})")
+        layers = sorted({int(m.group(1)) for n in specs if (m := _PAST.match(n))})
+        if not layers or layers != list(range(len(layers))):
+            raise ConfigError(f"{where}: {self.config.model_path} has no past_key_values.N.key/value inputs: export it "
+                              "with --task text-generation-with-past")
+        first = specs["past_key_values.0.key"]
+        if len(first.shape) != 4:
+            raise ConfigError(f"{where}: past_key_values.0.key has shape {list(first.shape)}, expected "
+                              "[batch, kv_heads, past, head_dim]")
+        kv_heads = self._kv_heads_override or first.shape[1]
+        head_dim = self._head_dim_override or first.shape[3]
+        if kv_heads <= 0 or head_dim <= 0:
+            raise ConfigError(f"{where}: the model does not fix kv_heads/head_dim in past_key_values.0.key "
+                              f"{list(first.shape)}; set [generator] kv_heads and head_dim")
+        dtype = _ORT_FLOAT.get(first.datatype)
+        if dtype is None:
+            raise ConfigError(f"{where}: past_key_values are {first.datatype}; FP32 and FP16 are supported")
+        self.dtype = np.dtype(dtype)
+        self.kv = KvShape(len(layers), kv_heads, head_dim, DTYPE_BYTES[self.dtype.name])
+        self.has_positions = "position_ids" in specs
+        self.has_cache_branch = "use_cache_branch" in specs
+        outputs = {s.name for s in self.engine.outputs}
+        missing = [n for n in ["logits"] + [f"present.{i}.{k}" for i in layers for k in ("key", "value")] if n not in outputs]
+        if missing:
+            raise ConfigError(f"{where}: {self.config.model_path} lacks outputs {', '.join(missing)}")
+        logits = next(s for s in self.engine.outputs if s.name == "logits")
+        self.vocab = logits.shape[-1] if logits.shape[-1] > 0 else 0
+        self._past_names = [f"past_key_values.{i}.{k}" for i in layers for k in ("key", "value")]
+        self._present_names = [f"present.{i}.{k}" for i in layers for k in ("key", "value")]
+
+    def close(self) -> None:
+        self.engine.close()
+
+    @property
+    def weights_bytes(self) -> int:
+        try:
+            return self.config.model_path.stat().st_size
+        except OSError:
+            return 0
+
+    # ------------------------------------------------------------------ runs
+
+    def _run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: list[np.ndarray]):
+        feed = {"input_ids": ids, "attention_mask": mask}
+        if self.has_positions:
+            feed["position_ids"] = positions
+        if self.has_cache_branch:
+            feed["use_cache_branch"] = np.array([past[0].shape[2] > 0])
+        feed.update(zip(self._past_names, past))
+        out = self.engine.infer(feed)
+        return out["logits"], [out[n] for n in self._present_names]
+
+    def empty_past(self, rows: int) -> list[np.ndarray]:
+        assert self.kv is not None
+        return [np.zeros((rows, self.kv.kv_heads, 0, self.kv.head_dim), dtype=self.dtype)
+                for _ in self._past_names]
+
+    def prefill(self, prompt: list[int]) -> tuple[np.ndarray, BatchCache]:
+        """Run one prompt alone (batch 1, no padding, no past): the logits of every prompt
+        position [len, vocab] (the last row chooses the first new token) and its cache."""
+        n = len(prompt)
+        mask = np.ones((1, n), dtype=np.int64)
+        logits, present = self._run(np.asarray([prompt], dtype=np.int64), mask,
+                                    np.arange(n, dtype=np.int64)[None], self.empty_past(1))
+        return logits[0], BatchCache(present, mask, np.array([n], dtype=np.int64))
+
+    def step(self, cache: BatchCache, tokens: np.ndarray) -> tuple[np.ndarray, BatchCache]:
+        """One decode step for every row: feed each row's next token, get logits [rows, vocab]."""
+        rows = cache.rows
+        mask = np.concatenate([cache.mask, np.ones((rows, 1), dtype=np.int64)], axis=1)
+        ids = np.asarray(tokens, dtype=np.int64).reshape(rows, 1)
+        logits, present = self._run(ids, mask, cache.positions.reshape(rows, 1), cache.past)
+        return logits[:, -1], BatchCache(present, mask, cache.positions + 1)
+
+
+# ---------------------------------------------------------------------- cache surgery
+
+
+def join(batch: BatchCache | None, new: BatchCache) -> BatchCache:
+    """The batch with `new`'s rows appended (last), both left-padded to the wider width."""
+    if batch is None or batch.rows == 0:
+        return new
+    width = max(batch.width, new.width)
+    a, b = _left_pad(batch, width), _left_pad(new, width)
+    return BatchCache([np.concatenate([x, y], axis=0) for x, y in zip(a.past, b.past)],
+                      np.concatenate([a.mask, b.mask], axis=0), np.concatenate([a.positions, b.positions]))
+
+
+def keep(batch: BatchCache, rows: list[int]) -> BatchCache | None:
+    """Only the given rows (in that order), with the columns now padding for all of them trimmed."""
+    if not rows:
+        return None
+    index = np.asarray(rows, dtype=np.int64)
+    mask = batch.mask[index]
+    used = np.flatnonzero(mask.any(axis=0))
+    start = int(used[0]) if used.size else mask.shape[1]
+    return BatchCache([p[index][:, :, start:] for p in batch.past], mask[:, start:], batch.positions[index])
+
+
+def _left_pad(cache: BatchCache, width: int) -> BatchCache:
+    extra = width - cache.width
+    if extra == 0:
+        return cache
+    past = [np.concatenate([np.zeros(p.shape[:2] + (extra,) + p.shape[3:], dtype=p.dtype), p], axis=2) for p in cache.past]
+    mask = np.concatenate([np.zeros((cache.rows, extra), dtype=np.int64), cache.mask], axis=1)
+    return BatchCache(past, mask, cache.positions)

@@ -1,0 +1,345 @@
+"""The document index: passages split from text and markdown files, their embeddings on disk,
+and cosine top-k search with numpy.
+
+On disk, in the index directory::
+
+    embeddings.npy    float32 [passages, dim], each row L2-normalised (cosine = dot product)
+    passages.jsonl    one JSON object per line: {"id", "title", "text", "source"}
+    meta.json         {"format", "version", "embedding_model", "dim", "count", "sources", "updated",
+                       "sha256": {"embeddings.npy": ..., "passages.jsonl": ...}}
+
+Writing is atomic per file (written next to the target, fsynced, os.replace) and meta.json is
+replaced last. A reader checks the hashes in meta.json against the two data files, so one that
+lands between the replacements sees a mismatch and keeps the index it has (and retries at the
+next query); it never serves embeddings of one build with passages of another.
+
+The RAG service notices a rebuilt index by the (inode, size, mtime) of meta.json, one stat()
+per query, and reloads it off the event loop.
+
+Splitting: markdown is cut at headings (each passage's title is its heading path, e.g.
+"Manual > Bearing faults"); a section's paragraphs are grouped into passages of at most
+max_chars characters (a longer paragraph is cut at sentence ends). Plain text is cut into
+paragraph groups the same way. The text that is embedded is the passage's own heading plus
+the passage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import ConfigError, Unavailable
+
+FORMAT = 1
+EMBEDDINGS = "embeddings.npy"
+PASSAGES = "passages.jsonl"
+META = "meta.json"
+DEFAULT_MAX_CHARS = 600  # ~130 tokens: about what a 128-token embedding model reads of a passage
+
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+
+
+def default_index_dir(environ: dict[str, str] | None = None) -> Path:
+    """$STATE_DIRECTORY/index under systemd (StateDirectory=), else ./state/index."""
+    env = os.environ if environ is None else environ
+    state = env.get("STATE_DIRECTORY", "").split(":")[0]
+    return Path(state) / "index" if state else Path("state") / "index"
+
+
+# --------------------------------------------------------------------------- passages
+
+
+@dataclass
+class Passage:
+    id: str
+    title: str
+    text: str
+    source: str = ""
+
+    def embed_text(self) -> str:
+        """What is embedded: the passage under its own heading (the document's title and the
+        parent headings are the same for many passages and would only blur them)."""
+        heading = self.title.rsplit(" > ", 1)[-1]
+        return f"{heading}\n{self.text}" if heading else self.text
+
+
+def slug(text: str) -> str:
+    s = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return s or "section"
+
+
+def split_file(path: Path, max_chars: int = DEFAULT_MAX_CHARS) -> list[Passage]:
+    """Passages of one .md/.markdown/.txt file (ids '<stem>#<heading-slug>', unique in the file)."""
+    suffix = path.suffix.lower()
+    if suffix not in (".md", ".markdown", ".txt", ".text"):
+        raise ConfigError(f"{path}: only text (.txt) and markdown (.md) files can be indexed")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot read it as UTF-8 text: {exc}") from None
+    source = str(path.resolve())
+    if suffix in (".md", ".markdown"):
+        return split_markdown(text, path.stem, max_chars, source)
+    return split_text(text, path.stem, max_chars, source)
+
+
+def split_markdown(text: str, stem: str, max_chars: int = DEFAULT_MAX_CHARS, source: str = "") -> list[Passage]:
+    sections: list[tuple[list[str], list[str]]] = []  # (heading path, paragraphs)
+    path: list[str] = []
+    paragraphs: list[str] = []
+    lines: list[str] = []
+    in_code = False
+
+    def end_paragraph() -> None:
+        if lines:
+            paragraphs.append("\n".join(lines).strip())
+            lines.clear()
+
+    def end_section() -> None:
+        end_paragraph()
+        if any(paragraphs):
+            sections.append((list(path), [p for p in paragraphs if p]))
+        paragraphs.clear()
+
+    for line in text.splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            in_code = not in_code
+            lines.append(line)
+            continue
+        heading = None if in_code else _HEADING.match(line)
+        if heading:
+            end_section()
+            level = len(heading.group(1))
+            path = path[: level - 1] + [""] * max(0, level - 1 - len(path)) + [heading.group(2).strip()]
+        elif not line.strip() and not in_code:
+            end_paragraph()
+        else:
+            lines.append(line.rstrip())
+    end_section()
+
+    passages: list[Passage] = []
+    used: set[str] = set()
+    for heading_path, paras in sections:
+        names = [h for h in heading_path if h]
+        title = " > ".join(names) if names else stem
+        base = f"{stem}#{slug(names[-1]) if names else 'preamble'}"
+        for n, chunk in enumerate(_group(paras, max_chars)):
+            pid = base if n == 0 else f"{base}/{n + 1}"
+            pid = _unique(pid, used)
+            passages.append(Passage(pid, title, chunk, source))
+    return passages
+
+
+def split_text(text: str, stem: str, max_chars: int = DEFAULT_MAX_CHARS, source: str = "") -> list[Passage]:
+    paras = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+    return [Passage(f"{stem}#p{n + 1}", stem, chunk, source) for n, chunk in enumerate(_group(paras, max_chars))]
+
+
+def _group(paragraphs: list[str], max_chars: int) -> list[str]:
+    """Consecutive paragraphs joined while they fit in max_chars; long ones cut at sentences."""
+    pieces: list[str] = []
+    for p in paragraphs:
+        if len(p) <= max_chars:
+            pieces.append(p)
+            continue
+        current = ""
+        for sentence in _SENTENCE_END.split(p):
+            if current and len(current) + 1 + len(sentence) > max_chars:
+                pieces.append(current)
+                current = sentence
+            else:
+                current = f"{current} {sentence}" if current else sentence
+        if current:
+            pieces.append(current)
+    chunks: list[str] = []
+    current = ""
+    for piece in pieces:
+        if current and len(current) + 2 + len(piece) > max_chars:
+            chunks.append(current)
+            current = piece
+        else:
+            current = f"{current}\n\n{piece}" if current else piece
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+def _unique(pid: str, used: set[str]) -> str:
+    candidate, n = pid, 2
+    while candidate in used:
+        candidate = f"{pid}~{n}"
+        n += 1
+    used.add(candidate)
+    return candidate
+
+
+# --------------------------------------------------------------------------- the index
+
+
+@dataclass
+class Hit:
+    passage: Passage
+    score: float
+    rank: int
+
+    def to_json(self) -> dict:
+        return {"rank": self.rank, "id": self.passage.id, "title": self.passage.title,
+                "score": round(self.score, 4), "source": Path(self.passage.source).name if self.passage.source else ""}
+
+
+class Index:
+    """Passages and their unit-length embeddings, in memory."""
+
+    def __init__(self, passages: list[Passage], embeddings: np.ndarray, meta: dict):
+        if embeddings.ndim != 2 or len(passages) != embeddings.shape[0]:
+            raise ValueError(f"{len(passages)} passages but embeddings of shape {list(embeddings.shape)}")
+        self.passages = passages
+        self.embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
+        self.meta = meta
+
+    @property
+    def dim(self) -> int:
+        return int(self.embeddings.shape[1])
+
+    def __len__(self) -> int:
+        return len(self.passages)
+
+    def search(self, queries: np.ndarray, k: int) -> list[list[Hit]]:
+        """Cosine top-k for each query row (queries need not be normalised). Best first."""
+        queries = np.asarray(queries, dtype=np.float32).reshape(-1, self.dim)
+        norms = np.linalg.norm(queries, axis=1, keepdims=True)
+        queries = queries / np.maximum(norms, 1e-12)
+        k = min(k, len(self.passages))
+        if k <= 0:
+            return [[] for _ in range(len(queries))]
+        scores = queries @ self.embeddings.T  # [queries, passages]
+        out = []
+        for row in scores:
+            top = np.argpartition(-row, k - 1)[:k] if k < len(row) else np.arange(len(row))
+            top = top[np.argsort(-row[top], kind="stable")]
+            out.append([Hit(self.passages[i], float(row[i]), r + 1) for r, i in enumerate(top)])
+        return out
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_meta(directory: Path) -> dict | None:
+    try:
+        return json.loads((directory / META).read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as exc:
+        raise Unavailable(f"index {directory}: {META} cannot be read: {exc}") from None
+
+
+def load_index(directory: Path) -> Index | None:
+    """The index in `directory`, or None when none was built there. Raises Unavailable when the
+    files do not belong together (a rebuild is being swapped in right now, or files were damaged)."""
+    meta = read_meta(directory)
+    if meta is None:
+        return None
+    if meta.get("format") != FORMAT:
+        raise Unavailable(f"index {directory}: format {meta.get('format')!r}, this edge-batcher reads {FORMAT}; rebuild it")
+    hashes = meta.get("sha256", {})
+    try:
+        for name in (EMBEDDINGS, PASSAGES):
+            if _sha256(directory / name) != hashes.get(name):
+                raise Unavailable(f"index {directory}: {name} does not match {META} (a rebuild in progress?)")
+        embeddings = np.load(directory / EMBEDDINGS, allow_pickle=False)
+        with open(directory / PASSAGES, encoding="utf-8") as fh:
+            passages = [Passage(**json.loads(line)) for line in fh if line.strip()]
+    except FileNotFoundError as exc:
+        raise Unavailable(f"index {directory}: {exc.filename} is missing; rebuild the index") from None
+    try:
+        return Index(passages, embeddings, meta)
+    except ValueError as exc:
+        raise Unavailable(f"index {directory}: {exc}") from None
+
+
+def write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray, *, embedding_model: str,
+                sources: dict[str, dict] | None = None) -> dict:
+    """Replace the index in `directory` (created if needed); returns the new meta."""
+    directory.mkdir(parents=True, exist_ok=True)
+    embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
+    if embeddings.shape[0] != len(passages):
+        raise ValueError(f"{len(passages)} passages but {embeddings.shape[0]} embeddings")
+    previous = read_meta(directory) or {}
+    staged: dict[str, Path] = {}
+    try:
+        staged[EMBEDDINGS] = _stage(directory, EMBEDDINGS, lambda fh: np.save(fh, embeddings, allow_pickle=False))
+        staged[PASSAGES] = _stage(directory, PASSAGES, lambda fh: fh.write(
+            "".join(json.dumps(asdict(p), ensure_ascii=False) + "\n" for p in passages).encode("utf-8")))
+        meta = {
+            "format": FORMAT,
+            "version": int(previous.get("version", 0)) + 1,
+            "embedding_model": embedding_model,
+            "dim": int(embeddings.shape[1]) if embeddings.ndim == 2 else 0,
+            "count": len(passages),
+            "sources": sources or {},
+            "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "sha256": {name: _sha256(path) for name, path in staged.items()},
+        }
+        staged[META] = _stage(directory, META, lambda fh: fh.write(json.dumps(meta, indent=2).encode()))
+        for name in (EMBEDDINGS, PASSAGES, META):  # meta last: it vouches for the other two
+            os.replace(staged.pop(name), directory / name)
+    finally:
+        for path in staged.values():
+            path.unlink(missing_ok=True)
+    _fsync_dir(directory)
+    return meta
+
+
+def _stage(directory: Path, name: str, write) -> Path:
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
+    with os.fdopen(fd, "wb") as fh:
+        write(fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return Path(tmp)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class IndexWatcher:
+    """Tells whether meta.json was replaced since the last look (one stat() call)."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._seen: tuple | None = None
+
+    def signature(self) -> tuple | None:
+        try:
+            st = os.stat(self.directory / META)
+        except FileNotFoundError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def changed(self) -> bool:
+        return self.signature() != self._seen
+
+    def mark(self, signature: tuple | None) -> None:
+        self._seen = signature

@@ -1,0 +1,163 @@
+"""Triton's generate extension on the HTTP API, for the generation services (rag, generator).
+
+    POST /v2/models/{m}/generate          {"text_input": "...", "parameters": {...}}
+                                          -> {"model_name", "model_version", "text_output", ...}
+    POST /v2/models/{m}/generate_stream   same body -> text/event-stream, chunked: one
+                                          `data: {...}` event per piece of text as it is generated
+
+The body's keys: `text_input` (the model's text input, whatever its name: `question` for a
+rag model, `text_input` for a generator) or the input's own name; `parameters` (an object);
+`id`; any other key is taken as a parameter too (as Triton does), e.g. "max_new_tokens": 64.
+
+Responses carry every output by name (BYTES as strings; `sources` as the JSON list it holds),
+`text_output` (the text output, for clients written for Triton), and the service's parameters
+(finish_reason, prompt_tokens, completion_tokens, mode). Each stream event has the piece in
+`text_output` (and the output's own name); the first event of a rag stream has `sources`;
+the last has "final": true and finish_reason. An error before the first event is an ordinary
+JSON error with its status; one during the stream is a last event {"error": ..., "status": ...}.
+A client that disconnects cancels its generation (its KV memory is released at once).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import aclosing
+
+import numpy as np
+from aiohttp import web
+
+from ..errors import EdgeBatcherError, InvalidInput
+from ..types import InferRequest, InferResponse
+from .http import RUNTIME
+
+log = logging.getLogger(__name__)
+
+FINAL = "triton_final_response"
+RESERVED_KEYS = ("id", "parameters")
+
+
+def add_generate_routes(app: web.Application) -> None:
+    app.router.add_post("/v2/models/{model}/generate", generate)
+    app.router.add_post("/v2/models/{model}/generate_stream", generate_stream)
+
+
+def _service(request: web.Request):
+    model = request.match_info["model"]
+    runner = request.app[RUNTIME].runner(model)  # 404 for an unknown model
+    if not callable(getattr(runner, "stream", None)):
+        raise InvalidInput(f"model {model!r} does not generate text: the generate extension serves rag and "
+                           "generator models; use POST /v2/models/{m}/infer for it")
+    return model, runner
+
+
+async def _to_request(request: web.Request, model: str, runner) -> InferRequest:
+    try:
+        body = json.loads(await request.read() or b"null")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise InvalidInput('request body must be a JSON object like {"text_input": "...", "parameters": {}}')
+    spec = runner.inputs[0]
+    parameters = body.get("parameters", {})
+    if not isinstance(parameters, dict):
+        raise InvalidInput("'parameters' must be a JSON object")
+    parameters = dict(parameters)
+    text = None
+    for key, value in body.items():
+        if key in ("text_input", spec.name):
+            if text is not None:
+                raise InvalidInput(f"give the text once, as 'text_input' or {spec.name!r}")
+            text = value
+        elif key not in RESERVED_KEYS:
+            parameters[key] = value
+    if text is None:
+        raise InvalidInput(f"missing 'text_input' (the text for model {model!r})")
+    if not isinstance(text, str):
+        raise InvalidInput(f"'text_input' must be a string, got {type(text).__name__}")
+    request_id = body.get("id")
+    if request_id is not None and not isinstance(request_id, str):
+        raise InvalidInput("'id' must be a string")
+    timeout_s = None
+    if "timeout_ms" in parameters:
+        value = parameters["timeout_ms"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidInput(f"parameters.timeout_ms must be a number, got {value!r}")
+        timeout_s = value / 1000.0
+    priority = parameters.get("priority")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise InvalidInput(f"parameters.priority must be an integer, got {priority!r}")
+    array = np.empty(1, dtype=object)
+    array[0] = text.encode("utf-8")
+    return InferRequest(model=model, inputs={spec.name: array}, id=request_id, priority=priority,
+                        timeout_s=timeout_s, parameters=parameters)
+
+
+def _text_output_name(runner) -> str:
+    names = [o.name for o in runner.outputs if o.datatype == "BYTES"]
+    for preferred in ("text_output", "answer"):
+        if preferred in names:
+            return preferred
+    return names[0] if names else runner.outputs[0].name
+
+
+def to_json(model: str, runner, response: InferResponse) -> dict:
+    out: dict = {"model_name": model, "model_version": "1"}
+    if response.id is not None:
+        out["id"] = response.id
+    for name, value in response.outputs.items():
+        out[name] = _json_value(name, value)
+    main = _text_output_name(runner)
+    if main in out:
+        out["text_output"] = out[main]
+    for key, value in response.parameters.items():
+        if key == FINAL:
+            out["final"] = bool(value)
+        else:
+            out.setdefault(key, value)
+    return out
+
+
+def _json_value(name: str, value: np.ndarray):
+    items = value.reshape(-1).tolist()
+    if value.dtype == object:
+        items = [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in items]
+        if name == "sources":
+            items = [json.loads(v) if isinstance(v, str) and v else v for v in items]
+    return items[0] if len(items) == 1 else items
+
+
+async def generate(request: web.Request) -> web.Response:
+    model, runner = _service(request)
+    infer_request = await _to_request(request, model, runner)
+    response = await runner.infer(infer_request)
+    return web.json_response(to_json(model, runner, response))
+
+
+async def generate_stream(request: web.Request) -> web.StreamResponse:
+    model, runner = _service(request)
+    infer_request = await _to_request(request, model, runner)
+    async with aclosing(runner.stream(infer_request)) as chunks:  # closing it cancels the generation
+        iterator = chunks.__aiter__()
+        # The first chunk comes before any byte is sent: a bad request, an unknown parameter or a
+        # request that cannot fit still gets its ordinary status code and JSON error.
+        first = await iterator.__anext__()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        try:
+            await _event(response, to_json(model, runner, first))
+            async for chunk in iterator:
+                await _event(response, to_json(model, runner, chunk))
+        except EdgeBatcherError as exc:
+            await _event(response, {"model_name": model, "error": exc.message, "status": exc.status, "final": True})
+        except (ConnectionResetError, ConnectionError):
+            log.info("model %s: stream client went away; generation cancelled", model)
+            return response
+        await response.write_eof()
+        return response
+
+
+async def _event(response: web.StreamResponse, payload: dict) -> None:
+    await response.write(b"data: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n")
