@@ -58,7 +58,7 @@ from ..types import InferRequest, InferResponse, TensorSpec
 from . import kv as kvmath
 from .decoder import BatchCache, Decoder, join, keep
 from .sampling import SamplingParams, choose, parse_params
-from .service import FINAL, InFlight, ServiceStats, bytes_array, final_response, text_rows
+from .service import FINAL, InFlight, ServiceAccounting, ServiceStats, bytes_array, final_response, text_rows
 from .tokenize import IncrementalDecoder, TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -135,7 +135,7 @@ class Sequence:
             pass
 
 
-class GenerationService:
+class GenerationService(ServiceAccounting):
     def __init__(self, config: ModelConfig, runtime):
         self.config = config
         self.name = config.name
@@ -353,18 +353,6 @@ class GenerationService:
         finally:
             self._in_flight.count -= 1
         self._ok(started, 1)
-
-    def _ok(self, started: float, rows: int) -> None:
-        self.stats.ok(started, rows)
-        self.runtime.metrics.requests_total.inc(model=self.name, status="200")
-        self.runtime.metrics.request_seconds.observe(time.monotonic() - started, model=self.name)
-
-    def _failed(self, started: float, exc: BaseException) -> None:
-        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-            return
-        self.stats.failed(started, exc)
-        status = str(exc.status) if isinstance(exc, EdgeBatcherError) else "500"
-        self.runtime.metrics.requests_total.inc(model=self.name, status=status)
 
     def statistics(self) -> dict:
         out = self.stats.triton(self.name)

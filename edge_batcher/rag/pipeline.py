@@ -37,7 +37,9 @@ from ..errors import ConfigError, InvalidInput, Unavailable
 from ..types import InferRequest, InferResponse, TensorSpec
 from .index import Hit, Index, IndexWatcher, default_index_dir, load_index
 from .prompt import DEFAULT_PASSAGE_TEMPLATE, DEFAULT_TEMPLATE, assemble, check_template, extractive_answer
-from .service import FINAL, InFlight, ServiceStats, bytes_array, final_response, text_rows, wait_idle
+from .service import (
+    FINAL, InFlight, ServiceAccounting, ServiceStats, bytes_array, final_response, text_rows, wait_idle,
+)
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +86,7 @@ def index_dir_for(config: ModelConfig, settings: RagSettings | None = None) -> P
     return path if path.is_absolute() else config.directory / path
 
 
-class RagService:
+class RagService(ServiceAccounting):
     def __init__(self, config: ModelConfig, runtime):
         self.config = config
         self.name = config.name
@@ -315,20 +317,6 @@ class RagService:
         finally:
             self.queue.count -= 1
         self._ok(started, 1)
-
-    # ------------------------------------------------------------------ accounting
-
-    def _ok(self, started: float, rows: int) -> None:
-        self.stats.ok(started, rows)
-        self.runtime.metrics.requests_total.inc(model=self.name, status="200")
-        self.runtime.metrics.request_seconds.observe(time.monotonic() - started, model=self.name)
-
-    def _failed(self, started: float, exc: BaseException) -> None:
-        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-            return
-        self.stats.failed(started, exc)
-        status = str(getattr(exc, "status", 500))
-        self.runtime.metrics.requests_total.inc(model=self.name, status=status)
 
     def statistics(self) -> dict:
         out = self.stats.triton(self.name)

@@ -115,6 +115,23 @@ class ServiceStats:
         }
 
 
+class ServiceAccounting:
+    """Counting answered requests, shared by the services: needs self.name, self.stats
+    (ServiceStats) and self.runtime (for its metrics)."""
+
+    def _ok(self, started: float, rows: int) -> None:
+        self.stats.ok(started, rows)
+        self.runtime.metrics.requests_total.inc(model=self.name, status="200")
+        self.runtime.metrics.request_seconds.observe(time.monotonic() - started, model=self.name)
+
+    def _failed(self, started: float, exc: BaseException) -> None:
+        if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+            return  # the caller went away: not a failure of the service
+        self.stats.failed(started, exc)
+        status = str(exc.status) if isinstance(exc, EdgeBatcherError) else "500"
+        self.runtime.metrics.requests_total.inc(model=self.name, status=status)
+
+
 async def wait_idle(in_flight: InFlight, timeout: float) -> None:
     """Wait (bounded) until nothing is in flight: drain. Polls at 10 ms: draining happens once,
     at shutdown, and the counters have no waiters to notify."""

@@ -20,8 +20,8 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import (
-    DeadlineExceeded, DoesNotFit, EdgeBatcherError, EngineError, InvalidInput, ModelNotFound, OutOfMemory,
-    Overloaded, Unavailable,
+    DeadlineExceeded, DoesNotFit, EdgeBatcherError, EngineError, InvalidInput, OutOfMemory, Overloaded,
+    Unavailable,
 )  # fmt: skip
 from ..metrics import Metrics
 from ..types import DATATYPE_TO_NUMPY, InferRequest, InferResponse, TensorSpec

@@ -26,16 +26,8 @@ from edge_batcher.transports.auth import bearer_auth_middleware, tls_context
 from edge_batcher.transports.http import create_app
 
 TOKEN = "s3cret-peer-token"
-SIGNAL_LEN = 256
 
 
-def windows(n: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    t = np.arange(SIGNAL_LEN) / 2560.0
-    freq = rng.uniform(20, 40, size=(n, 1))
-    amp = rng.uniform(0.2, 2.0, size=(n, 1))
-    x = amp * np.sin(2 * np.pi * freq * t) + 0.05 * rng.standard_normal((n, SIGNAL_LEN))
-    return x.astype(np.float32)
 
 
 def assert_matches_local(model_repo: Path, x: np.ndarray, got: dict[str, np.ndarray]) -> None:

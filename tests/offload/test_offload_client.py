@@ -14,7 +14,8 @@ from edge_batcher.config import PeerSettings
 from edge_batcher.errors import ConfigError, DeadlineExceeded, InvalidInput, ModelNotFound
 from edge_batcher.offload.client import PeerClient, PeerError
 from edge_batcher.transports.auth import tls_context
-from tests.offload.conftest import TOKEN, assert_matches_local, windows
+from tests.offload.conftest import TOKEN, assert_matches_local
+from tests.support.signals import windows
 
 
 def peer(server, **kwargs) -> PeerSettings:

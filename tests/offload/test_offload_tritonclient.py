@@ -12,7 +12,8 @@ import asyncio
 import numpy as np
 import pytest
 
-from tests.offload.conftest import TOKEN, assert_matches_local, windows
+from tests.offload.conftest import TOKEN, assert_matches_local
+from tests.support.signals import windows
 
 httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is not installed")
 from tritonclient.utils import InferenceServerException  # noqa: E402

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from edge_batcher.client import AsyncClient, Client, ClientError
-from tests.offload.conftest import TOKEN, assert_matches_local, free_port, windows
+from tests.offload.conftest import TOKEN, assert_matches_local, free_port
+from tests.support.signals import windows
 from tests.support.faulty_engine import SLOW
 
 MiB = 1 << 20
