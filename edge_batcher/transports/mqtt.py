@@ -724,9 +724,14 @@ class MqttTransport:
             else:
                 decoded = v2.decode_request(payload, header_length)
             request_id = decoded.id
-            response = await self.runtime.infer(to_infer_request(model, decoded))
+            request = to_infer_request(model, decoded)
+            if decoded.parameters.get("stream") is True:
+                response = await self._stream_chunks(msg, model, request)
+            else:
+                response = await self.runtime.infer(request)
             binary = v2.binary_outputs_for(decoded, list(response.outputs))
-            body, json_length = v2.encode_response(model, response.id, response.outputs, binary=binary)
+            body, json_length = v2.encode_response(model, response.id, response.outputs, binary=binary,
+                                                   parameters=response.parameters or None)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -740,6 +745,24 @@ class MqttTransport:
         if json_length is not None:
             properties.UserProperty.append((v2.HEADER_LENGTH, str(json_length)))
         return self._reply_topic(msg, model), body, properties
+
+    async def _stream_chunks(self, msg: MQTTMessage, model: str, request) -> Any:
+        """A streaming model (rag, generator) with parameters.stream = true: publish every chunk
+        but the last at once, each with the request's Correlation Data and
+        parameters.triton_final_response = false; the last is returned and published (and the
+        request acked) like any reply."""
+        runner = self.runtime.runner(model)
+        if not hasattr(runner, "stream"):
+            raise InvalidInput(f"model {model!r} does not stream tokens; leave out parameters.stream")
+        previous = None
+        async for chunk in runner.stream(request):
+            if previous is not None:
+                body, _ = v2.encode_response(model, previous.id, previous.outputs, parameters=previous.parameters or None)
+                await self._publish(self._reply_topic(msg, model), body, self._reply_properties(msg, 200, JSON))
+            previous = chunk
+        if previous is None:
+            raise InvalidInput(f"model {model!r} produced no output for this request")
+        return previous
 
     async def _answer_stream(self, msg: MQTTMessage, route: tuple[str, Any]) -> tuple[str, bytes, Properties]:
         stream: StreamRoute = route[1]
