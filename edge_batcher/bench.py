@@ -105,8 +105,12 @@ def _sample_inputs(runner) -> dict[str, np.ndarray]:
     """One request's inputs: random data of the model's input shapes (rows = 1)."""
     rng = np.random.default_rng(0)
     inputs = {}
+    seq = runner.config.sequence
     for spec in runner.inputs:
-        shape = [1] + [d if d > 0 else 16 for d in spec.shape[1:]]
+        # Sequence inputs at the smallest bucket's length, so the raw ceiling does the same
+        # work as the batches the runner pads to that bucket.
+        shape = [1] + [seq.buckets[0] if seq and spec.name in seq.inputs and axis == seq.axis else (d if d > 0 else 16)
+                       for axis, d in enumerate(spec.shape) if axis > 0]
         dtype = DATATYPE_TO_NUMPY[spec.datatype]
         if dtype.kind == "f":
             inputs[spec.name] = rng.standard_normal(shape).astype(dtype)
