@@ -498,6 +498,10 @@ class OnnxFootprintEstimator:
             if small and t.data_location == TensorProto.EXTERNAL:
                 try:
                     load_external_data_for_tensor(t, str(base_dir))
+                    # onnx < 1.18 leaves the tensor marked external, and shape inference then
+                    # ignores the bytes it just read.
+                    t.data_location = TensorProto.DEFAULT
+                    del t.external_data[:]
                 except Exception:  # missing/unsafe file: shape inference gets its type only
                     small = False
             if small:
