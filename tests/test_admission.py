@@ -42,8 +42,9 @@ def test_a_tight_budget_serves_a_burst_in_smaller_batches_that_fit(start_daemon,
     with d.client() as client:
         stats = client.stats("vibration")["model_stats"][0]
     sizes = {b["batch_size"] for b in stats["batch_stats"]}
+    # Never an 8; whether a 4 forms depends on arrival timing (while a 2 is in flight, only
+    # 2s fit the rest of the budget), so only the bound is asserted.
     assert sizes and sizes <= {2, 4}, sizes
-    assert 4 in sizes
     assert all(est[s].activations + est[s].kv_cache <= room for s in sizes)
     assert stats["inference_count"] == 64
 

@@ -125,7 +125,7 @@ class ModelRunner:
         self._local_batches = 0
         self._timer_at: float | None = None  # when the waiting loop's timer fires; None: not waiting on one
         self._draining = False
-        self._closed = False
+        self._progress = asyncio.Event()  # set whenever the serving loop dispatched or rejected work
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -181,15 +181,19 @@ class ModelRunner:
         self._wake()
         deadline = time.monotonic() + timeout
         while (len(self.queue) or self._in_flight) and time.monotonic() < deadline:
+            remaining = max(0.0, deadline - time.monotonic())
             if self._in_flight:
-                await asyncio.wait(list(self._in_flight), timeout=max(0.0, deadline - time.monotonic()))
-            else:
-                await asyncio.sleep(0.005)  # the loop is between plans; let it take the rest
+                await asyncio.wait(list(self._in_flight), timeout=remaining)
+            else:  # queued work, nothing running: wait for the serving loop to dispatch it
+                self._progress.clear()
+                try:
+                    await asyncio.wait_for(self._progress.wait(), remaining)
+                except asyncio.TimeoutError:
+                    break
         for req in self.queue.take_all():
             self._fail(req.payload, Unavailable(f"model {self.name!r}: daemon stopped before this request could run"))
 
     async def close(self) -> None:
-        self._closed = True
         self._draining = True
         self._wake()
         if self._loop_task is not None:
@@ -363,6 +367,7 @@ class ModelRunner:
     def _track(self, task: asyncio.Task) -> None:
         self._in_flight.add(task)
         task.add_done_callback(self._in_flight.discard)
+        self._progress.set()
 
     def _busy_seconds(self, now: float) -> float:
         """Estimated wait before a batch dispatched now would start on a local instance.
@@ -395,6 +400,7 @@ class ModelRunner:
             )
             if decision.rejected:
                 self._reject(decision)
+                self._progress.set()
             self._m_depth.set(len(self.queue))
             if decision.plan is not None:
                 return decision.plan
