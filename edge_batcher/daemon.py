@@ -164,7 +164,12 @@ class Daemon:
     def _status_line(self) -> str:
         runners = self.runtime.runners
         depth = sum(len(r.queue) for r in runners.values())
-        return f"{len(runners)} model(s), {depth} queued, mqtt {self.health_checks['mqtt']()}"
+        line = f"{len(runners)} model(s), {depth} queued, mqtt {self.health_checks['mqtt']()}"
+        if self.runtime.offload is not None:
+            peers = self.runtime.offload.status()
+            usable = sum(1 for p in peers if p["healthy"] and p["state"] != "open")
+            line += f", peers {usable}/{len(peers)} usable"
+        return line
 
 
 def serve(config: DaemonConfig) -> None:

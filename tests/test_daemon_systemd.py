@@ -162,3 +162,29 @@ def test_sighup_adds_changes_and_removes_models_without_dropping_others(start_da
     log = d.log_text()
     assert "reload: added ['seqsum'], removed ['faulty']" in log
     assert "reload: changed ['vibration']" in log
+
+
+def test_status_line_names_models_queue_mqtt_and_peers(tmp_path, model_repo):
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    config = tmp_path / "config.toml"
+    # A peer nobody listens on (loopback port 1): it is configured but not usable.
+    config.write_text('[models]\nload = ["vibration"]\n[offload]\nenabled = true\n'
+                      '[[offload.peers]]\nname = "nobody"\nurl = "http://127.0.0.1:1"\n')
+    env = dict(os.environ, PYTHONPATH=str(ROOT), NOTIFY_SOCKET=str(tmp_path / "notify.sock"))
+    proc = subprocess.Popen(serve_cmd(model_repo, "--config", str(config), "--unix-socket", str(tmp_path / "s.sock")),
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        ready = []
+        while not ready and time.monotonic() < deadline:
+            notify.settimeout(deadline - time.monotonic())
+            text = notify.recv(4096).decode()
+            if "READY=1" in text:
+                ready.append(text)
+        assert ready, "no READY=1"
+        assert "STATUS=1 model(s), 0 queued, mqtt disabled, peers 0/1 usable" in ready[0]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        notify.close()

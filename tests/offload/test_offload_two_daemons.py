@@ -83,6 +83,7 @@ def test_oversized_and_does_not_fit_batches_go_to_the_peer(start_daemon, model_r
         stats = client.stats("vibration")["model_stats"][0]
     assert_matches_local(model_repo, x[:12], big)
     assert stats["offloaded"]["does_not_fit/ok"] == 24 and stats["offloaded"]["too_large/ok"] == 1
+    assert "offload peer peer (http://127.0.0.1:" in edge.log_text()
     assert stats["execution_count"] == 0  # nothing ran locally
     from tests.support import rawhttp
 
