@@ -46,32 +46,20 @@ def build_seqsum(out: Path) -> None:
     )
 
 
-def add_faulty(out: Path) -> None:
-    """The vibration model served through the fault-injecting test backend."""
-    d = out / "faulty"
+def add_vibration_variant(out: Path, name: str, backend: str, batching: str) -> None:
+    """The vibration model under another name, served by a test backend with its own batching."""
+    d = out / name
     d.mkdir(parents=True, exist_ok=True)
     shutil.copy(out / "vibration" / "model.onnx", d / "model.onnx")
-    (d / "model.toml").write_text(
-        'backend = "tests.support.faulty_engine:FaultyOnnxEngine"\n'
-        "[batching]\npreferred_batch_sizes = [2, 4, 8]\nmax_queue_delay_ms = 2.0\n"
-        "priority_levels = 2\nqueue_capacity = 64\n"
-    )
-
-
-def add_oomy(out: Path) -> None:
-    """The vibration model behind an engine that runs out of memory above 4 rows."""
-    d = out / "oomy"
-    d.mkdir(parents=True, exist_ok=True)
-    shutil.copy(out / "vibration" / "model.onnx", d / "model.onnx")
-    (d / "model.toml").write_text(
-        'backend = "tests.support.faulty_engine:OomAboveFourEngine"\n'
-        "[batching]\npreferred_batch_sizes = [2, 4, 8]\nmax_queue_delay_ms = 20.0\n"
-    )
+    (d / "model.toml").write_text(f'backend = "{backend}"\n[batching]\npreferred_batch_sizes = [2, 4, 8]\n{batching}')
 
 
 def build_repository(out: Path) -> Path:
     build_demo(out)
     build_seqsum(out)
-    add_faulty(out)
-    add_oomy(out)
+    # Faults injected on purpose (tests/support/faulty_engine.py).
+    add_vibration_variant(out, "faulty", "tests.support.faulty_engine:FaultyOnnxEngine",
+                          "max_queue_delay_ms = 2.0\npriority_levels = 2\nqueue_capacity = 64\n")
+    # Out of memory above 4 rows of real data.
+    add_vibration_variant(out, "oomy", "tests.support.faulty_engine:OomAboveFourEngine", "max_queue_delay_ms = 20.0\n")
     return out
