@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import load_config, parse_host_port, resolve_socket_path
+from .config import load_config, parse_host_port
 from .errors import ConfigError, EdgeBatcherError
 
 log = logging.getLogger("edge_batcher")
@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
 
     def add_target(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--url", help="daemon address: unix:///path.sock or http://host:port (default: the local socket)")
+        p.add_argument("--url", help="daemon address: unix:///path.sock or http://host:port (default: the systemd "
+                                     "service's socket if it exists, else the socket `serve` uses by default)")
         p.add_argument("--token", help="bearer token for a TCP endpoint that requires one")
 
     p = sub.add_parser("infer", help="send one request and print the outputs")
@@ -122,8 +123,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def _client(args: argparse.Namespace):
     from .client import Client
 
-    url = args.url or f"unix://{resolve_socket_path('auto')}"
-    return Client(url, token=args.token)
+    return Client(args.url, token=args.token)  # no --url: the client's default_url()
 
 
 def cmd_infer(args: argparse.Namespace) -> int:

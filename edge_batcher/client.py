@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import os
 import socket
 import ssl
 from dataclasses import dataclass
@@ -42,7 +43,17 @@ from .protocol.v2 import (
 if TYPE_CHECKING:
     import aiohttp
 
-DEFAULT_URL = "unix:///run/edge-batcher/edge-batcher.sock"
+DEFAULT_URL = "unix:///run/edge-batcher/edge-batcher.sock"  # the systemd service's socket
+
+
+def default_url(service_url: str = DEFAULT_URL) -> str:
+    """The local daemon: the systemd service's socket when it exists, else the socket a daemon
+    started by hand listens on (config.resolve_socket_path("auto"), the daemon's own rule)."""
+    from .config import resolve_socket_path
+
+    if os.path.exists(parse_url(service_url).socket_path or ""):
+        return service_url
+    return f"unix://{resolve_socket_path('auto')}"
 
 
 class ClientError(Exception):
@@ -211,13 +222,13 @@ class Client:
 
     def __init__(
         self,
-        url: str = DEFAULT_URL,
+        url: str | None = None,
         *,
         timeout: float = 30.0,
         token: str | None = None,
         binary: bool = True,
     ):
-        self.endpoint = parse_url(url)
+        self.endpoint = parse_url(url or default_url())
         self.timeout = timeout
         self.binary = binary
         self._headers: dict[str, str] = {}
@@ -364,13 +375,13 @@ class AsyncClient:
 
     def __init__(
         self,
-        url: str = DEFAULT_URL,
+        url: str | None = None,
         *,
         timeout: float = 30.0,
         token: str | None = None,
         binary: bool = True,
     ):
-        self.endpoint = parse_url(url)
+        self.endpoint = parse_url(url or default_url())
         self.timeout = timeout
         self.binary = binary
         self._headers: dict[str, str] = {}

@@ -72,3 +72,14 @@ def test_unreachable_daemon_is_not_live(tmp_path) -> None:
     with Client(f"unix://{tmp_path}/missing.sock", timeout=1.0) as client:
         assert client.live() is False
         assert client.ready() is False
+
+
+def test_default_url_prefers_the_service_socket_else_the_serve_default(tmp_path) -> None:
+    from edge_batcher.client import default_url
+    from edge_batcher.config import resolve_socket_path
+
+    service = tmp_path / "edge-batcher.sock"
+    assert default_url(f"unix://{service}") == f"unix://{resolve_socket_path('auto')}"  # no service socket
+    service.touch()
+    assert default_url(f"unix://{service}") == f"unix://{service}"
+    assert Client().endpoint.socket_path in (str(resolve_socket_path("auto")), "/run/edge-batcher/edge-batcher.sock")
