@@ -58,7 +58,7 @@ from ..types import InferRequest, InferResponse, TensorSpec
 from . import kv as kvmath
 from .decoder import BatchCache, Decoder, join, keep
 from .sampling import SamplingParams, choose, parse_params
-from .service import FINAL, InFlight, ServiceAccounting, ServiceStats, bytes_array, final_response, text_rows
+from .service import InFlight, ServiceAccounting, ServiceStats, bytes_array, text_rows, token_responses
 from .tokenize import IncrementalDecoder, TextTokenizer
 
 log = logging.getLogger(__name__)
@@ -341,12 +341,8 @@ class GenerationService(ServiceAccounting):
             texts = text_rows(request, self.name, self.inputs[0], self.outputs, 1)
             seq = self.submit(texts[0], request.parameters, timeout_s=request.timeout_s)
             async with aclosing(self.events(seq)) as events:  # leaving early cancels the sequence
-                async for kind, payload in events:
-                    if kind == "token":
-                        yield InferResponse(self.name, request.id, {TEXT_OUTPUT: bytes_array([payload])}, {FINAL: False})
-                    else:
-                        yield final_response(self.name, request.id, {TEXT_OUTPUT: bytes_array([""])},
-                                             **payload.parameters())
+                async for chunk in token_responses(self.name, request.id, TEXT_OUTPUT, events):
+                    yield chunk
         except BaseException as exc:
             self._failed(started, exc)
             raise

@@ -38,7 +38,8 @@ from ..types import InferRequest, InferResponse, TensorSpec
 from .index import Hit, Index, IndexWatcher, default_index_dir, load_index
 from .prompt import DEFAULT_PASSAGE_TEMPLATE, DEFAULT_TEMPLATE, assemble, check_template, extractive_answer
 from .service import (
-    FINAL, InFlight, ServiceAccounting, ServiceStats, bytes_array, final_response, text_rows, wait_idle,
+    FINAL, InFlight, ServiceAccounting, ServiceStats, bytes_array, final_response, text_rows, token_responses,
+    wait_idle,
 )
 
 log = logging.getLogger(__name__)
@@ -303,14 +304,11 @@ class RagService(ServiceAccounting):
                     {FINAL: False})
                 t0 = time.perf_counter()
                 async with aclosing(gen.events(seq)) as events:  # leaving early cancels the generation
-                    async for kind, payload in events:
-                        if kind == "token":
-                            yield InferResponse(self.name, request.id, {ANSWER: bytes_array([payload])}, {FINAL: False})
-                        else:
+                    async for chunk in token_responses(self.name, request.id, ANSWER, events, mode="generated"):
+                        if chunk.parameters[FINAL]:
                             self.counters["generated"] += 1
                             self.counters["generate_ns"] += int((time.perf_counter() - t0) * 1e9)
-                            yield final_response(self.name, request.id, {ANSWER: bytes_array([""])},
-                                                 mode="generated", **payload.parameters())
+                        yield chunk
         except BaseException as exc:
             self._failed(started, exc)
             raise

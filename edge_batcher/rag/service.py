@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import AsyncIterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -142,3 +143,16 @@ async def wait_idle(in_flight: InFlight, timeout: float) -> None:
 
 def final_response(model: str, request_id: str | None, outputs: dict[str, np.ndarray], **parameters) -> InferResponse:
     return InferResponse(model, request_id, outputs, {FINAL: True, **parameters})
+
+
+async def token_responses(
+    model: str, request_id: str | None, output: str, events: AsyncIterator, **final_parameters
+) -> AsyncIterator[InferResponse]:
+    """A generation's events as streamed v2 responses: one per piece of text in `output`, then
+    the final one (empty text) carrying the generation's parameters (finish_reason, counts)."""
+    async for kind, payload in events:
+        if kind == "token":
+            yield InferResponse(model, request_id, {output: bytes_array([payload])}, {FINAL: False})
+        else:
+            yield final_response(model, request_id, {output: bytes_array([""])},
+                                 **final_parameters, **payload.parameters())
