@@ -165,15 +165,8 @@ class Metrics:
         self.device_memory_bytes = Gauge(
             "device_memory_bytes", "Device memory as the memory probe last read it.", ("kind",)
         )
-        self._padding = {}  # model -> [padding rows, total rows]
         # Called before each render: gauges read from elsewhere (the memory budget) update here.
         self.collectors: list = []
-
-    def add_padding(self, model: str, padding: int, size: int) -> None:
-        acc = self._padding.setdefault(model, [0, 0])
-        acc[0] += padding
-        acc[1] += size
-        self.padding_ratio.set(acc[0] / acc[1] if acc[1] else 0.0, model=model)
 
     def all(self) -> list[_Metric]:
         return [m for m in vars(self).values() if isinstance(m, _Metric)]

@@ -109,6 +109,7 @@ class ModelRunner:
         self._m_ok = m.requests_total.labels(model=self.name, status="200")
         self._m_depth = m.queue_depth.labels(model=self.name)
         self._m_size = m.batch_size.labels(model=self.name)
+        self._m_padding = m.padding_ratio.labels(model=self.name)
         self._m_queue_s = m.queue_seconds.labels(model=self.name)
         self._m_request_s = m.request_seconds.labels(model=self.name)
         self._output_names = [spec.name for spec in self.outputs]
@@ -600,7 +601,7 @@ class ModelRunner:
         m = self.metrics
         m.batches_total.inc(model=self.name, size=str(plan.size), reason=plan.reason, target=plan.target)
         self._m_size.observe(plan.size)
-        m.add_padding(self.name, plan.padding, plan.size)
+        self._m_padding.set(s.padding_rows / s.batch_rows)
         self._m_ok.inc(len(pendings))
         s.success_count += len(pendings)
         for p in pendings:

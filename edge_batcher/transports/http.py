@@ -158,7 +158,7 @@ async def infer(request: web.Request) -> web.Response:
     model = request.match_info["model"]
     runtime.runner(model)  # unknown model: 404 before reading the body
     body = await request.read()
-    header_length = _header_length(request)
+    header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH))
     if len(body) > DECODE_OFF_LOOP_BYTES:
         decoded = await asyncio.get_running_loop().run_in_executor(None, v2.decode_request, body, header_length)
     else:
@@ -173,19 +173,6 @@ async def infer(request: web.Request) -> web.Response:
     return web.Response(
         body=payload, content_type=v2.BINARY_CONTENT_TYPE, headers={v2.HEADER_LENGTH: str(json_length)}
     )
-
-
-def _header_length(request: web.Request) -> int | None:
-    value = request.headers.get(v2.HEADER_LENGTH)
-    if value is None:
-        return None
-    try:
-        length = int(value)
-    except ValueError:
-        raise InvalidInput(f"{v2.HEADER_LENGTH} must be an integer, got {value!r}") from None
-    if length < 0:
-        raise InvalidInput(f"{v2.HEADER_LENGTH} must not be negative, got {length}")
-    return length
 
 
 def to_infer_request(model: str, decoded: v2.DecodedRequest) -> InferRequest:
