@@ -16,7 +16,8 @@ import pytest
 from edge_batcher.config import DaemonConfig, MqttSettings
 from edge_batcher.runtime import Runtime
 from edge_batcher.transports.mqtt import MqttTransport
-from tests.support.mqtt import MOSQUITTO, ROOT, Broker, DaemonProcess, LoopThread, TestClient
+from tests.support.daemon import DaemonProcess
+from tests.support.mqtt import MOSQUITTO, ROOT, Broker, LoopThread, TestClient
 
 if MOSQUITTO is None:
     pytest.skip("mosquitto is not installed (apt-get install mosquitto): the MQTT tests need a real broker",
@@ -106,4 +107,4 @@ def daemon_process(tmp_path):
 
     yield make
     for d in made:
-        d.kill(signal.SIGTERM)
+        d.stop(signal.SIGTERM)

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from tests.support.mqtt import Broker, TestClient, wait_until
+from tests.support.mqtt import Broker, TestClient, wait_mqtt, wait_until
 
 N_BURST = 200
 
@@ -59,13 +59,13 @@ def test_ready_reports_mqtt_state_and_the_socket_serves_while_the_broker_is_away
         mqtt_model_repo, tmp_path, daemon_process):
     broker = Broker(tmp_path / "broker")  # not started yet: the daemon starts without it
     d = daemon_process("d", config_text(mqtt_model_repo, broker.port)).start()
-    body = d.wait_mqtt("disconnected")
+    body = wait_mqtt(d, "disconnected")
     assert body["ready"] is True and body["models"] == ["vibration"]  # ready: the Unix socket serves
     assert "not reachable" in d.log_text()
     broker.start()
     client = None
     try:
-        d.wait_mqtt("connected", timeout=20)
+        wait_mqtt(d, "connected", timeout=20)
         client = TestClient(broker.port)
         client.publish("edge-batcher/dut/infer/vibration", request_payload(7), correlation=b"late")
         (reply,) = client.collect(1)
@@ -74,17 +74,17 @@ def test_ready_reports_mqtt_state_and_the_socket_serves_while_the_broker_is_away
         if client is not None:
             client.close()
         broker.stop()
-    d.wait_mqtt("disconnected", timeout=20)
+    wait_mqtt(d, "disconnected", timeout=20)
 
 
 def test_sigkill_mid_burst_loses_no_request(mqtt_model_repo, broker, daemon_process, mqtt_client):
     cfg = config_text(mqtt_model_repo, broker.port)
     first = daemon_process("first", cfg).start()
-    first.wait_mqtt("connected")
+    wait_mqtt(first, "connected")
     client = mqtt_client()
     publisher = publish_burst(client, N_BURST, spacing_s=0.004)
     wait_until(lambda: client.messages.qsize() >= 25, 20, "the first replies")
-    assert first.kill(signal.SIGKILL) == -signal.SIGKILL
+    assert first.stop(signal.SIGKILL) == -signal.SIGKILL
     answered_before = client.messages.qsize()
     assert answered_before < N_BURST, "the burst finished before the kill: nothing was tested"
 
@@ -100,11 +100,11 @@ def test_sigterm_drains_in_flight_and_leaves_the_rest_for_the_next_daemon(
         mqtt_model_repo, broker, daemon_process, mqtt_client):
     cfg = config_text(mqtt_model_repo, broker.port, client_id="eb-drain-test")
     first = daemon_process("first", cfg).start()
-    first.wait_mqtt("connected")
+    wait_mqtt(first, "connected")
     client = mqtt_client()
     publisher = publish_burst(client, N_BURST, spacing_s=0.004)
     wait_until(lambda: client.messages.qsize() >= 25, 20, "the first replies")
-    assert first.kill(signal.SIGTERM) == 0  # graceful: exit status 0
+    assert first.stop(signal.SIGTERM) == 0  # graceful: exit status 0
     assert client.messages.qsize() < N_BURST, "the burst finished before SIGTERM: nothing was tested"
     assert "MQTT: stopped" in first.log_text()
 
@@ -116,5 +116,5 @@ def test_sigterm_drains_in_flight_and_leaves_the_rest_for_the_next_daemon(
 def test_ready_says_disabled_without_mqtt(mqtt_model_repo, daemon_process):
     cfg = f'[models]\nrepository = "{mqtt_model_repo}"\n[memory]\nprobe = "fixed"\nbudget_mb = 4096\n'
     d = daemon_process("plain", cfg).start()
-    body = d.wait_mqtt("disabled")
+    body = wait_mqtt(d, "disabled")
     assert body["ready"] is True

@@ -9,10 +9,8 @@ import json
 import os
 import queue
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -227,60 +225,7 @@ class TestClient:
         self.client.loop_stop()
 
 
-class DaemonProcess:
-    """`edge-batcher serve --config <toml> --unix-socket <path>` in a subprocess."""
-
-    def __init__(self, home: Path, config_text: str):
-        home.mkdir(parents=True, exist_ok=True)
-        self.socket = home / "eb.sock"
-        self.config = home / "config.toml"
-        self.config.write_text(config_text)
-        self.log = home / "daemon.log"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> DaemonProcess:
-        script = Path(sys.executable).with_name("edge-batcher")
-        cmd = [str(script)] if script.exists() else [sys.executable, "-m", "edge_batcher.cli"]
-        cmd += ["serve", "--config", str(self.config), "--unix-socket", str(self.socket)]
-        log = open(self.log, "ab")
-        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONPATH=str(ROOT)))
-        log.close()
-        return self
-
-    def ready_body(self) -> dict | None:
-        """GET /v2/health/ready on the Unix socket; None while nothing answers."""
-        if self.proc is not None and self.proc.poll() is not None:
-            raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log.read_text()}")
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-                s.settimeout(2)
-                s.connect(str(self.socket))
-                s.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
-                data = b""
-                while chunk := s.recv(65536):
-                    data += chunk
-        except OSError:
-            return None
-        head, _, body = data.partition(b"\r\n\r\n")
-        try:
-            return json.loads(body)
-        except ValueError:
-            return None
-
-    def wait_mqtt(self, state: str = "connected", timeout: float = 60) -> dict:
-        return wait_until(lambda: (b := self.ready_body()) and b.get("mqtt") == state and b,
-                          timeout, f"daemon ready with mqtt {state}:\n{self.log}", interval=0.05)
-
-    def kill(self, sig: int = signal.SIGKILL) -> int:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode if self.proc else 0
-
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
+def wait_mqtt(daemon, state: str = "connected", timeout: float = 60) -> dict:
+    """Wait until the daemon's readiness body reports this MQTT state; returns the body."""
+    return wait_until(lambda: (b := daemon.ready_body()) and b.get("mqtt") == state and b,
+                      timeout, f"daemon ready with mqtt {state}:\n{daemon.log}", interval=0.05)
