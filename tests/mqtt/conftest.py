@@ -6,7 +6,7 @@ Nothing is mocked: requests go through a real broker into the real transport and
 
 from __future__ import annotations
 
-import importlib.util
+import shutil
 import signal
 import uuid
 from pathlib import Path
@@ -17,7 +17,7 @@ from edge_batcher.config import DaemonConfig, MqttSettings
 from edge_batcher.runtime import Runtime
 from edge_batcher.transports.mqtt import MqttTransport
 from tests.support.daemon import DaemonProcess
-from tests.support.mqtt import MOSQUITTO, ROOT, Broker, LoopThread, TestClient
+from tests.support.mqtt import MOSQUITTO, Broker, LoopThread, TestClient
 
 if MOSQUITTO is None:
     pytest.skip("mosquitto is not installed (apt-get install mosquitto): the MQTT tests need a real broker",
@@ -33,13 +33,10 @@ def broker(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def mqtt_model_repo(tmp_path_factory) -> Path:
-    """The demo vibration model, built once per session (a few seconds)."""
-    spec = importlib.util.spec_from_file_location("build_demo_models_mqtt", ROOT / "tools" / "build_demo_models.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def mqtt_model_repo(model_repo, tmp_path_factory) -> Path:
+    """A repository holding only the demo vibration model (copied from the session's build)."""
     out = tmp_path_factory.mktemp("mqtt-engines")
-    module.build_vibration(out)
+    shutil.copytree(model_repo / "vibration", out / "vibration")
     return out
 
 
