@@ -344,18 +344,14 @@ def main(argv: list[str] | None = None, trt_module: Any = None, cuda_module: Any
     p.add_argument("--out", type=Path, help="also write the report to this file")
     args = p.parse_args(argv)
 
-    trt, cuda = trt_module, cuda_module
-    try:
-        if trt is None:
-            from edge_batcher.engines.tensorrt import import_tensorrt_module  # noqa: PLC0415
+    from edge_batcher.engines.tensorrt import import_tensorrt  # noqa: PLC0415
+    from edge_batcher.errors import ConfigError  # noqa: PLC0415
 
-            trt = import_tensorrt_module()
-        if cuda is None:
-            import pycuda.driver as cuda  # noqa: PLC0415
-    except ImportError as exc:
-        print(f"jetson_selftest: TensorRT and pycuda are needed ({exc}). On a Jetson, JetPack ships TensorRT "
-              "(python3-libnvinfer) and `pip install pycuda` builds pycuda; elsewhere: pip install "
-              "'edge-batcher[tensorrt]'. This test only means something on the device.", file=sys.stderr)
+    try:  # the backend's own check: both packages present, TensorRT >= 10
+        trt, cuda = import_tensorrt(trt_module, cuda_module)
+    except ConfigError as exc:
+        print(f"jetson_selftest: TensorRT and pycuda are needed ({exc}). This test only means something on the "
+              "device.", file=sys.stderr)
         return 2
     if not args.onnx.is_file():
         print(f"jetson_selftest: {args.onnx} not found; build the demo model first: python tools/build_demo_models.py",
