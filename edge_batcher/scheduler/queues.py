@@ -17,7 +17,7 @@ from typing import Any, Iterator
 from ..errors import Overloaded
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class QueuedRequest:
     """The scheduler's view of a request: what it needs to plan, plus an opaque payload."""
 

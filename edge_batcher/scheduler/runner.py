@@ -5,15 +5,21 @@ instance's own worker thread (one thread per instance: inference never blocks th
 an engine object is only ever touched by one thread). One future per request; a failed batch
 sets the error on every future in it; a caller that went away (cancelled future) does not
 disturb the rest of its batch.
+
+The hot path is plain callbacks, no task per batch: `submit` queues a request and calls
+`_schedule` when the policy's answer may have changed; `_schedule` runs the (pure) policy
+and hands each planned batch to its instance's worker; the worker's completion callback
+answers the batch's futures and calls `_schedule` again; a timer calls it when the policy
+said to look again later (queue delay, deadlines).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,22 +34,31 @@ from ..types import DATATYPE_TO_NUMPY, InferRequest, InferResponse, TensorSpec
 from . import policy
 from .queues import ModelQueue, QueuedRequest
 from .timing import ExecTimeModel
+from .worker import EngineWorker
 
 log = logging.getLogger(__name__)
 
 BATCHES_IN_FLIGHT_PER_INSTANCE = 2
 
 
-@dataclass(eq=False)
-class Pending:
-    """A validated request waiting for its batch."""
+@dataclass(eq=False, slots=True)
+class Pending(QueuedRequest):
+    """A validated request in the queue: what the policy plans with, and what answers it."""
 
-    request: InferRequest
-    inputs: dict[str, np.ndarray]
-    rows: int
-    seq_len: int
-    future: asyncio.Future
-    arrival: float
+    request: InferRequest | None = None
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)  # as the engine takes them
+    future: asyncio.Future | None = None
+
+
+@dataclass(eq=False, slots=True)
+class LocalBatch:
+    """A batch handed to an engine instance's worker."""
+
+    plan: policy.BatchPlan
+    instance: int
+    reserved: int  # admission bytes held until it finishes
+    dispatched: float
+    holds_slot: bool  # False for the parts of a batch split after running out of memory
 
 
 @dataclass
@@ -112,21 +127,24 @@ class ModelRunner:
         self._m_padding = m.padding_ratio.labels(model=self.name)
         self._m_queue_s = m.queue_seconds.labels(model=self.name)
         self._m_request_s = m.request_seconds.labels(model=self.name)
+        self._m_batches: dict[tuple, object] = {}  # (size, reason, target) -> batches_total child
         self._output_names = [spec.name for spec in self.outputs]
-        self._executors = [
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"engine-{self.name}-{i}") for i in range(len(engines))
-        ]
+        self._default_priority = b.default_priority
+        self._priority_levels = b.priority_levels
+        self._default_timeout_s = b.default_timeout_ms / 1000.0
+        self._max_timeout_s = b.max_timeout_ms / 1000.0
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
+        self._workers: list[EngineWorker] = []  # one per engine instance, from start()
         self._free_slots: list[int] = []  # engine instances with a free batch slot
         self._busy_until = [0.0] * len(engines)  # when each instance's dispatched work should end
         self._dispatched: list[deque[float]] = [deque() for _ in engines]  # dispatch times in flight
-        self._slot_wait = False  # the loop waits for a slot to free (nothing else to plan)
-        self._wakeup: asyncio.Event | None = None
-        self._loop_task: asyncio.Task | None = None
-        self._in_flight: set[asyncio.Task] = set()  # local batches and offloads
-        self._local_batches = 0
-        self._timer_at: float | None = None  # when the waiting loop's timer fires; None: not waiting on one
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None  # when the policy wants to look again; None: no timer
+        self._offloads: set[asyncio.Task] = set()  # requests on their way to a peer
+        self._local_batches = 0  # batches with a worker (queued there or running)
         self._draining = False
-        self._progress = asyncio.Event()  # set whenever the serving loop dispatched or rejected work
+        self._closed = False
+        self._progress = asyncio.Event()  # set whenever work was dispatched, answered or rejected
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -170,42 +188,41 @@ class ModelRunner:
         )
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._workers = [EngineWorker(f"engine-{self.name}-{i}", self._loop) for i in range(len(self.engines))]
         # Two batch slots per instance: the next batch waits in the worker's queue while the
         # current one runs, so the engine thread never idles through a round trip to the loop.
         self._free_slots = [i for _ in range(BATCHES_IN_FLIGHT_PER_INSTANCE) for i in range(len(self.engines))]
-        self._wakeup = asyncio.Event()
-        self._loop_task = asyncio.create_task(self._serve(), name=f"runner-{self.name}")
 
     async def drain(self, timeout: float) -> None:
         """Stop taking requests, run everything queued now, wait for batches in flight."""
         self._draining = True
-        self._wake()
+        self._schedule()
         deadline = time.monotonic() + timeout
-        while (len(self.queue) or self._in_flight) and time.monotonic() < deadline:
-            remaining = max(0.0, deadline - time.monotonic())
-            if self._in_flight:
-                await asyncio.wait(list(self._in_flight), timeout=remaining)
-            else:  # queued work, nothing running: wait for the serving loop to dispatch it
-                self._progress.clear()
-                try:
-                    await asyncio.wait_for(self._progress.wait(), remaining)
-                except asyncio.TimeoutError:
-                    break
+        while (len(self.queue) or self._offloads or self._local_batches) and time.monotonic() < deadline:
+            self._progress.clear()
+            try:
+                await asyncio.wait_for(self._progress.wait(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                break
         for req in self.queue.take_all():
-            self._fail(req.payload, Unavailable(f"model {self.name!r}: daemon stopped before this request could run"))
+            self._fail(req, Unavailable(f"model {self.name!r}: daemon stopped before this request could run"))
 
     async def close(self) -> None:
+        """Answer what is queued with an error, let batches with a worker finish, close the engines."""
         self._draining = True
-        self._wake()
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            await asyncio.gather(self._loop_task, return_exceptions=True)
+        self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
         for req in self.queue.take_all():
-            self._fail(req.payload, Unavailable(f"model {self.name!r} was unloaded"))
-        loop = asyncio.get_running_loop()
-        for engine, executor in zip(self.engines, self._executors):
-            await loop.run_in_executor(executor, engine.close)
-            executor.shutdown(wait=False)
+            self._fail(req, Unavailable(f"model {self.name!r} was unloaded"))
+        if self._workers:
+            for engine, worker in zip(self.engines, self._workers):
+                await worker.stop(engine.close)
+        else:  # never started (warm-up only): close on any thread
+            loop = asyncio.get_running_loop()
+            for engine in self.engines:
+                await loop.run_in_executor(None, engine.close)
 
     # ------------------------------------------------------------------ requests
 
@@ -214,33 +231,36 @@ class ModelRunner:
         Raises InvalidInput, Overloaded or Unavailable at once when it cannot be queued."""
         if self._draining:
             raise Unavailable(f"model {self.name!r} is not accepting requests: the daemon is draining")
+        loop = self._loop
+        if loop is None:
+            raise Unavailable(f"model {self.name!r} is not serving yet")
         inputs, rows, seq_len = self._validate(request)
         if self._prepare is not None:
             inputs, seq_len = self._prepare(inputs)
             self._check_seq_len(seq_len)
-        b = self.config.batching
-        priority = b.default_priority if request.priority is None else request.priority
-        if not 0 <= priority < b.priority_levels:
-            raise InvalidInput(f"priority {priority} is out of range: model {self.name!r} has levels 0..{b.priority_levels - 1}")
-        timeout_s = b.default_timeout_ms / 1000.0 if request.timeout_s is None else request.timeout_s
+        priority = self._default_priority if request.priority is None else request.priority
+        if not 0 <= priority < self._priority_levels:
+            raise InvalidInput(
+                f"priority {priority} is out of range: model {self.name!r} has levels 0..{self._priority_levels - 1}"
+            )
+        timeout_s = self._default_timeout_s if request.timeout_s is None else request.timeout_s
         if timeout_s <= 0:
             raise DeadlineExceeded(f"request timeout {timeout_s * 1000:.1f} ms has already passed")
-        timeout_s = min(timeout_s, b.max_timeout_ms / 1000.0)
-        loop = asyncio.get_running_loop()
+        if timeout_s > self._max_timeout_s:
+            timeout_s = self._max_timeout_s
         now = loop.time()
         future = loop.create_future()
-        pending = Pending(request, inputs, rows, seq_len, future, now)
-        queued = QueuedRequest(priority=priority, arrival=now, deadline=now + timeout_s, rows=rows,
-                               bucket=self._bucket(seq_len), payload=pending)
+        pending = Pending(priority, now, now + timeout_s, rows, self._bucket(seq_len),
+                          request=request, inputs=inputs, future=future)
         if rows > self.settings.max_batch_size:
-            self._submit_oversized(queued)
+            self._submit_oversized(pending)
             return future
-        self.queue.push(queued)
-        if self._decision_may_change(queued):
-            self._wake()
+        self.queue.push(pending)
+        if self._decision_may_change(pending):
+            self._schedule()
         return future
 
-    def _submit_oversized(self, queued: QueuedRequest) -> None:
+    def _submit_oversized(self, queued: Pending) -> None:
         """More rows than the local engine takes: straight to a peer, or a clear error."""
         view = self.offload.view(self.name) if self.offload is not None else policy.NO_OFFLOAD
         if policy.oversized_target(queued.rows, self.settings, view) != "peer":
@@ -251,20 +271,26 @@ class ModelRunner:
             )
         queued.taken = True
         plan = policy.BatchPlan([queued], queued.rows, queued.rows, queued.bucket, policy.TOO_LARGE, target="peer")
-        self._track(asyncio.create_task(self._offload_batch(plan)))
+        self._start_offload(plan)
 
-    def _decision_may_change(self, queued: QueuedRequest) -> bool:
-        """Whether this arrival can change the policy's answer before its timer fires: it filled
-        a bucket, it is the first in its bucket, or its deadline comes before the timer.
-        Skipping the other wake-ups keeps the policy off the per-request hot path."""
-        if self._slot_wait and self.offload is None:
-            return False  # every slot is busy and there is no peer: only a freed slot matters
-        bucket = self.queue.buckets[queued.bucket]
-        if self._timer_at is None or bucket.count == 1:
+    def _decision_may_change(self, queued: Pending) -> bool:
+        """Whether this arrival can change the policy's answer before its timer fires: it
+        filled a bucket, no timer is set, or it falls due (queue delay, or deadline minus the
+        longest batch's time) before the timer. Skipping the other calls keeps the policy off
+        the per-request hot path; a timer that fires early only plans again."""
+        settings = self.settings
+        slot_free = bool(self._free_slots)
+        full = min(settings.preferred_batch_sizes[-1], settings.max_batch_size)
+        if slot_free and self.queue.buckets[queued.bucket].rows >= full:
             return True
-        if not self._slot_wait and bucket.rows >= self.settings.preferred_batch_sizes[-1]:
+        if self._timer_at is None:
             return True
-        return queued.deadline - self.exec_time.estimate(self.settings.max_batch_size) < self._timer_at
+        if not slot_free and self.offload is None:
+            due = queued.deadline  # until a batch finishes, only its expiry can change anything
+        else:
+            due = min(queued.arrival + settings.max_queue_delay_s,
+                      queued.deadline - self.exec_time.estimate(settings.max_batch_size))
+        return due < self._timer_at
 
     async def infer(self, request: InferRequest) -> InferResponse:
         try:
@@ -275,11 +301,11 @@ class ModelRunner:
 
     def _validate(self, request: InferRequest) -> tuple[dict[str, np.ndarray], int, int]:
         given = request.inputs
-        unknown = [n for n in given if n not in self._input_by_name]
-        if unknown:
-            raise InvalidInput(
-                f"model {self.name!r} has no input {unknown[0]!r}; its inputs are {', '.join(self._input_by_name)}"
-            )
+        for given_name in given:
+            if given_name not in self._input_by_name:
+                raise InvalidInput(
+                    f"model {self.name!r} has no input {given_name!r}; its inputs are {', '.join(self._input_by_name)}"
+                )
         if request.outputs is not None:
             for name in request.outputs:
                 if name not in self._output_names:
@@ -343,32 +369,71 @@ class ModelRunner:
                 return boundary
         raise AssertionError("validated above")
 
-    # ------------------------------------------------------------------ the loop
+    # ------------------------------------------------------------------ scheduling
 
-    def _wake(self) -> None:
-        if self._wakeup is not None:
-            self._wakeup.set()
-
-    async def _serve(self) -> None:
-        assert self._wakeup is not None
-        loop = asyncio.get_running_loop()
+    def _schedule(self) -> None:
+        """Expire what is due, ask the policy for batches until it has none to dispatch now,
+        hand them out, and set the timer for when it wants to look again."""
+        if self._closed or self._loop is None:
+            return
+        if not self.queue.count:
+            self._m_depth.set(0)
+            return  # nothing to plan or expire; a timer still set fires and finds nothing
+        loop = self._loop
         while True:
-            plan = await self._next_plan(loop)
-            if plan.target == "peer":
-                self._track(asyncio.create_task(self._offload_batch(plan)))
-                continue
-            instance = min(self._free_slots, key=lambda i: self._busy_until[i])
-            self._free_slots.remove(instance)
             now = loop.time()
-            self._busy_until[instance] = max(now, self._busy_until[instance]) + self.exec_time.estimate(plan.size)
-            self._dispatched[instance].append(now)
-            self._local_batches += 1
-            self._track(asyncio.create_task(self._run(plan, instance)))
+            for req in self.queue.expire(now):
+                self.stats.expired += 1
+                waited = (now - req.arrival) * 1000
+                self._fail(req, DeadlineExceeded(
+                    f"deadline passed after {waited:.1f} ms in the queue of model {self.name!r}, before it could run"))
+            # busy_s only matters to the offload decision: not worth computing without a peer.
+            offload = self.offload.view(self.name) if self.offload is not None else policy.NO_OFFLOAD
+            decision = policy.decide(
+                self.queue, now, self.settings, self.exec_time, self.fits, self._draining,
+                busy=self._local_batches > 0, local_free=bool(self._free_slots),
+                busy_s=self._busy_seconds(now) if offload.peer_available else 0.0, offload=offload,
+            )
+            if decision.rejected:
+                self._reject(decision)
+                self._progress.set()
+            if decision.plan is None:
+                break
+            self._dispatch(decision.plan, now)
+            if decision.wake_at is None or decision.wake_at > now:
+                break  # the policy saw nothing else due now
+        self._m_depth.set(len(self.queue))
+        # Also wake at the next deadline: a request must get its timeout error on time even
+        # while every engine instance is busy (or stuck) and the policy has nothing to plan.
+        wake_at, expiry = decision.wake_at, self.queue.next_deadline()
+        self._arm_timer(expiry if wake_at is None or (expiry is not None and expiry < wake_at) else wake_at)
 
-    def _track(self, task: asyncio.Task) -> None:
-        self._in_flight.add(task)
-        task.add_done_callback(self._in_flight.discard)
+    def _arm_timer(self, at: float | None) -> None:
+        """Have `_schedule` called at `at`. A timer already set for earlier stays: firing early
+        only plans again (and sets the right time then), while cancelling and re-arming on
+        every batch would cost the loop a timer per batch."""
+        if self._timer_at is not None and (at is None or self._timer_at <= at):
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer_at = at
+        self._timer = self._loop.call_at(at, self._on_timer) if at is not None else None
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_at = None
+        self._schedule()
+
+    def _dispatch(self, plan: policy.BatchPlan, now: float) -> None:
         self._progress.set()
+        if plan.target == "peer":
+            self._start_offload(plan)
+            return
+        instance = min(self._free_slots, key=lambda i: self._busy_until[i])
+        self._free_slots.remove(instance)
+        self._busy_until[instance] = max(now, self._busy_until[instance]) + self.exec_time.estimate(plan.size)
+        self._dispatched[instance].append(now)
+        self._start_batch(plan, instance, now, holds_slot=True)
 
     def _busy_seconds(self, now: float) -> float:
         """Estimated wait before a batch dispatched now would start on a local instance.
@@ -384,39 +449,6 @@ class ModelRunner:
 
         return min(wait(i) for i in (self._free_slots or range(len(self.engines))))
 
-    async def _next_plan(self, loop: asyncio.AbstractEventLoop) -> policy.BatchPlan:
-        assert self._wakeup is not None
-        while True:
-            now = loop.time()
-            for req in self.queue.expire(now):
-                self.stats.expired += 1
-                waited = (now - req.payload.arrival) * 1000
-                self._fail(req.payload, DeadlineExceeded(
-                    f"deadline passed after {waited:.1f} ms in the queue of model {self.name!r}, before it could run"))
-            local_free = bool(self._free_slots)
-            decision = policy.decide(
-                self.queue, now, self.settings, self.exec_time, self.fits, self._draining,
-                busy=self._local_batches > 0, local_free=local_free, busy_s=self._busy_seconds(now),
-                offload=self.offload.view(self.name) if self.offload is not None else policy.NO_OFFLOAD,
-            )
-            if decision.rejected:
-                self._reject(decision)
-                self._progress.set()
-            self._m_depth.set(len(self.queue))
-            if decision.plan is not None:
-                return decision.plan
-            self._wakeup.clear()
-            timer = None
-            if decision.wake_at is not None:
-                timer = loop.call_at(decision.wake_at, self._wakeup.set)
-            self._timer_at = decision.wake_at
-            self._slot_wait = not local_free
-            await self._wakeup.wait()
-            self._timer_at = None
-            self._slot_wait = False
-            if timer is not None:
-                timer.cancel()
-
     def _reject(self, decision: policy.Decision) -> None:
         if decision.reject_kind == policy.NO_PEER:
             error = Unavailable(f"model {self.name!r}: {decision.reject_reason}")
@@ -429,77 +461,172 @@ class ModelRunner:
         log.warning("model %s: rejecting %d request(s): %s", self.name, len(decision.rejected), error)
         for req in decision.rejected:
             self.stats.rejected += 1
-            self._fail(req.payload, error)
+            self._fail(req, error)
 
-    async def _run(self, plan: policy.BatchPlan, instance: int) -> None:
+    # ------------------------------------------------------------------ local batches
+
+    def _start_batch(self, plan: policy.BatchPlan, instance: int, now: float, *, holds_slot: bool) -> None:
         reserved = self.admission.reserve(plan.size, plan.bucket) if self.admission is not None else 0
-        try:
-            await self._run_batch(plan, instance)
-        finally:
-            if reserved:
-                self.admission.release(reserved)
+        self._local_batches += 1
+        batch = LocalBatch(plan, instance, reserved, now, holds_slot)
+        self._workers[instance].submit(self._execute, batch, self._batch_done)
+
+    def _batch_done(self, batch: LocalBatch, outcome, error: BaseException | None) -> None:
+        """On the loop, when a worker finished a batch: answer its requests, free its slot
+        and memory, plan again."""
+        if batch.reserved:
+            self.admission.release(batch.reserved)
+        instance = batch.instance
+        if batch.holds_slot:
             self._free_slots.append(instance)
             self._dispatched[instance].popleft()
-            self._local_batches -= 1
             if self._free_slots.count(instance) == BATCHES_IN_FLIGHT_PER_INSTANCE:
                 self._busy_until[instance] = 0.0  # idle: nothing of its estimate is left
-            self._wake()  # memory and an instance came back: the policy may plan again
-
-    async def _run_batch(self, plan: policy.BatchPlan, instance: int) -> None:
-        loop = asyncio.get_running_loop()
-        pendings = [r.payload for r in plan.requests]
-        dispatched = loop.time()
-        try:
-            results, seconds, engine_seconds = await loop.run_in_executor(
-                self._executors[instance], self._execute, self.engines[instance], pendings, plan
-            )
-        except OutOfMemory as exc:
-            await self._split_after_oom(plan, instance, exc)
-            return
-        except Exception as exc:
-            error = exc if isinstance(exc, EdgeBatcherError) else EngineError(f"model {self.name!r}: batch failed: {exc}")
+        self._local_batches -= 1
+        plan = batch.plan
+        if error is None:
+            self._answer(batch, *outcome)
+        elif isinstance(error, OutOfMemory):
+            self._split_after_oom(plan, instance, error)
+        else:
+            if not isinstance(error, EdgeBatcherError):
+                error = EngineError(f"model {self.name!r}: batch failed: {error}")
             log.error("model %s: batch of %d failed: %s", self.name, plan.size, error)
-            for p in pendings:
-                self._fail(p, error)
-            self.stats.fail_count += len(pendings)
-            return
+            for req in plan.requests:
+                self._fail(req, error)
+            self.stats.fail_count += len(plan.requests)
+        self._progress.set()
+        self._schedule()  # memory and an instance came back: the policy may plan again
+
+    def _answer(self, batch: LocalBatch, results: list, seconds: float, engine_seconds: float) -> None:
+        requests = batch.plan.requests
         if engine_seconds:
-            self._record(plan, [p for p, r in zip(pendings, results) if r is not None], dispatched, seconds, engine_seconds)
-        for p, outputs in zip(pendings, results):
+            self._record(batch, [r for r, out in zip(requests, results) if out is not None], seconds, engine_seconds)
+        name = self.name
+        for req, outputs in zip(requests, results):
             if outputs is None:
                 self.stats.expired += 1
-                self._fail(p, DeadlineExceeded(
-                    f"deadline passed while the batch waited for engine instance {instance} of model {self.name!r}"))
+                self._fail(req, DeadlineExceeded(
+                    f"deadline passed while the batch waited for engine instance {batch.instance} of model {name!r}"))
                 continue
-            if p.request.outputs is not None:
-                outputs = {name: outputs[name] for name in p.request.outputs}
-            if not p.future.done():  # done = the caller gave up; the rest of the batch is unaffected
-                p.future.set_result(InferResponse(self.name, p.request.id, outputs))
+            request = req.request
+            if request.outputs is not None:
+                outputs = {o: outputs[o] for o in request.outputs}
+            if not req.future.done():  # done = the caller gave up; the rest of the batch is unaffected
+                req.future.set_result(InferResponse(name, request.id, outputs))
 
-    async def _split_after_oom(self, plan: policy.BatchPlan, instance: int, error: OutOfMemory) -> None:
+    def _split_after_oom(self, plan: policy.BatchPlan, instance: int, error: OutOfMemory) -> None:
         """The engine ran out of memory although the estimate said the batch fits: raise the
         estimate's calibration, split the batch in two smaller preferred sizes and retry each
-        on the same instance. A batch of the smallest size that still fails gets the error."""
+        on the same instance (after what its worker has queued). A batch of the smallest size
+        that still fails gets the error."""
         self.metrics.oom_retries_total.inc(model=self.name)
         factor = self.admission.raise_calibration() if self.admission is not None else None
         requests = plan.requests
         if len(requests) < 2:
             log.error("model %s: out of memory on a batch of %d that cannot be split: %s", self.name, plan.size, error)
-            self._fail(requests[0].payload, error)
+            self._fail(requests[0], error)
             return
         log.warning(
             "model %s: out of memory on a batch of %d; splitting it and retrying (estimate calibration now %s)",
             self.name, plan.size, f"{factor:.2f}" if factor else "n/a",
         )
         half = (len(requests) + 1) // 2
+        now = self._loop.time()
         for part in (requests[:half], requests[half:]):
             rows = sum(r.rows for r in part)
             size = next(s for s in (*self.settings.preferred_batch_sizes, plan.size) if s >= rows)
             if size >= plan.size:  # multi-row requests that cannot get smaller: the same size would fail again
                 for r in part:
-                    self._fail(r.payload, error)
+                    self._fail(r, error)
                 continue
-            await self._run_batch(policy.BatchPlan(part, rows, size, plan.bucket, reason="oom_split"), instance)
+            part_plan = policy.BatchPlan(part, rows, size, plan.bucket, reason="oom_split")
+            self._start_batch(part_plan, instance, now, holds_slot=False)
+
+    def _execute(self, batch: LocalBatch):
+        """Worker thread: assemble the padded batch, run it, split the outputs per request.
+
+        A batch may wait here behind the one running, so deadlines are checked again just
+        before the engine runs: expired requests are left out (their slot becomes padding)
+        and get None, which the loop answers with DeadlineExceeded. The clock is the event
+        loop's (time.monotonic), so deadlines compare directly."""
+        t0 = time.perf_counter()
+        plan = batch.plan
+        requests = plan.requests
+        now = time.monotonic()
+        live = [r for r in requests if r.deadline > now]
+        if not live:
+            return [None] * len(requests), 0.0, 0.0
+        pad = self.config.sequence.pad_value if self.config.sequence else 0
+        inputs = {
+            spec.name: _stack([r.inputs[spec.name] for r in live], plan.size, self._seq_axis(spec.name), plan.bucket, pad)
+            for spec in self.batch_inputs
+        }
+        t1 = time.perf_counter()
+        outputs = self.engines[batch.instance].infer(inputs)
+        engine_seconds = time.perf_counter() - t1
+        named = list(outputs.items())
+        results = []
+        offset = 0
+        for r in requests:
+            if r.deadline > now:
+                end = offset + r.rows
+                results.append({name: value[offset:end] for name, value in named})
+                offset = end
+            else:
+                results.append(None)
+        return results, time.perf_counter() - t0, engine_seconds
+
+    def _record(self, batch: LocalBatch, answered: list[Pending], seconds: float, engine_seconds: float) -> None:
+        plan = batch.plan
+        now = self._loop.time()
+        self.exec_time.observe(plan.size, seconds)
+        s = self.stats
+        s.execution_count += 1
+        s.inference_count += plan.rows
+        s.compute_ns += int(seconds * 1e9)
+        engine_ns = int(engine_seconds * 1e9)
+        s.engine_ns += engine_ns
+        s.last_inference_ms = int(time.time() * 1000)
+        entry = s.batch_stats.get(plan.size)
+        if entry is None:
+            entry = s.batch_stats[plan.size] = [0, 0]
+        entry[0] += 1
+        entry[1] += engine_ns
+        s.reasons[plan.reason] = s.reasons.get(plan.reason, 0) + 1
+        s.padding_rows += plan.padding
+        s.batch_rows += plan.size
+        key = (plan.size, plan.reason, plan.target)
+        counter = self._m_batches.get(key)
+        if counter is None:
+            counter = self._m_batches[key] = self.metrics.batches_total.labels(
+                model=self.name, size=str(plan.size), reason=plan.reason, target=plan.target)
+        counter.inc()
+        self._m_size.observe(plan.size)
+        self._m_padding.set(s.padding_rows / s.batch_rows)
+        n = len(answered)
+        self._m_ok.inc(n)
+        s.success_count += n
+        dispatched = batch.dispatched
+        queued = [dispatched - r.arrival for r in answered]
+        total = [now - r.arrival for r in answered]
+        s.queue_ns += int(sum(queued) * 1e9)
+        s.success_ns += int(sum(total) * 1e9)
+        self._m_queue_s.observe_all(queued)
+        self._m_request_s.observe_all(total)
+
+    def _fail(self, req: Pending, error: EdgeBatcherError) -> None:
+        if not req.future.done():
+            req.future.set_exception(error)
+        self.stats.fail_ns += int((self._loop.time() - req.arrival) * 1e9)
+
+    # ------------------------------------------------------------------ offload
+
+    def _start_offload(self, plan: policy.BatchPlan) -> None:
+        task = asyncio.create_task(self._offload_batch(plan))
+        self._offloads.add(task)
+        task.add_done_callback(self._offloads.discard)
+        self._progress.set()
 
     async def _offload_batch(self, plan: policy.BatchPlan) -> None:
         """Run a plan on a peer: each request as its own v2 request, concurrently over the
@@ -507,29 +634,28 @@ class ModelRunner:
         batches them with its own limits, which this daemon cannot know; and a peer's answer
         about one request (a 4xx) concerns that request alone. A request whose offload fails
         is retried locally while its deadline allows."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
 
-        async def send(r: QueuedRequest) -> None:
-            p = r.payload
-            outputs, _peer = await self.offload.infer(self.name, p.request.inputs, r.deadline - loop.time())
+        async def send(r: Pending) -> None:
+            outputs, _peer = await self.offload.infer(self.name, r.request.inputs, r.deadline - loop.time())
             self._count_offload(plan.reason, "ok", [r])
-            if p.request.outputs is not None:
-                outputs = {name: outputs[name] for name in p.request.outputs if name in outputs}
-            if not p.future.done():
-                p.future.set_result(InferResponse(self.name, p.request.id, outputs))
+            if r.request.outputs is not None:
+                outputs = {name: outputs[name] for name in r.request.outputs if name in outputs}
+            if not r.future.done():
+                r.future.set_result(InferResponse(self.name, r.request.id, outputs))
 
         results = await asyncio.gather(*(send(r) for r in plan.requests), return_exceptions=True)
         for r, outcome in zip(plan.requests, results):
             if isinstance(outcome, BaseException):
                 self._offload_failed(plan.reason, r, outcome)
-        self._wake()
+        self._progress.set()
+        self._schedule()
 
-    def _offload_failed(self, reason: str, r: QueuedRequest, error: BaseException) -> None:
-        now = asyncio.get_running_loop().time()
+    def _offload_failed(self, reason: str, r: Pending, error: BaseException) -> None:
+        now = self._loop.time()
         local_ok = reason not in (policy.REMOTE_ONLY, policy.TOO_LARGE)
         if local_ok and r.deadline - now > self.exec_time.estimate(self.settings.preferred_batch_sizes[0]):
-            retry = QueuedRequest(priority=r.priority, arrival=r.arrival, deadline=r.deadline, rows=r.rows,
-                                  bucket=r.bucket, payload=r.payload, local_only=True)
+            retry = dataclasses.replace(r, taken=False, local_only=True)
             try:
                 self.queue.push(retry)
                 self._count_offload(reason, "failed_local_retry", [r])
@@ -544,77 +670,13 @@ class ModelRunner:
             answer = Unavailable(f"model {self.name!r}: offload to the peer failed ({error}) "
                                  "and it cannot run locally in time")
         log.warning("model %s: offload failed: %s", self.name, answer)
-        self._fail(r.payload, answer)
+        self._fail(r, answer)
 
-    def _count_offload(self, reason: str, outcome: str, group: list[QueuedRequest]) -> None:
+    def _count_offload(self, reason: str, outcome: str, group: list[Pending]) -> None:
         n = len(group)
         self.metrics.offloaded_requests_total.inc(n, model=self.name, reason=reason, outcome=outcome)
         key = f"{reason}/{outcome}"
         self.stats.offloaded[key] = self.stats.offloaded.get(key, 0) + n
-
-    def _execute(self, engine, pendings: list[Pending], plan: policy.BatchPlan):
-        """Worker thread: assemble the padded batch, run it, split the outputs per request.
-
-        A batch may wait here behind the one running, so deadlines are checked again just
-        before the engine runs: expired requests are left out (their slot becomes padding)
-        and get None, which the loop answers with DeadlineExceeded. The clock is the event
-        loop's (time.monotonic), so deadlines compare directly."""
-        t0 = time.perf_counter()
-        now = time.monotonic()
-        live = [p for p, r in zip(pendings, plan.requests) if r.deadline > now]
-        if not live:
-            return [None] * len(pendings), 0.0, 0.0
-        batch = {}
-        for spec in self.batch_inputs:
-            parts = [p.inputs[spec.name] for p in live]
-            batch[spec.name] = _stack(parts, plan.size, self._seq_axis(spec.name), plan.bucket,
-                                      self.config.sequence.pad_value if self.config.sequence else 0)
-        t1 = time.perf_counter()
-        outputs = engine.infer(batch)
-        engine_seconds = time.perf_counter() - t1
-        by_pending: dict[int, dict] = {}
-        offset = 0
-        for p in live:
-            by_pending[id(p)] = {name: value[offset:offset + p.rows] for name, value in outputs.items()}
-            offset += p.rows
-        results = [by_pending.get(id(p)) for p in pendings]
-        return results, time.perf_counter() - t0, engine_seconds
-
-    def _record(
-        self, plan: policy.BatchPlan, pendings: list[Pending], dispatched: float, seconds: float, engine_seconds: float
-    ) -> None:
-        now = asyncio.get_running_loop().time()
-        self.exec_time.observe(plan.size, seconds)
-        s = self.stats
-        ns = int(seconds * 1e9)
-        s.execution_count += 1
-        s.inference_count += plan.rows
-        s.compute_ns += ns
-        s.engine_ns += int(engine_seconds * 1e9)
-        s.last_inference_ms = int(time.time() * 1000)
-        entry = s.batch_stats.setdefault(plan.size, [0, 0])
-        entry[0] += 1
-        entry[1] += int(engine_seconds * 1e9)
-        s.reasons[plan.reason] = s.reasons.get(plan.reason, 0) + 1
-        s.padding_rows += plan.padding
-        s.batch_rows += plan.size
-        m = self.metrics
-        m.batches_total.inc(model=self.name, size=str(plan.size), reason=plan.reason, target=plan.target)
-        self._m_size.observe(plan.size)
-        self._m_padding.set(s.padding_rows / s.batch_rows)
-        self._m_ok.inc(len(pendings))
-        s.success_count += len(pendings)
-        for p in pendings:
-            queued, total = dispatched - p.arrival, now - p.arrival
-            s.queue_ns += int(queued * 1e9)
-            s.success_ns += int(total * 1e9)
-            self._m_queue_s.observe(queued)
-            self._m_request_s.observe(total)
-
-    def _fail(self, pending: Pending, error: EdgeBatcherError) -> None:
-        if not pending.future.done():
-            pending.future.set_exception(error)
-        self.stats.fail_ns += int((asyncio.get_running_loop().time() - pending.arrival) * 1e9)
 
     # ------------------------------------------------------------------ introspection
 
@@ -652,25 +714,23 @@ class ModelRunner:
 def _stack(parts: list[np.ndarray], size: int, seq_axis: int | None, bucket: int, pad_value: float) -> np.ndarray:
     """One batch tensor of `size` rows: the parts, padded on the sequence axis to the bucket,
     then padding rows (copies of the last real row: always a valid input) up to size."""
+    if seq_axis is None:
+        rows = sum(part.shape[0] for part in parts)
+        if rows < size:
+            parts = [*parts, np.repeat(parts[-1][-1:], size - rows, axis=0)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
     first = parts[0]
     shape = list(first.shape)
-    if seq_axis is not None:
-        shape[seq_axis] = bucket
+    shape[seq_axis] = bucket
     shape[0] = size
-    if seq_axis is None and len(parts) == 1 and first.shape[0] == size:
-        return first
     out = np.empty(shape, dtype=first.dtype)
-    if seq_axis is not None:
-        out.fill(pad_value if first.dtype != object else b"")
+    out.fill(pad_value if first.dtype != object else b"")
     row = 0
     for part in parts:
         n = part.shape[0]
-        if seq_axis is None:
-            out[row:row + n] = part
-        else:
-            index = [slice(row, row + n)] + [slice(None)] * (part.ndim - 1)
-            index[seq_axis] = slice(0, part.shape[seq_axis])
-            out[tuple(index)] = part
+        index = [slice(row, row + n)] + [slice(None)] * (part.ndim - 1)
+        index[seq_axis] = slice(0, part.shape[seq_axis])
+        out[tuple(index)] = part
         row += n
     if row < size:
         out[row:] = out[row - 1]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edge_batcher.config import BatchingSettings, ModelConfig
-from edge_batcher.errors import InvalidInput, OutOfMemory, Unavailable
+from edge_batcher.errors import DeadlineExceeded, InvalidInput, OutOfMemory, Unavailable
 from edge_batcher.metrics import Metrics
 from edge_batcher.scheduler import policy
 from edge_batcher.scheduler.runner import ModelRunner
@@ -146,4 +146,51 @@ async def test_a_backlog_goes_to_the_peer_and_a_failed_offload_is_retried_locall
     np.testing.assert_allclose(out.outputs["y"], x.sum(axis=1), rtol=1e-6)
     assert runner.statistics()["offloaded"].get("backlog/failed_local_retry") == 1
     await asyncio.gather(*blockers)
+    await runner.close()
+
+
+class GatedEngine(RowSumEngine):
+    """RowSumEngine whose batches wait until the test opens the gate: a stuck engine."""
+
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.gate = threading.Event()
+
+    def infer(self, inputs):
+        self.gate.wait(10)
+        return super().infer(inputs)
+
+
+async def test_a_queued_request_times_out_on_time_while_every_instance_is_stuck():
+    engine = GatedEngine()
+    runner = ModelRunner(config(), [engine], Metrics())
+    await runner.start()
+    # Two full batches take both slots of the only instance, and its engine does not return.
+    blockers = [asyncio.create_task(runner.infer(request(rows=8, seed=i, timeout_s=5)[1])) for i in range(2)]
+    await asyncio.sleep(0.05)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(DeadlineExceeded, match="in the queue of model 'rowsum'"):
+        await runner.infer(request(seed=7, timeout_s=0.1)[1])
+    assert loop.time() - started < 1.0  # answered at its deadline, not when the engine came back
+    assert not engine.gate.is_set()
+    engine.gate.set()
+    outs = await asyncio.gather(*blockers)
+    assert [o.outputs["y"].shape for o in outs] == [(8,), (8,)]
+    assert runner.statistics()["expired"] == 1
+    await runner.close()
+
+
+async def test_a_batch_split_after_running_out_of_memory_answers_every_request():
+    engine = RowSumEngine(oom_above=4)
+    runner = ModelRunner(config(max_queue_delay_ms=50.0), [engine], Metrics())
+    await runner.start()
+    xs, reqs = zip(*(request(seed=i) for i in range(8)))
+    outs = await asyncio.gather(*(runner.infer(r) for r in reqs))
+    for x, out in zip(xs, outs):
+        np.testing.assert_allclose(out.outputs["y"], x.sum(axis=1), rtol=1e-6)
+    assert engine.sizes == [8, 4, 4]
+    assert runner.statistics()["dispatch_reasons"] == {"oom_split": 2}
     await runner.close()
