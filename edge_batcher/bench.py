@@ -2,10 +2,13 @@
 
 For one model it measures, in this order and in the same process:
 
-1. the raw engine ceiling: the engine's infer() called directly at the largest preferred size;
+1. the raw engine ceiling: the engine's infer() called directly at the largest preferred size,
+   and a minimal asyncio batcher on the same engine (a reference for what the interpreter
+   allows, see _minimal_batcher);
 2. in-process load through the full runtime (queue, policy, worker thread, futures), closed
    loop (N concurrent callers) and open loop (Poisson arrivals at a fixed rate);
-3. the same closed-loop load with batching off (preferred sizes [1]);
+3. the same closed-loop load with batching off (preferred sizes [1]); and, when the event loop
+   and engine threads share one CPU ([server] loop_cpu), the closed loop without that;
 4. optionally (--unix) the same closed-loop load through a daemon subprocess on a Unix socket,
    with the binary tensor extension.
 
@@ -32,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import load_config
+from .cpu_affinity import choose as choose_cpu, pin_this_thread
 from .errors import EdgeBatcherError
 from .metrics import Metrics
 from .runtime import discover_models, load_runner
@@ -66,15 +70,21 @@ def run(args: argparse.Namespace) -> int:
 async def _bench(config, args) -> dict:
     (mc,) = discover_models(Path(config.models.repository), [args.model])
     loop = asyncio.get_running_loop()
+    # The thread placement the daemon uses ([server] loop_cpu): this thread is the event loop.
+    cpu = choose_cpu(config.server.loop_cpu)
+    pin_this_thread(cpu)
     runner = await loop.run_in_executor(None, load_runner, mc, Metrics(), True)
     engine = runner.engines[0]
     sample = _sample_inputs(runner)
     largest = mc.batching.preferred_batch_sizes[-1]
     out: dict = {"model": mc.name, "preferred_batch_sizes": mc.batching.preferred_batch_sizes,
-                 "concurrency": args.concurrency, "duration_s": args.duration, "repeat": args.repeat}
+                 "concurrency": args.concurrency, "duration_s": args.duration, "repeat": args.repeat,
+                 "loop_cpu": cpu}
 
     ceilings = [_raw_ceiling(engine, sample, largest, args.duration) for _ in range(args.repeat)]
     out["raw_ceiling_rps"] = statistics.median(ceilings)
+    floors = [await _minimal_batcher(engine, sample, largest, args) for _ in range(args.repeat)]
+    out["minimal_batcher_rps"] = statistics.median(floors)
     await runner.close()
 
     batched = [await _in_process(mc, sample, args, closed=True) for _ in range(args.repeat)]
@@ -90,6 +100,14 @@ async def _bench(config, args) -> dict:
     out["in_process_no_batching"] = _median_run(
         [await _in_process(unbatched_config, sample, args, closed=True) for _ in range(args.repeat)]
     )
+    if cpu is not None:
+        # The same closed loop with the loop and engine threads free to run on any CPU
+        # (loop_cpu = "off"): what sharing one CPU buys, side by side.
+        pin_this_thread(None)
+        out["in_process_closed_any_cpu"] = _median_run(
+            [await _in_process(mc, sample, args, closed=True) for _ in range(args.repeat)]
+        )
+        pin_this_thread(cpu)
     out["ratio_to_ceiling"] = out["in_process_closed"]["throughput_rps"] / out["raw_ceiling_rps"]
     out["speedup_over_no_batching"] = (
         out["in_process_closed"]["throughput_rps"] / out["in_process_no_batching"]["throughput_rps"]
@@ -130,6 +148,69 @@ def _raw_ceiling(engine, sample: dict[str, np.ndarray], size: int, duration: flo
         engine.infer(batch)
         n += 1
     return n * size / (time.perf_counter() - t0)
+
+
+async def _minimal_batcher(engine, sample: dict[str, np.ndarray], size: int, args) -> float:
+    """Req/s of the least an asyncio batcher can do with the same callers and engine: a list
+    of futures, full batches only, one engine thread fed by a queue, one call_soon_threadsafe
+    per batch; no validation, policy, deadlines, stats or metrics. Not a usable runtime: a
+    reference that shows how much of the gap to the raw ceiling is the interpreter's."""
+    import queue
+    import threading
+
+    loop = asyncio.get_running_loop()
+    waiting: list[tuple[asyncio.Future, dict]] = []
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    in_flight = 0
+
+    def complete(batch, outputs) -> None:
+        nonlocal in_flight
+        in_flight -= 1
+        for i, (future, _) in enumerate(batch):
+            future.set_result({name: value[i:i + 1] for name, value in outputs.items()})
+        dispatch()
+
+    def work() -> None:
+        while (batch := jobs.get()) is not None:
+            inputs = {name: np.concatenate([x[name] for _, x in batch]) for name in sample}
+            loop.call_soon_threadsafe(complete, batch, engine.infer(inputs))
+
+    def dispatch() -> None:
+        nonlocal in_flight
+        while len(waiting) >= size and in_flight < 2:
+            batch = waiting[:size]
+            del waiting[:size]
+            in_flight += 1
+            jobs.put(batch)
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    done = 0
+    stop_at = loop.time() + args.duration
+
+    async def caller() -> None:
+        nonlocal done
+        while loop.time() < stop_at:
+            future = loop.create_future()
+            waiting.append((future, sample))
+            dispatch()
+            await future
+            done += 1
+
+    t0 = loop.time()
+    callers = [asyncio.ensure_future(caller()) for _ in range(args.concurrency)]
+    while loop.time() < stop_at:
+        await asyncio.sleep(0.05)
+    wall = loop.time() - t0
+    finished = done
+    while not all(c.done() for c in callers):  # the last callers wait short of a full batch: pad it
+        if 0 < len(waiting) < size and in_flight == 0:
+            waiting.extend((loop.create_future(), sample) for _ in range(size - len(waiting)))
+            dispatch()
+        await asyncio.sleep(0.01)
+    jobs.put(None)
+    worker.join()
+    return finished / wall
 
 
 async def _in_process(model_config, sample, args, *, closed: bool, rate: float = 0.0) -> dict:
@@ -331,18 +412,28 @@ def format_report(r: dict) -> str:
                          + f"), engine {p['engine_us_per_request']:.1f} us/request")
         return lines
 
+    placement = f"event loop and engine threads on CPU {r['loop_cpu']}" if r.get("loop_cpu") is not None else "threads on any CPU"
     lines = [f"model {r['model']}, preferred sizes {r['preferred_batch_sizes']}, {r['concurrency']} closed-loop callers, "
-             f"{r['duration_s']} s x {r['repeat']} per phase (medians)",
+             f"{r['duration_s']} s x {r['repeat']} per phase (medians), {placement}",
              f"raw engine ceiling at size {r['preferred_batch_sizes'][-1]}: {r['raw_ceiling_rps']:.0f} req/s"]
+    lines.append(f"minimal asyncio batcher (reference, no validation/policy/stats) on the same engine: "
+                 f"{r['minimal_batcher_rps']:.0f} req/s")
     lines += phase("in-process, closed loop", r["in_process_closed"])
     lines += phase(f"in-process, open loop (Poisson {r['in_process_open']['offered_rps']:.0f}/s)", r["in_process_open"])
     lines += phase("in-process, batching off", r["in_process_no_batching"])
+    if "in_process_closed_any_cpu" in r:
+        lines += phase("in-process, closed loop, threads on any CPU (loop_cpu = \"off\")", r["in_process_closed_any_cpu"])
     if "unix_socket_closed" in r:
         lines += phase("Unix socket (binary), closed loop", r["unix_socket_closed"])
     if "mqtt" in r:
         from .bench_mqtt import format_mqtt_report
 
         lines.append("MQTT 5 request/response through the broker: " + format_mqtt_report(r["mqtt"]))
-    lines.append(f"throughput / raw ceiling: {r['ratio_to_ceiling']:.2f}")
+    lines.append(f"throughput / raw ceiling: {r['ratio_to_ceiling']:.2f} "
+                 f"(the minimal batcher: {r['minimal_batcher_rps'] / r['raw_ceiling_rps']:.2f}; "
+                 f"the runtime / the minimal batcher: {r['in_process_closed']['throughput_rps'] / r['minimal_batcher_rps']:.2f})")
     lines.append(f"speedup over no batching: {r['speedup_over_no_batching']:.2f}x")
+    if "in_process_closed_any_cpu" in r:
+        gain = r["in_process_closed"]["throughput_rps"] / r["in_process_closed_any_cpu"]["throughput_rps"]
+        lines.append(f"one shared CPU vs threads on any CPU: {gain:.2f}x")
     return "\n".join(lines)

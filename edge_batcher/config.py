@@ -50,6 +50,9 @@ class ServerSettings:
     drain_timeout_s: float = 30.0
     log_level: str = "INFO"
     log_format: str = "auto"  # auto | plain | journald | json
+    # The CPU shared by the event loop and the engine worker threads (edge_batcher/cpu_affinity.py):
+    # "auto" (the highest CPU the process may use), "off", or a CPU number as a string ("3").
+    loop_cpu: str = "auto"
 
 
 @dataclass
@@ -217,6 +220,8 @@ def _validate_daemon(config: DaemonConfig, source: str) -> None:
         raise ConfigError(
             f"{source}: [server] log_format: expected auto, plain, journald or json, got {s.log_format!r}"
         )
+    if s.loop_cpu not in ("auto", "off") and not s.loop_cpu.isdigit():
+        raise ConfigError(f"{source}: [server] loop_cpu: expected \"auto\", \"off\" or a CPU number like \"3\", got {s.loop_cpu!r}")
     try:
         mode = int(s.socket_mode, 8)
     except ValueError:

@@ -17,6 +17,7 @@ from pathlib import Path
 from aiohttp import web
 
 from .config import DaemonConfig, parse_host_port, read_secret
+from .cpu_affinity import choose as choose_cpu, pin_this_thread
 from .errors import ConfigError
 from .runtime import Runtime
 from .systemd import Notifier, listen_fds, watchdog_interval
@@ -70,6 +71,13 @@ class Daemon:
             loop.add_signal_handler(sig, self.request_stop)
         c = self.config
         log.info("edge-batcher starting: config %s, model repository %s", c.source, c.models.repository)
+        cpu = choose_cpu(c.server.loop_cpu)
+        try:
+            pin_this_thread(cpu)  # before any thread is started from here: they inherit it
+            if cpu is not None:
+                log.info("event loop and engine worker threads share CPU %d ([server] loop_cpu)", cpu)
+        except OSError as exc:  # a slower daemon, not a broken one
+            log.warning("could not keep the event loop on CPU %s ([server] loop_cpu): %s; threads run on any CPU", cpu, exc)
         log.info(
             "transports: unix socket %s, tcp %s, mqtt %s; offload %s",
             c.socket_path(), c.server.http or "off",

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from .config import DaemonConfig, MemorySettings, ModelConfig, load_model_config
+from .cpu_affinity import full_affinity
 from .engines.registry import create_engine, is_service, service_class
 from .errors import ConfigError, ModelNotFound
 from .memory.admission import Admission
@@ -86,7 +87,15 @@ def footprint_source(config: ModelConfig, engine):
 
 def load_runner(config: ModelConfig, metrics: Metrics, warmup: bool = True,
                 budget: MemoryBudget | None = None, calibrate: bool = False, offload=None) -> ModelRunner:
-    """Create, load and warm up every instance of one model. Blocking: run off the event loop."""
+    """Create, load and warm up every instance of one model. Blocking: run off the event loop.
+    With every CPU of the process, whatever the calling thread's mask: the engines' native
+    thread pools are started here (cpu_affinity.py)."""
+    with full_affinity():
+        return _load_runner(config, metrics, warmup, budget, calibrate, offload)
+
+
+def _load_runner(config: ModelConfig, metrics: Metrics, warmup: bool, budget: MemoryBudget | None,
+                 calibrate: bool, offload) -> ModelRunner:
     engines = []
     try:
         for _ in range(config.instances):

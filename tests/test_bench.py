@@ -17,6 +17,9 @@ def test_bench_reports_every_phase(model_repo):
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
     assert r["raw_ceiling_rps"] > 0
+    assert r["minimal_batcher_rps"] > 0
+    if r["loop_cpu"] is not None:  # threads share one CPU: the bench also measures without that
+        assert r["in_process_closed_any_cpu"]["throughput_rps"] > 0
     for phase in ("in_process_closed", "in_process_open", "in_process_no_batching", "unix_socket_closed"):
         p = r[phase]
         assert p["requests"] > 0 and p["throughput_rps"] > 0, phase

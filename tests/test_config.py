@@ -36,6 +36,8 @@ def test_the_embedded_default_loads_and_points_at_the_repo_engines():
         ("[server]\nlog_level = 'LOUD'\n", "log_level: expected one of DEBUG"),
         ("[server]\nhttp = 'localhost'\n", "[server] http: expected HOST:PORT"),
         ("[server]\nsocket_mode = '999'\n", "socket_mode: expected an octal string"),
+        ("[server]\nloop_cpu = 'first'\n", "loop_cpu: expected \"auto\", \"off\" or a CPU number"),
+        ("[server]\nloop_cpu = 3\n", "[server] loop_cpu: expected a string, got 3"),
         ("[memory]\nreserve_fraction = 1.5\n", "reserve_fraction: expected 0 <= value < 1"),
         ("[models]\nwarmup = 'yes'\n", "warmup: expected true or false"),
         ("[server\n", "not valid TOML"),

@@ -51,6 +51,7 @@ from typing import AsyncIterator
 import numpy as np
 
 from ..config import ModelConfig, backend_settings
+from ..cpu_affinity import full_affinity
 from ..errors import (
     ConfigError, DeadlineExceeded, DoesNotFit, EdgeBatcherError, EngineError, InvalidInput, Overloaded, Unavailable,
 )  # fmt: skip
@@ -190,9 +191,13 @@ class GenerationService(ServiceAccounting):
 
     # ------------------------------------------------------------------ lifecycle
 
+    def _load_decoder(self) -> None:
+        with full_affinity():  # the session's native thread pool may use every CPU (cpu_affinity.py)
+            self.decoder.load()
+
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self.decoder.load)  # loading a session blocks for seconds
+        await loop.run_in_executor(None, self._load_decoder)  # loading a session blocks for seconds
         kv = self.decoder.kv
         assert kv is not None
         if self.decoder.vocab and self.decoder.vocab < self.tokenizer.vocab_size:

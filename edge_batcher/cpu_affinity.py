@@ -1,0 +1,72 @@
+"""The one CPU that the daemon's Python threads share (`[server] loop_cpu`).
+
+Why: the event loop and the engine worker threads take turns holding Python's GIL several
+times per batch. On separate cores every hand-over is a cross-core wake-up, and both threads
+spend CPU time on it: measured on the 2-core development VM with the demo model, both on one
+core give 1.7x the throughput, a third of the engine time per batch and a tenth of the
+loop's system time (docs/benchmarks.md). Engine compute itself runs without the GIL
+in native threads: ONNX Runtime's and TensorRT's own pools are created while loading (see
+`full_affinity`), so they keep every CPU.
+
+Mechanics (Linux): `os.sched_setaffinity(0, ...)` sets the calling thread's mask only, and a
+new thread inherits its creator's mask. Pinning the event-loop thread at start-up therefore
+pins every thread it starts afterwards: engine workers, executor threads, paho's network
+thread. Elsewhere (no sched_setaffinity) this is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+from .errors import ConfigError
+
+_get = getattr(os, "sched_getaffinity", None)
+_set = getattr(os, "sched_setaffinity", None)
+# The process's CPUs, read before anything is pinned (this module is imported at start-up).
+PROCESS_CPUS: frozenset[int] | None = frozenset(_get(0)) if _get is not None else None
+
+
+def choose(setting: str) -> int | None:
+    """The CPU for the Python threads: "auto" (the highest CPU the process may use), "off"
+    (None: the OS places threads), or a CPU number. None also when there is nothing to
+    choose: a single allowed CPU, or no affinity API."""
+    if setting == "off" or PROCESS_CPUS is None or _set is None:
+        return None
+    if setting == "auto":
+        return max(PROCESS_CPUS) if len(PROCESS_CPUS) > 1 else None
+    try:
+        cpu = int(setting)
+    except ValueError:
+        raise ConfigError(f"[server] loop_cpu: expected \"auto\", \"off\" or a CPU number, got {setting!r}") from None
+    if cpu not in PROCESS_CPUS:
+        raise ConfigError(f"[server] loop_cpu = {cpu}: this process may only run on CPUs {sorted(PROCESS_CPUS)}")
+    return cpu
+
+
+def pin_this_thread(cpu: int | None) -> None:
+    """Keep the calling thread (and the threads it starts from now on) on `cpu`; None: on
+    every CPU of the process. Raises OSError when the system refuses (a seccomp filter, a
+    cpuset that changed)."""
+    if _set is None or PROCESS_CPUS is None:
+        return
+    _set(0, {cpu} if cpu is not None else PROCESS_CPUS)
+
+
+@contextlib.contextmanager
+def full_affinity() -> Iterator[None]:
+    """Run the block with every CPU of the process, then restore the thread's mask. Engines
+    are created inside it, so the native thread pools they start may use every core."""
+    if _set is None or PROCESS_CPUS is None:
+        yield
+        return
+    before = _get(0)
+    if before == PROCESS_CPUS:
+        yield
+        return
+    _set(0, PROCESS_CPUS)
+    try:
+        yield
+    finally:
+        _set(0, before)
