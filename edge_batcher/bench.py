@@ -107,11 +107,13 @@ async def _bench(config, args) -> dict:
         out["in_process_closed_any_cpu"] = _median_run(
             [await _in_process(mc, sample, args, closed=True) for _ in range(args.repeat)]
         )
-        pin_this_thread(cpu)
     out["ratio_to_ceiling"] = out["in_process_closed"]["throughput_rps"] / out["raw_ceiling_rps"]
     out["speedup_over_no_batching"] = (
         out["in_process_closed"]["throughput_rps"] / out["in_process_no_batching"]["throughput_rps"]
     )
+    # From here this process is only the load generator of a daemon subprocess (which pins
+    # its own threads): it must not compete for the daemon's CPU.
+    pin_this_thread(None)
     if args.unix:
         out["unix_socket_closed"] = await _over_unix_socket(config, mc.name, sample, args)
     if args.mqtt:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 
 def test_bench_reports_every_phase(model_repo):
@@ -28,3 +29,14 @@ def test_bench_reports_every_phase(model_repo):
     assert set(r["in_process_no_batching"]["batch_sizes"]) == {"1"}
     assert r["in_process_closed"]["overhead_us_per_request"] > 0
     assert r["speedup_over_no_batching"] == r["in_process_closed"]["throughput_rps"] / r["in_process_no_batching"]["throughput_rps"]
+
+
+def test_gil_bench_times_the_engine_alone_and_beside_a_python_thread(model_repo):
+    proc = subprocess.run(
+        [sys.executable, "tools/bench_gil.py", "--model", str(model_repo / "vibration" / "model.onnx"), "--seconds", "0.3"],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "alone:" in proc.stdout
+    if "one CPU only" not in proc.stdout:
+        assert "other core:" in proc.stdout and "same core:" in proc.stdout
