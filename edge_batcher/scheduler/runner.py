@@ -387,11 +387,11 @@ class ModelRunner:
                 waited = (now - req.arrival) * 1000
                 self._fail(req, DeadlineExceeded(
                     f"deadline passed after {waited:.1f} ms in the queue of model {self.name!r}, before it could run"))
-            # busy_s only matters to the offload decision: not worth computing without a peer.
             offload = self.offload.view(self.name) if self.offload is not None else policy.NO_OFFLOAD
             decision = policy.decide(
                 self.queue, now, self.settings, self.exec_time, self.fits, self._draining,
                 busy=self._local_batches > 0, local_free=bool(self._free_slots),
+                # only the offload decision reads busy_s: not worth computing without a peer
                 busy_s=self._busy_seconds(now) if offload.peer_available else 0.0, offload=offload,
             )
             if decision.rejected:
@@ -405,8 +405,11 @@ class ModelRunner:
         self._m_depth.set(len(self.queue))
         # Also wake at the next deadline: a request must get its timeout error on time even
         # while every engine instance is busy (or stuck) and the policy has nothing to plan.
-        wake_at, expiry = decision.wake_at, self.queue.next_deadline()
-        self._arm_timer(expiry if wake_at is None or (expiry is not None and expiry < wake_at) else wake_at)
+        wake_at = decision.wake_at
+        expiry = self.queue.next_deadline()
+        if expiry is not None and (wake_at is None or expiry < wake_at):
+            wake_at = expiry
+        self._arm_timer(wake_at)
 
     def _arm_timer(self, at: float | None) -> None:
         """Have `_schedule` called at `at`. A timer already set for earlier stays: firing early
