@@ -197,6 +197,26 @@ run "$VENV/bin/pip" install --no-cache-dir --upgrade "$pkg"
 if [[ $DRY_RUN -eq 0 ]]; then
     [[ -x "$BIN" ]] || die "$BIN was not installed by pip"
 fi
+# NVIDIA's onnxruntime-gpu (JetPack) and PyPI's onnxruntime, a dependency of this package,
+# install the same `onnxruntime` import package: keep the accelerated build
+# (shadowed_build() in edge_batcher/engines/onnxruntime.py explains).
+if [[ $DRY_RUN -eq 0 ]]; then
+    shadowed=$("$VENV/bin/python" -c 'from edge_batcher.engines.onnxruntime import shadowed_build
+found = shadowed_build()
+if found:
+    from importlib.metadata import version
+    print(found[0], version(found[0]), found[1])')
+    if [[ -n "$shadowed" ]]; then
+        read -r build_name build_version build_dir <<<"$shadowed"
+        note "$build_name $build_version is installed ($build_dir): removing PyPI's CPU onnxruntime from the venv"
+        run "$VENV/bin/pip" uninstall -y onnxruntime
+        if [[ "$build_dir" == "$VENV"/* ]]; then  # the same directory: the CPU wheel overwrote its files
+            run "$VENV/bin/pip" install --no-cache-dir --force-reinstall --no-deps "$build_name==$build_version"
+        fi
+    fi
+else
+    note "then: if onnxruntime-gpu (or another accelerated onnxruntime build) is installed, uninstall PyPI's CPU onnxruntime"
+fi
 
 # ---- 3. configuration --------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ onnxruntime. CPU is always appended last as ONNX Runtime's own fallback.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import numpy as np
 
@@ -30,6 +31,31 @@ _ORT_TYPES = {
 
 _OPT_LEVELS = {"disable": "ORT_DISABLE_ALL", "basic": "ORT_ENABLE_BASIC",
                "extended": "ORT_ENABLE_EXTENDED", "all": "ORT_ENABLE_ALL"}  # fmt: skip
+
+# Distributions that all install the one `onnxruntime` import package; PyPI's CPU build is a
+# dependency of edge-batcher, the others are what a device adds (NVIDIA's JetPack wheel is
+# onnxruntime-gpu).
+ACCELERATED_BUILDS = ("onnxruntime-gpu", "onnxruntime-openvino", "onnxruntime-directml", "onnxruntime-qnn")
+
+
+def shadowed_build() -> tuple[str, Path] | None:
+    """(name, site directory) of an accelerated onnxruntime build installed next to PyPI's CPU
+    `onnxruntime`, or None. Both write the same files and the one installed last wins, so
+    pip installing edge-batcher after NVIDIA's onnxruntime-gpu silently replaces the GPU
+    build (or, in another site directory, shadows it). The fix: uninstall `onnxruntime`."""
+    from importlib import metadata
+
+    try:
+        metadata.distribution("onnxruntime")
+    except metadata.PackageNotFoundError:
+        return None
+    for name in ACCELERATED_BUILDS:
+        try:
+            dist = metadata.distribution(name)
+        except metadata.PackageNotFoundError:
+            continue
+        return name, Path(str(dist.locate_file("")))
+    return None
 
 
 class OnnxRuntimeEngine:
@@ -53,9 +79,13 @@ class OnnxRuntimeEngine:
             if ep.name in available:
                 chain.append((ep.name, {k: str(v) for k, v in ep.options.items()}))
             else:
+                shadowed = shadowed_build()
+                hint = (f"; {shadowed[0]} is installed too (in {shadowed[1]}) but the CPU build "
+                        "`onnxruntime` is in effect: pip uninstall onnxruntime, then reinstall "
+                        f"{shadowed[0]} if it shared that directory") if shadowed else ""
                 log.warning(
-                    "model %s: execution provider %s is not in this onnxruntime build (%s); skipping it",
-                    self.config.name, ep.name, ", ".join(sorted(available)),
+                    "model %s: execution provider %s is not in this onnxruntime build (%s); skipping it%s",
+                    self.config.name, ep.name, ", ".join(sorted(available)), hint,
                 )
         if not any(name == "CPUExecutionProvider" for name, _ in chain):
             chain.append(("CPUExecutionProvider", {}))

@@ -1,0 +1,79 @@
+"""The ONNX Runtime backend's execution-provider chain on this CPU-only machine: a provider
+the installed build lacks is skipped with a warning, and a CPU build shadowing an installed
+GPU build (the Jetson pip trap) is named in that warning."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+
+from edge_batcher.config import load_model_config
+from edge_batcher.engines import onnxruntime as ort_backend
+from edge_batcher.engines.onnxruntime import OnnxRuntimeEngine, shadowed_build
+
+
+def model_asking_for_cuda(model_repo: Path, tmp_path: Path) -> Path:
+    model = tmp_path / "vibration"
+    shutil.copytree(model_repo / "vibration", model)
+    toml = (model / "model.toml").read_text()
+    toml = toml.replace('execution_providers = ["CPUExecutionProvider"]',
+                        'execution_providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]')
+    assert "CUDAExecutionProvider" in toml
+    (model / "model.toml").write_text(toml)
+    return model
+
+
+class FakeDistribution:
+    def __init__(self, where: Path):
+        self.where = where
+
+    def locate_file(self, path):
+        return self.where / path
+
+
+def pretend_installed(monkeypatch, names: dict[str, Path]) -> None:
+    real = metadata.distribution
+
+    def distribution(name):
+        if name in names:
+            return FakeDistribution(names[name])
+        if name.startswith("onnxruntime"):
+            raise metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(metadata, "distribution", distribution)
+
+
+def test_only_the_cpu_build_here_shadows_nothing():
+    assert shadowed_build() is None
+
+
+def test_a_gpu_build_beside_the_cpu_build_is_found(monkeypatch, tmp_path):
+    pretend_installed(monkeypatch, {"onnxruntime": tmp_path / "venv", "onnxruntime-gpu": tmp_path / "system"})
+    assert shadowed_build() == ("onnxruntime-gpu", tmp_path / "system")
+    pretend_installed(monkeypatch, {"onnxruntime-gpu": tmp_path / "system"})  # the GPU build alone is fine
+    assert shadowed_build() is None
+
+
+def test_a_missing_provider_is_skipped_and_the_model_runs_on_cpu(model_repo, tmp_path, caplog):
+    engine = OnnxRuntimeEngine(load_model_config(model_asking_for_cuda(model_repo, tmp_path)))
+    with caplog.at_level(logging.WARNING, logger=ort_backend.__name__):
+        engine.load()
+    assert engine.providers == ["CPUExecutionProvider"]
+    assert "execution provider CUDAExecutionProvider is not in this onnxruntime build" in caplog.text
+    assert "pip uninstall onnxruntime" not in caplog.text  # nothing is shadowed here
+    out = engine.infer({engine.inputs[0].name: np.zeros((2, 256), np.float32)})
+    assert all(v.shape[0] == 2 for v in out.values())
+
+
+def test_the_warning_names_a_shadowed_gpu_build_and_the_fix(model_repo, tmp_path, monkeypatch, caplog):
+    pretend_installed(monkeypatch, {"onnxruntime": tmp_path / "venv", "onnxruntime-gpu": Path("/usr/lib/python3/dist-packages")})
+    engine = OnnxRuntimeEngine(load_model_config(model_asking_for_cuda(model_repo, tmp_path)))
+    with caplog.at_level(logging.WARNING, logger=ort_backend.__name__):
+        engine.load()
+    assert "onnxruntime-gpu is installed too (in /usr/lib/python3/dist-packages)" in caplog.text
+    assert "pip uninstall onnxruntime" in caplog.text
