@@ -488,7 +488,13 @@ class ModelRunner:
         self._local_batches -= 1
         plan = batch.plan
         if error is None:
-            self._answer(batch, *outcome)
+            try:
+                self._answer(batch, *outcome)
+            except Exception as exc:  # a bug here must not leave callers waiting forever
+                log.exception("model %s: answering a batch of %d failed", self.name, plan.size)
+                failed = EngineError(f"model {self.name!r}: answering the batch failed: {exc}")
+                for req in plan.requests:
+                    self._fail(req, failed)
         elif isinstance(error, OutOfMemory):
             self._split_after_oom(plan, instance, error)
         else:
@@ -568,6 +574,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         outputs = self.engines[batch.instance].infer(inputs)
         engine_seconds = time.perf_counter() - t1
+        self._check_outputs(outputs, sum(r.rows for r in live))
         named = list(outputs.items())
         results = []
         offset = 0
@@ -579,6 +586,21 @@ class ModelRunner:
             else:
                 results.append(None)
         return results, time.perf_counter() - t0, engine_seconds
+
+    def _check_outputs(self, outputs: dict, rows: int) -> None:
+        """An engine (a user's own backend, say) that returns too little must fail its batch
+        with a clear error, not hand out empty slices or leave requests unanswered."""
+        for name in self._output_names:
+            value = outputs.get(name)
+            if value is None:
+                raise EngineError(
+                    f"model {self.name!r}: the engine returned no output {name!r} (it returned {', '.join(map(repr, outputs)) or 'none'})"
+                )
+            if getattr(value, "ndim", 0) == 0 or value.shape[0] < rows:
+                raise EngineError(
+                    f"model {self.name!r}: the engine's output {name!r} has shape {list(getattr(value, 'shape', ()))}, "
+                    f"fewer than the batch's {rows} rows"
+                )
 
     def _record(self, batch: LocalBatch, answered: list[Pending], seconds: float, engine_seconds: float) -> None:
         plan = batch.plan

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edge_batcher.config import BatchingSettings, ModelConfig
-from edge_batcher.errors import DeadlineExceeded, InvalidInput, OutOfMemory, Unavailable
+from edge_batcher.errors import DeadlineExceeded, EngineError, InvalidInput, OutOfMemory, Unavailable
 from edge_batcher.metrics import Metrics
 from edge_batcher.scheduler import policy
 from edge_batcher.scheduler.runner import ModelRunner
@@ -193,4 +193,54 @@ async def test_a_batch_split_after_running_out_of_memory_answers_every_request()
         np.testing.assert_allclose(out.outputs["y"], x.sum(axis=1), rtol=1e-6)
     assert engine.sizes == [8, 4, 4]
     assert runner.statistics()["dispatch_reasons"] == {"oom_split": 2}
+    await runner.close()
+
+
+class MisbehavingEngine(RowSumEngine):
+    """A user's backend gone wrong: `mode` chooses what its next batches return."""
+
+    def __init__(self):
+        super().__init__()
+        self.mode = "ok"
+
+    def infer(self, inputs):
+        out = super().infer(inputs)
+        if self.mode == "missing":
+            return {"z": out["y"]}
+        if self.mode == "short":
+            return {"y": out["y"][:1]}
+        return out
+
+
+async def test_an_engine_returning_too_little_fails_its_batch_clearly_and_the_runner_keeps_serving():
+    engine = MisbehavingEngine()
+    runner = ModelRunner(config(), [engine], Metrics())
+    await runner.start()
+    engine.mode = "missing"
+    with pytest.raises(EngineError, match="the engine returned no output 'y' \\(it returned 'z'\\)"):
+        await runner.infer(request(rows=8)[1])
+    engine.mode = "short"
+    with pytest.raises(EngineError, match="output 'y' has shape \\[1\\], fewer than the batch's 8 rows"):
+        await runner.infer(request(rows=8)[1])
+    engine.mode = "ok"
+    x, req = request(rows=8)
+    out = await runner.infer(req)
+    np.testing.assert_allclose(out.outputs["y"], x.sum(axis=1), rtol=1e-6)
+    await runner.close()
+
+
+async def test_a_failure_while_answering_a_batch_answers_its_requests_with_an_error(monkeypatch):
+    runner = ModelRunner(config(), [RowSumEngine()], Metrics())
+    await runner.start()
+
+    def broken_record(*args):
+        raise RuntimeError("bookkeeping bug")
+
+    monkeypatch.setattr(runner, "_record", broken_record)
+    with pytest.raises(EngineError, match="answering the batch failed: bookkeeping bug"):
+        await asyncio.wait_for(runner.infer(request(rows=8)[1]), 5)
+    monkeypatch.undo()
+    x, req = request(rows=8)
+    out = await asyncio.wait_for(runner.infer(req), 5)
+    np.testing.assert_allclose(out.outputs["y"], x.sum(axis=1), rtol=1e-6)
     await runner.close()
