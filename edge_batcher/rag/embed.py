@@ -64,6 +64,10 @@ class TextEmbeddingEngine(OnnxRuntimeEngine):
             raise ConfigError(f"{where}: expected one output [batch, dim], the model has "
                               + ", ".join(f"{o.name}{list(o.shape)}" for o in self.outputs))
         self.tokenizer = TextTokenizer.from_model(self.config, default_max_length=seq.buckets[-1])
+        # The tokenizers library starts its (process-wide) thread pool on the first batch:
+        # start it here, where the loading thread may use every CPU (load_runner), rather than
+        # later from the event loop, whose CPU the pool would inherit (cpu_affinity.py).
+        self.tokenizer.encode_batch(["warm-up", "warm-up"])
         if self.tokenizer.max_length > seq.buckets[-1]:
             raise ConfigError(f"{where}: [tokenizer] max_length {self.tokenizer.max_length} is longer than "
                               f"the largest [sequence] bucket {seq.buckets[-1]}")
