@@ -150,27 +150,25 @@ def _group(paragraphs: list[str], max_chars: int) -> list[str]:
     for p in paragraphs:
         if len(p) <= max_chars:
             pieces.append(p)
-            continue
-        current = ""
-        for sentence in _SENTENCE_END.split(p):
-            if current and len(current) + 1 + len(sentence) > max_chars:
-                pieces.append(current)
-                current = sentence
-            else:
-                current = f"{current} {sentence}" if current else sentence
-        if current:
-            pieces.append(current)
-    chunks: list[str] = []
-    current = ""
-    for piece in pieces:
-        if current and len(current) + 2 + len(piece) > max_chars:
-            chunks.append(current)
-            current = piece
         else:
-            current = f"{current}\n\n{piece}" if current else piece
+            pieces.extend(_pack(_SENTENCE_END.split(p), " ", max_chars))
+    return _pack(pieces, "\n\n", max_chars)
+
+
+def _pack(parts: list[str], separator: str, max_chars: int) -> list[str]:
+    """Consecutive parts joined by separator while the result fits in max_chars (a part
+    longer than that stays whole, alone)."""
+    packed: list[str] = []
+    current = ""
+    for part in parts:
+        if current and len(current) + len(separator) + len(part) > max_chars:
+            packed.append(current)
+            current = part
+        else:
+            current = f"{current}{separator}{part}" if current else part
     if current:
-        chunks.append(current)
-    return chunks
+        packed.append(current)
+    return packed
 
 
 def _unique(pid: str, used: set[str]) -> str:
