@@ -100,10 +100,12 @@ async def _bench(config, args) -> dict:
     out["in_process_no_batching"] = _median_run(
         [await _in_process(unbatched_config, sample, args, closed=True) for _ in range(args.repeat)]
     )
+    # From here on this thread runs on every CPU: first the same closed loop with the loop
+    # and engine threads free (loop_cpu = "off"), to show what sharing one CPU buys; then
+    # only as the load generator of a daemon subprocess, which pins its own threads and
+    # must not have to compete for its CPU.
+    pin_this_thread(None)
     if cpu is not None:
-        # The same closed loop with the loop and engine threads free to run on any CPU
-        # (loop_cpu = "off"): what sharing one CPU buys, side by side.
-        pin_this_thread(None)
         out["in_process_closed_any_cpu"] = _median_run(
             [await _in_process(mc, sample, args, closed=True) for _ in range(args.repeat)]
         )
@@ -111,9 +113,6 @@ async def _bench(config, args) -> dict:
     out["speedup_over_no_batching"] = (
         out["in_process_closed"]["throughput_rps"] / out["in_process_no_batching"]["throughput_rps"]
     )
-    # From here this process is only the load generator of a daemon subprocess (which pins
-    # its own threads): it must not compete for the daemon's CPU.
-    pin_this_thread(None)
     if args.unix:
         out["unix_socket_closed"] = await _over_unix_socket(config, mc.name, sample, args)
     if args.mqtt:
