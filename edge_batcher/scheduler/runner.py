@@ -144,7 +144,8 @@ class ModelRunner:
         self._local_batches = 0  # batches with a worker (queued there or running)
         self._draining = False
         self._closed = False
-        self._progress = asyncio.Event()  # set whenever work was dispatched, answered or rejected
+        # Set when a batch or an offload finished, or requests were rejected: drain() waits on it.
+        self._progress = asyncio.Event()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -428,7 +429,6 @@ class ModelRunner:
         self._schedule()
 
     def _dispatch(self, plan: policy.BatchPlan, now: float) -> None:
-        self._progress.set()
         if plan.target == "peer":
             self._start_offload(plan)
             return
@@ -650,8 +650,11 @@ class ModelRunner:
     def _start_offload(self, plan: policy.BatchPlan) -> None:
         task = asyncio.create_task(self._offload_batch(plan))
         self._offloads.add(task)
-        task.add_done_callback(self._offloads.discard)
-        self._progress.set()
+        task.add_done_callback(self._offload_done)
+
+    def _offload_done(self, task: asyncio.Task) -> None:
+        self._offloads.discard(task)
+        self._progress.set()  # only now can drain() see that the offload is over
 
     async def _offload_batch(self, plan: policy.BatchPlan) -> None:
         """Run a plan on a peer: each request as its own v2 request, concurrently over the
@@ -673,7 +676,6 @@ class ModelRunner:
         for r, outcome in zip(plan.requests, results):
             if isinstance(outcome, BaseException):
                 self._offload_failed(plan.reason, r, outcome)
-        self._progress.set()
         self._schedule()
 
     def _offload_failed(self, reason: str, r: Pending, error: BaseException) -> None:

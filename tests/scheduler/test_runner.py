@@ -244,3 +244,22 @@ async def test_a_failure_while_answering_a_batch_answers_its_requests_with_an_er
     out = await asyncio.wait_for(runner.infer(req), 5)
     np.testing.assert_allclose(out.outputs["y"], x.sum(axis=1), rtol=1e-6)
     await runner.close()
+
+
+async def test_drain_returns_as_soon_as_the_offloads_in_flight_are_answered():
+    class SlowPeer(PeerPort):
+        async def infer(self, model, inputs, timeout_s):
+            await asyncio.sleep(0.2)
+            return await super().infer(model, inputs, timeout_s)
+
+    runner = ModelRunner(config(), [RowSumEngine()], Metrics(), offload=SlowPeer(remote_only=True))
+    await runner.start()
+    x, req = request()
+    answer = asyncio.ensure_future(runner.infer(req))
+    await asyncio.sleep(0.05)  # on its way to the peer
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await runner.drain(timeout=5.0)
+    assert loop.time() - started < 1.0
+    np.testing.assert_allclose((await answer).outputs["y"], x.sum(axis=1), rtol=1e-6)
+    await runner.close()
