@@ -122,6 +122,7 @@ class ModelRunner:
         # Metric children bound once: the hot path updates them without building label keys.
         m = metrics
         self._m_ok = m.requests_total.labels(model=self.name, status="200")
+        self._m_status: dict[int, object] = {200: self._m_ok}  # requests_total children, see _count_status
         self._m_depth = m.queue_depth.labels(model=self.name)
         self._m_size = m.batch_size.labels(model=self.name)
         self._m_padding = m.padding_ratio.labels(model=self.name)
@@ -293,20 +294,26 @@ class ModelRunner:
                       queued.deadline - self.exec_time.estimate(settings.max_batch_size))
         return due < self._timer_at
 
-    async def infer(self, request: InferRequest) -> InferResponse:
+    def infer(self, request: InferRequest) -> asyncio.Future:
+        """`await runner.infer(request)` -> InferResponse. Returns the request's future itself,
+        not a coroutine around it (one coroutine less per request on the hot path): errors
+        found at once (InvalidInput, Overloaded, ...) raise from the call, later ones
+        (DeadlineExceeded, EngineError, ...) from the await. Every outcome is counted in
+        requests_total: here, in `_fail`, or per batch in `_record`."""
         try:
-            return await self.submit(request)
+            return self.submit(request)
         except EdgeBatcherError as exc:
-            self.metrics.requests_total.inc(model=self.name, status=str(exc.status))
+            self._count_status(exc.status)
             raise
+
+    def _count_status(self, status: int, n: int = 1) -> None:
+        child = self._m_status.get(status)
+        if child is None:
+            child = self._m_status[status] = self.metrics.requests_total.labels(model=self.name, status=str(status))
+        child.inc(n)
 
     def _validate(self, request: InferRequest) -> tuple[dict[str, np.ndarray], int, int]:
         given = request.inputs
-        for given_name in given:
-            if given_name not in self._input_by_name:
-                raise InvalidInput(
-                    f"model {self.name!r} has no input {given_name!r}; its inputs are {', '.join(self._input_by_name)}"
-                )
         if request.outputs is not None:
             for name in request.outputs:
                 if name not in self._output_names:
@@ -319,6 +326,7 @@ class ModelRunner:
         for name, dtype, rank, seq_axis, fixed in self._checks:
             array = given.get(name)
             if array is None:
+                self._check_input_names(given)  # a misspelt name explains a missing input best
                 raise InvalidInput(f"missing input {name!r} for model {self.name!r}")
             spec = self._input_by_name[name]
             if array.dtype != dtype and not (dtype == object and array.dtype.kind in "OSU"):
@@ -346,11 +354,20 @@ class ModelRunner:
                     raise InvalidInput(f"sequence inputs disagree on length: {name!r} has {length}, others {seq_len}")
                 seq_len = length
             inputs[name] = array
+        if len(given) != len(inputs):
+            self._check_input_names(given)
         if not rows:
             raise InvalidInput("inputs have 0 rows: nothing to infer")
         if self._prepare is None:
             self._check_seq_len(seq_len)
         return inputs, rows, seq_len
+
+    def _check_input_names(self, given: dict) -> None:
+        for given_name in given:
+            if given_name not in self._input_by_name:
+                raise InvalidInput(
+                    f"model {self.name!r} has no input {given_name!r}; its inputs are {', '.join(self._input_by_name)}"
+                )
 
     def _check_seq_len(self, seq_len: int) -> None:
         if self.config.sequence is not None:
@@ -398,15 +415,20 @@ class ModelRunner:
             if decision.rejected:
                 self._reject(decision)
                 self._progress.set()
+            wake_at = decision.wake_at
             if decision.plan is None:
                 break
             self._dispatch(decision.plan, now)
-            if decision.wake_at is None or decision.wake_at > now:
+            if wake_at is None or wake_at > now:
                 break  # the policy saw nothing else due now
+            if not self._free_slots and self.offload is None:
+                # Without a free slot or a peer the policy can plan nothing more: the next
+                # batch to finish plans again (it would only say so, at the cost of a call).
+                wake_at = None
+                break
         self._m_depth.set(len(self.queue))
         # Also wake at the next deadline: a request must get its timeout error on time even
         # while every engine instance is busy (or stuck) and the policy has nothing to plan.
-        wake_at = decision.wake_at
         expiry = self.queue.next_deadline()
         if expiry is not None and (wake_at is None or expiry < wake_at):
             wake_at = expiry
@@ -632,9 +654,9 @@ class ModelRunner:
         n = len(answered)
         self._m_ok.inc(n)
         s.success_count += n
-        dispatched = batch.dispatched
-        queued = [dispatched - r.arrival for r in answered]
-        total = [now - r.arrival for r in answered]
+        arrivals = [r.arrival for r in answered]
+        queued = [batch.dispatched - a for a in arrivals]
+        total = [now - a for a in arrivals]
         s.queue_ns += int(sum(queued) * 1e9)
         s.success_ns += int(sum(total) * 1e9)
         self._m_queue_s.observe_all(queued)
@@ -643,6 +665,7 @@ class ModelRunner:
     def _fail(self, req: Pending, error: EdgeBatcherError) -> None:
         if not req.future.done():
             req.future.set_exception(error)
+            self._count_status(error.status)
         self.stats.fail_ns += int((self._loop.time() - req.arrival) * 1e9)
 
     # ------------------------------------------------------------------ offload
@@ -671,6 +694,7 @@ class ModelRunner:
                 outputs = {name: outputs[name] for name in r.request.outputs if name in outputs}
             if not r.future.done():
                 r.future.set_result(InferResponse(self.name, r.request.id, outputs))
+                self._m_ok.inc()
 
         results = await asyncio.gather(*(send(r) for r in plan.requests), return_exceptions=True)
         for r, outcome in zip(plan.requests, results):

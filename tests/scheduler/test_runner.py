@@ -125,7 +125,7 @@ async def test_a_backlog_goes_to_the_peer_and_a_failed_offload_is_retried_locall
     await runner.start()
     # Fill both local slots with long work, then send requests whose deadline (100 ms) the
     # local engine cannot meet: they must go to the peer.
-    blockers = [asyncio.create_task(runner.infer(request(rows=8, seed=i, timeout_s=5)[1])) for i in range(2)]
+    blockers = [asyncio.ensure_future(runner.infer(request(rows=8, seed=i, timeout_s=5)[1])) for i in range(2)]
     await asyncio.sleep(0.02)
     xs, reqs = zip(*(request(seed=10 + i, timeout_s=0.1) for i in range(6)))
     outs = await asyncio.gather(*(runner.infer(r) for r in reqs))
@@ -138,7 +138,7 @@ async def test_a_backlog_goes_to_the_peer_and_a_failed_offload_is_retried_locall
     # frees. (The local estimate for size 2 is pessimistic here, so the backlog rule first
     # sends it to the peer; in reality a size-2 batch is fast.)
     peer.fail = True
-    blockers = [asyncio.create_task(runner.infer(request(rows=8, seed=i, timeout_s=5)[1])) for i in range(2)]
+    blockers = [asyncio.ensure_future(runner.infer(request(rows=8, seed=i, timeout_s=5)[1])) for i in range(2)]
     await asyncio.sleep(0.02)
     x, req = request(seed=99, timeout_s=0.8)
     runner.exec_time.observe(2, 0.3)
@@ -168,7 +168,7 @@ async def test_a_queued_request_times_out_on_time_while_every_instance_is_stuck(
     runner = ModelRunner(config(), [engine], Metrics())
     await runner.start()
     # Two full batches take both slots of the only instance, and its engine does not return.
-    blockers = [asyncio.create_task(runner.infer(request(rows=8, seed=i, timeout_s=5)[1])) for i in range(2)]
+    blockers = [asyncio.ensure_future(runner.infer(request(rows=8, seed=i, timeout_s=5)[1])) for i in range(2)]
     await asyncio.sleep(0.05)
     loop = asyncio.get_running_loop()
     started = loop.time()
@@ -262,4 +262,36 @@ async def test_drain_returns_as_soon_as_the_offloads_in_flight_are_answered():
     await runner.drain(timeout=5.0)
     assert loop.time() - started < 1.0
     np.testing.assert_allclose((await answer).outputs["y"], x.sum(axis=1), rtol=1e-6)
+    await runner.close()
+
+
+async def test_every_outcome_is_counted_once_in_requests_total():
+    metrics = Metrics()
+    peer = PeerPort()
+    engine = GatedEngine()
+    runner = ModelRunner(config(), [engine], metrics, offload=peer)
+    await runner.start()
+
+    def counts() -> dict[str, float]:
+        return {key[1]: value for key, value in metrics.requests_total.values.items() if key[0] == "rowsum"}
+
+    engine.gate.set()
+    await runner.infer(request(rows=2)[1])  # local batch
+    await runner.infer(request(rows=12)[1])  # larger than the engine: answered by the peer
+    with pytest.raises(InvalidInput):  # refused at once, before any queue
+        runner.infer(InferRequest("rowsum", {"x": np.zeros((1, 3), np.float32)}))
+    assert counts() == {"200": 2.0, "400": 1.0}
+
+    engine.gate.clear()  # both slots stuck and no peer: the next request expires in the queue
+    peer.available = False
+    blockers = [asyncio.ensure_future(runner.infer(request(rows=8, seed=i, timeout_s=5)[1])) for i in range(2)]
+    await asyncio.sleep(0.05)
+    with pytest.raises(DeadlineExceeded):
+        await runner.infer(request(seed=7, timeout_s=0.05)[1])
+    engine.gate.set()
+    await asyncio.gather(*blockers)
+    peer.available, peer.fail = True, True
+    with pytest.raises(Unavailable):  # too large for the engine, and the peer fails
+        await runner.infer(request(rows=12)[1])
+    assert counts() == {"200": 4.0, "400": 1.0, "504": 1.0, "503": 1.0}
     await runner.close()
