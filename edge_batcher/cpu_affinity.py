@@ -12,6 +12,11 @@ Mechanics (Linux): `os.sched_setaffinity(0, ...)` sets the calling thread's mask
 new thread inherits its creator's mask. Pinning the event-loop thread at start-up therefore
 pins every thread it starts afterwards: engine workers, executor threads, paho's network
 thread. Elsewhere (no sched_setaffinity) this is a no-op.
+
+One exception: a model whose batches take long (scheduler/runner.py,
+WORKER_ON_EVERY_CPU_FROM_S, measured at warm-up) gets engine workers on every CPU. The loop
+then mostly waits for that engine, and an engine that computes on its calling thread (ONNX
+Runtime with intra_op_threads = 1) would otherwise be held to the loop's one core.
 """
 
 from __future__ import annotations
@@ -52,6 +57,11 @@ def pin_this_thread(cpu: int | None) -> None:
     if _set is None or PROCESS_CPUS is None:
         return
     _set(0, {cpu} if cpu is not None else PROCESS_CPUS)
+
+
+def thread_is_pinned() -> bool:
+    """Whether the calling thread runs on fewer CPUs than the process may use."""
+    return _get is not None and PROCESS_CPUS is not None and frozenset(_get(0)) != PROCESS_CPUS
 
 
 @contextlib.contextmanager

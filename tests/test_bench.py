@@ -40,3 +40,17 @@ def test_gil_bench_times_the_engine_alone_and_beside_a_python_thread(model_repo)
     assert "alone:" in proc.stdout
     if "one CPU only" not in proc.stdout:
         assert "other core:" in proc.stdout and "same core:" in proc.stdout
+
+
+def test_engine_cost_bench_builds_checked_spectrum_models_and_measures_each():
+    proc = subprocess.run(
+        [sys.executable, "tools/bench_engine_cost.py", "--sizes", "64,128", "--duration", "0.3", "--repeat", "1", "--json"],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert [r["window"] for r in rows] == [64, 128]
+    for r in rows:
+        assert r["engine_us_per_row"] > 0 and r["in_process_rps"] > 0
+        assert 0 < r["ratio_to_ceiling"] == r["in_process_rps"] / r["raw_ceiling_rps"]
+        assert r["overhead_us_per_request"] > 0 and r["speedup_over_no_batching"] > 0

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import pytest
 
 from edge_batcher import cpu_affinity
 from edge_batcher.cpu_affinity import PROCESS_CPUS, choose, full_affinity, pin_this_thread
 from edge_batcher.errors import ConfigError
+from edge_batcher.types import TensorSpec
 
 needs_two_cpus = pytest.mark.skipif(
     not hasattr(os, "sched_setaffinity") or PROCESS_CPUS is None or len(PROCESS_CPUS) < 2,
@@ -99,3 +101,54 @@ def test_engine_workers_started_from_a_pinned_loop_share_its_cpu(model_repo):
         return asyncio.run(main())
 
     assert in_thread(serve) == {cpu}
+
+
+class SleepyEngine:
+    """y = x, after `seconds` of waiting: an engine whose batches take that long."""
+
+    inputs = [TensorSpec("x", "FP32", (-1, 2))]
+    outputs = [TensorSpec("y", "FP32", (-1, 2))]
+
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+
+    def infer(self, inputs):
+        time.sleep(self.seconds)
+        return {"y": inputs["x"]}
+
+    def close(self) -> None:
+        pass
+
+
+@needs_two_cpus
+def test_a_slow_engine_s_worker_runs_on_every_cpu_and_a_fast_one_shares_the_loop_s():
+    """Warm-up measures the batches; from WORKER_ON_EVERY_CPU_FROM_S on, sharing the loop's CPU
+    would only keep the engine off the other cores (docs/benchmarks.md)."""
+    import asyncio
+    from pathlib import Path
+
+    from edge_batcher.config import BatchingSettings, ModelConfig
+    from edge_batcher.metrics import Metrics
+    from edge_batcher.scheduler.runner import WORKER_ON_EVERY_CPU_FROM_S, ModelRunner
+
+    cpu = choose("auto")
+
+    async def worker_cpus(seconds: float) -> set[int]:
+        config = ModelConfig(name="sleepy", directory=Path("."), batching=BatchingSettings(max_batch_size=8))
+        runner = ModelRunner(config, [SleepyEngine(seconds)], Metrics())
+        runner.warm_up()
+        await runner.start()
+        loop = asyncio.get_running_loop()
+        seen = loop.create_future()
+        runner._workers[0].submit(lambda _: os.sched_getaffinity(0), None, lambda _a, r, _e: seen.set_result(r))
+        cpus = await seen
+        await runner.close()
+        return cpus
+
+    def serve():
+        pin_this_thread(cpu)
+        return asyncio.run(worker_cpus(0.0)), asyncio.run(worker_cpus(2 * WORKER_ON_EVERY_CPU_FROM_S))
+
+    fast, slow = in_thread(serve)
+    assert fast == {cpu}
+    assert slow == set(PROCESS_CPUS)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..config import ModelConfig
+from ..cpu_affinity import thread_is_pinned
 from ..errors import (
     DeadlineExceeded, DoesNotFit, EdgeBatcherError, EngineError, InvalidInput, OutOfMemory, Overloaded,
     Unavailable,
@@ -39,6 +40,13 @@ from .worker import EngineWorker
 log = logging.getLogger(__name__)
 
 BATCHES_IN_FLIGHT_PER_INSTANCE = 2
+# An engine whose batches take at least this long (measured at warm-up) runs its worker
+# thread on every CPU instead of the event loop's ([server] loop_cpu): the loop then waits on
+# the engine most of the time, and sharing its CPU would only keep the engine's own compute
+# (ONNX Runtime runs on the calling thread with intra_op_threads = 1) off the other cores.
+# Below it, sharing one CPU wins: the GIL changes hands several times per batch, cheaply on
+# one core. Where the two cross: tools/bench_engine_cost.py, docs/benchmarks.md.
+WORKER_ON_EVERY_CPU_FROM_S = 0.5e-3
 
 
 @dataclass(eq=False, slots=True)
@@ -191,7 +199,13 @@ class ModelRunner:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        self._workers = [EngineWorker(f"engine-{self.name}-{i}", self._loop) for i in range(len(self.engines))]
+        slowest = max(self.exec_time.measured().values(), default=0.0)  # from warm-up; none: not warmed up
+        every_cpu = slowest >= WORKER_ON_EVERY_CPU_FROM_S
+        if every_cpu and thread_is_pinned():
+            log.info("model %s: batches take up to %.2f ms: its engine worker threads run on every CPU, "
+                     "not only on the event loop's", self.name, slowest * 1e3)
+        self._workers = [EngineWorker(f"engine-{self.name}-{i}", self._loop, every_cpu=every_cpu)
+                         for i in range(len(self.engines))]
         # Two batch slots per instance: the next batch waits in the worker's queue while the
         # current one runs, so the engine thread never idles through a round trip to the loop.
         self._free_slots = [i for _ in range(BATCHES_IN_FLIGHT_PER_INSTANCE) for i in range(len(self.engines))]

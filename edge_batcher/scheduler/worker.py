@@ -9,17 +9,25 @@ event loop. An engine object is only ever touched by its own thread once serving
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from typing import Any, Callable
+
+from ..cpu_affinity import pin_this_thread
+
+log = logging.getLogger(__name__)
 
 # done(arg, result, error) runs on the event loop; error is None when fn(arg) returned.
 Done = Callable[[Any, Any, "BaseException | None"], None]
 
 
 class EngineWorker:
-    def __init__(self, name: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, name: str, loop: asyncio.AbstractEventLoop, *, every_cpu: bool = False):
+        """every_cpu: run on every CPU of the process instead of inheriting the CPU of the
+        thread that starts it (the event loop's, see cpu_affinity.py)."""
         self._loop = loop
+        self._every_cpu = every_cpu
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
@@ -43,6 +51,11 @@ class EngineWorker:
             raise error
 
     def _work(self) -> None:
+        if self._every_cpu:
+            try:
+                pin_this_thread(None)
+            except OSError as exc:
+                log.warning("%s: could not leave the event loop's CPU (%s); it shares that CPU", threading.current_thread().name, exc)
         while True:
             job = self._jobs.get()
             if job is None:
