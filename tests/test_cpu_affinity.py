@@ -3,6 +3,7 @@ inherit it (real sched_setaffinity calls on this Linux machine)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -46,6 +47,16 @@ def test_with_one_cpu_or_without_the_api_there_is_nothing_to_choose(monkeypatch)
     pin_this_thread(0)  # a no-op, not an error
 
 
+async def started_worker_cpus(runner) -> set[int]:
+    """Start the runner, read the CPUs its first engine worker thread may run on, close it."""
+    await runner.start()
+    seen = asyncio.get_running_loop().create_future()
+    runner._workers[0].submit(lambda _: os.sched_getaffinity(0), None, lambda _a, cpus, _e: seen.set_result(cpus))
+    cpus = await seen
+    await runner.close()
+    return cpus
+
+
 @needs_two_cpus
 def test_a_pinned_thread_passes_its_cpu_on_to_the_threads_it_starts():
     cpu = choose("auto")
@@ -78,8 +89,6 @@ def test_full_affinity_gives_every_cpu_for_the_block_and_restores_the_pin():
 def test_engine_workers_started_from_a_pinned_loop_share_its_cpu(model_repo):
     """The daemon pins the loop thread; a runner started there runs its engine on that CPU,
     while the engine itself was created with every CPU (load_runner)."""
-    import asyncio
-
     from edge_batcher.metrics import Metrics
     from edge_batcher.runtime import discover_models, load_runner
 
@@ -89,12 +98,7 @@ def test_engine_workers_started_from_a_pinned_loop_share_its_cpu(model_repo):
     async def main():
         loop = asyncio.get_running_loop()
         runner = await loop.run_in_executor(None, load_runner, mc, Metrics(), False)
-        await runner.start()
-        seen = loop.create_future()
-        runner._workers[0].submit(lambda _: os.sched_getaffinity(0), None, lambda _a, r, _e: seen.set_result(r))
-        worker_cpus = await seen
-        await runner.close()
-        return worker_cpus
+        return await started_worker_cpus(runner)
 
     def serve():
         pin_this_thread(cpu)
@@ -124,7 +128,6 @@ class SleepyEngine:
 def test_a_slow_engine_s_worker_runs_on_every_cpu_and_a_fast_one_shares_the_loop_s():
     """Warm-up measures the batches; from WORKER_ON_EVERY_CPU_FROM_S on, sharing the loop's CPU
     would only keep the engine off the other cores (docs/benchmarks.md)."""
-    import asyncio
     from pathlib import Path
 
     from edge_batcher.config import BatchingSettings, ModelConfig
@@ -137,13 +140,7 @@ def test_a_slow_engine_s_worker_runs_on_every_cpu_and_a_fast_one_shares_the_loop
         config = ModelConfig(name="sleepy", directory=Path("."), batching=BatchingSettings(max_batch_size=8))
         runner = ModelRunner(config, [SleepyEngine(seconds)], Metrics())
         runner.warm_up()
-        await runner.start()
-        loop = asyncio.get_running_loop()
-        seen = loop.create_future()
-        runner._workers[0].submit(lambda _: os.sched_getaffinity(0), None, lambda _a, r, _e: seen.set_result(r))
-        cpus = await seen
-        await runner.close()
-        return cpus
+        return await started_worker_cpus(runner)
 
     def serve():
         pin_this_thread(cpu)
