@@ -320,11 +320,11 @@ class ModelRunner:
             self._count_status(exc.status)
             raise
 
-    def _count_status(self, status: int, n: int = 1) -> None:
+    def _count_status(self, status: int) -> None:
         child = self._m_status.get(status)
         if child is None:
             child = self._m_status[status] = self.metrics.requests_total.labels(model=self.name, status=str(status))
-        child.inc(n)
+        child.inc()
 
     def _validate(self, request: InferRequest) -> tuple[dict[str, np.ndarray], int, int]:
         given = request.inputs
