@@ -20,6 +20,7 @@ from .config import DaemonConfig, parse_host_port, read_secret
 from .cpu_affinity import choose as choose_cpu, pin_this_thread
 from .errors import ConfigError
 from .runtime import Runtime
+from .scheduler.runner import WORKER_ON_EVERY_CPU_FROM_S
 from .systemd import Notifier, listen_fds, watchdog_interval
 from .transports.auth import bearer_auth_middleware, tls_context
 from .transports.http import create_app
@@ -75,7 +76,8 @@ class Daemon:
         try:
             pin_this_thread(cpu)  # before any thread is started from here: they inherit it
             if cpu is not None:
-                log.info("event loop and engine worker threads share CPU %d ([server] loop_cpu)", cpu)
+                log.info("event loop on CPU %d ([server] loop_cpu); engine worker threads share it, "
+                         "except those of models whose batches take %.1f ms or more", cpu, WORKER_ON_EVERY_CPU_FROM_S * 1e3)
         except OSError as exc:  # a slower daemon, not a broken one
             log.warning("could not keep the event loop on CPU %s ([server] loop_cpu): %s; threads run on any CPU", cpu, exc)
         log.info(
