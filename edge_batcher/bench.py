@@ -37,7 +37,7 @@ import numpy as np
 
 from .config import load_config
 from .cpu_affinity import choose as choose_cpu, pin_this_thread
-from .errors import EdgeBatcherError
+from .errors import ConfigError, EdgeBatcherError
 from .metrics import Metrics
 from .runtime import discover_models, load_runner
 from .types import DATATYPE_TO_NUMPY, InferRequest
@@ -75,6 +75,10 @@ async def _bench(config, args) -> dict:
     cpu = choose_cpu(config.server.loop_cpu)
     pin_this_thread(cpu)
     runner = await loop.run_in_executor(None, load_runner, mc, Metrics(), True)
+    if not runner.runs_locally:
+        await runner.close()
+        raise ConfigError(f"model {mc.name!r} runs on offload peers only (backend {mc.backend!r}): "
+                          f"nothing of it runs on this device to benchmark")
     engine = runner.engines[0]
     sample = _sample_inputs(runner)
     largest = mc.batching.preferred_batch_sizes[-1]

@@ -65,7 +65,10 @@ def build_budget(settings: MemorySettings) -> MemoryBudget:
 
 def footprint_source(config: ModelConfig, engine):
     """Where a model's memory figures come from: the engine itself when it knows them exactly
-    (TensorRT), else the ONNX liveness estimator, else nothing (no admission control)."""
+    (TensorRT), else the ONNX liveness estimator, else nothing (no admission control, and
+    none needed for a model that runs on peers only)."""
+    if not getattr(engine, "runs_locally", True):
+        return None, None
     if hasattr(engine, "memory_footprint"):
         # TensorRT allocates weights, activations and I/O buffers once at load: all of it is
         # resident, and a batch itself allocates nothing more (per_batch, normally 0).
@@ -245,6 +248,14 @@ class Runtime:
                 None, load_runner, mc, self.metrics, self.config.models.warmup, self.budget,
                 self.config.memory.calibrate_at_warmup, self.offload,
             )
+            if not runner.runs_locally:
+                if self.offload is None:
+                    await runner.close()
+                    raise ConfigError(
+                        f"model {mc.name!r} has backend {mc.backend!r}: it runs on offload peers only, "
+                        f"so [offload] must be enabled with at least one [[offload.peers]]"
+                    )
+                self.offload.remote_only.add(mc.name)
         await runner.start()
         self._fingerprints[mc.name] = await loop.run_in_executor(None, model_fingerprint, mc)
         log.info(

@@ -15,6 +15,7 @@ from .base import Engine
 BACKENDS = {
     "onnxruntime": "edge_batcher.engines.onnxruntime:OnnxRuntimeEngine",
     "tensorrt": "edge_batcher.engines.tensorrt:TensorRTEngine",
+    "remote": "edge_batcher.engines.remote:RemoteEngine",  # served by offload peers only
 }
 
 

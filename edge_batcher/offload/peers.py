@@ -55,6 +55,9 @@ class PeerPool:
 
     def __init__(self, settings: OffloadSettings, clock: Callable[[], float] = time.monotonic):
         self.settings = settings
+        # Models that always run on a peer: [offload] remote_only, and the runtime adds the
+        # models with no engine on this device (backend "remote").
+        self.remote_only: set[str] = set(settings.remote_only)
         self.peers: list[Peer] = []
         for ps in settings.peers:
             client = PeerClient(ps, request_timeout_s=settings.request_timeout_s)
@@ -114,7 +117,7 @@ class PeerPool:
         return OffloadView(
             peer_available=peer is not None,
             peer_latency_s=None if peer is None else peer.client.latency_estimate(model),
-            remote_only=model in self.settings.remote_only,
+            remote_only=model in self.remote_only,
             on_backlog=self.settings.offload_on_backlog,
             max_rows=self.settings.max_rows,
         )

@@ -99,6 +99,9 @@ class ModelRunner:
         self.config = config
         self.name = config.name
         self.engines = engines
+        # False for a model served by offload peers only (engines/remote.py): no worker
+        # threads, no warm-up, no local batch slots; the policy plans every batch for a peer.
+        self.runs_locally: bool = getattr(engines[0], "runs_locally", True)
         self.inputs: list[TensorSpec] = engines[0].inputs
         # An engine may turn what clients send into what the model runs on (text -> token ids)
         # with prepare(inputs) -> (inputs, seq_len); batches are then built from batch_inputs.
@@ -162,6 +165,9 @@ class ModelRunner:
         """Run every allowed batch size (and bucket) on every instance once before serving, so
         the first real request at a size is not the slow one; seeds the exec-time model.
         Blocking: call off the event loop."""
+        if not self.runs_locally:
+            log.info("model %s: runs on offload peers only: nothing to warm up here", self.name)
+            return
         buckets = self.config.sequence.buckets if self.config.sequence else [0]
         for bucket in buckets:
             for size in policy.allowed_sizes(self.settings, bucket, self.fits):
@@ -199,6 +205,8 @@ class ModelRunner:
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
+        if not self.runs_locally:
+            return  # no workers and no free slot: every batch goes to a peer
         slowest = max(self.exec_time.measured().values(), default=0.0)  # from warm-up; none: not warmed up
         every_cpu = slowest >= WORKER_ON_EVERY_CPU_FROM_S
         if every_cpu and thread_is_pinned():
@@ -286,7 +294,8 @@ class ModelRunner:
                 f"{self.settings.max_batch_size}{peer_note}; split it into smaller requests"
             )
         queued.taken = True
-        plan = policy.BatchPlan([queued], queued.rows, queued.rows, queued.bucket, policy.TOO_LARGE, target="peer")
+        reason = policy.REMOTE_ONLY if view.remote_only else policy.TOO_LARGE  # why it is not local
+        plan = policy.BatchPlan([queued], queued.rows, queued.rows, queued.bucket, reason, target="peer")
         self._start_offload(plan)
 
     def _decision_may_change(self, queued: Pending) -> bool:

@@ -1,0 +1,133 @@
+"""A model with backend "remote": declared in model.toml, no model file on the edge, every
+batch served by the peer (two real daemons on loopback for the end-to-end case)."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+
+import numpy as np
+import pytest
+
+from edge_batcher.client import ClientError
+from edge_batcher.config import DaemonConfig, load_model_config
+from edge_batcher.engines.registry import create_engine
+from edge_batcher.errors import ConfigError
+from edge_batcher.runtime import Runtime
+from tests.offload.conftest import assert_matches_local, free_port
+from tests.offload.test_offload_two_daemons import edge_config, offloaded, peer_config
+from tests.offload.test_offload_two_daemons import peer_repo  # noqa: F401  (the fixture: a peer with batches up to 16)
+from tests.support.signals import windows
+
+REMOTE_VIBRATION = """
+backend = "remote"
+description = "the vibration classifier, served by the peer"
+
+[batching]
+preferred_batch_sizes = [2, 4, 8]
+max_queue_delay_ms = 2.0
+
+[[inputs]]
+name = "signal"
+datatype = "FP32"
+shape = [-1, 256]
+
+[[outputs]]
+name = "class_probs"
+datatype = "FP32"
+shape = [-1, 4]
+
+[[outputs]]
+name = "class_id"
+datatype = "INT64"
+shape = [-1]
+
+[[outputs]]
+name = "anomaly_score"
+datatype = "FP32"
+shape = [-1]
+"""
+
+
+@pytest.fixture
+def remote_repo(tmp_path):
+    """The edge's repository: the vibration model as model.toml alone, no model.onnx."""
+    repo = tmp_path / "edge-engines"
+    (repo / "vibration").mkdir(parents=True)
+    (repo / "vibration" / "model.toml").write_text(REMOTE_VIBRATION)
+    return repo
+
+
+def test_a_remote_model_is_validated_batched_and_served_by_the_peer(start_daemon, model_repo, peer_repo, remote_repo):
+    port = free_port()
+    peer = start_daemon(peer_config(port) + '[models]\nload = ["vibration"]\n', repo=peer_repo)
+    edge = start_daemon(edge_config(port), repo=remote_repo)
+    x = windows(10, seed=31)
+    with edge.client() as client:
+        meta = client.model_metadata("vibration")
+        assert meta["inputs"] == [{"name": "signal", "datatype": "FP32", "shape": [-1, 256]}]
+        assert [o["name"] for o in meta["outputs"]] == ["class_probs", "class_id", "anomaly_score"]
+        answers = [client.infer("vibration", {"signal": x[i:i + 1]}) for i in range(len(x))]
+        big = client.infer("vibration", {"signal": x})  # 10 rows > max batch 8: still the peer's
+        # Checked on the edge against the declared specs, before anything goes to the peer.
+        with pytest.raises(ClientError) as bad_shape:
+            client.infer("vibration", {"signal": np.zeros((1, 100), np.float32)})
+        with pytest.raises(ClientError) as bad_type:
+            client.infer("vibration", {"signal": np.zeros((1, 256), np.float64)})
+        stats = client.stats("vibration")["model_stats"][0]
+    for i, got in enumerate(answers):
+        assert_matches_local(model_repo, x[i:i + 1], got)
+    assert_matches_local(model_repo, x, big)
+    assert bad_shape.value.status == 400 and "signal" in bad_shape.value.message and "256" in bad_shape.value.message
+    assert bad_type.value.status == 400 and "FP64" in bad_type.value.message
+    assert stats["offloaded"] == {"remote_only/ok": len(x) + 1}
+    assert stats["execution_count"] == 0  # nothing ran on the edge
+    with peer.client() as direct:
+        assert direct.stats("vibration")["model_stats"][0]["inference_count"] == 2 * len(x)  # nothing bad reached it
+    assert "nothing to warm up" in edge.log_text()
+
+    # Without the peer, a clear 503 at once rather than a timeout.
+    peer.proc.send_signal(signal.SIGKILL)
+    peer.proc.wait()
+    with edge.client() as client:
+        with pytest.raises(ClientError) as down:
+            client.infer("vibration", {"signal": x[:1]}, timeout_ms=3000)
+    assert down.value.status == 503 and "peer" in down.value.message
+    assert offloaded(edge, "vibration")["remote_only/ok"] == len(x) + 1
+
+
+def test_a_remote_model_without_offload_peers_stops_start_up(remote_repo):
+    config = DaemonConfig()
+    config.models.repository = str(remote_repo)
+    config.memory.probe = "fixed"
+    config.memory.budget_mb = 1024
+
+    async def start() -> None:
+        runtime = Runtime(config)
+        try:
+            await runtime.start()
+        finally:
+            await runtime.close()
+
+    with pytest.raises(ConfigError, match=r"model 'vibration' has backend 'remote'.*\[offload\] must be enabled"):
+        asyncio.run(start())
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda t: t.split("[[inputs]]")[0] + "[[outputs]]" + t.split("[[outputs]]", 1)[1],
+         r"no model file to read inputs from: declare each one as \[\[inputs\]\]"),
+        (lambda t: t.replace('datatype = "FP32"\nshape = [-1, 256]', "shape = [-1, 256]"),
+         r"\[\[inputs\]\] 'signal': datatype: expected one of"),
+        (lambda t: t.replace("shape = [-1, 256]", "shape = [-1, 0]"), r"\[\[inputs\]\] 'signal': shape: expected the whole shape"),
+        (lambda t: t.replace('name = "class_id"', 'name = "class_probs"'), r"\[\[outputs\]\] names a tensor twice"),
+    ],
+)
+def test_remote_specs_must_be_declared_whole(tmp_path, change, message):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "model.toml").write_text(change(REMOTE_VIBRATION))
+    engine = create_engine(load_model_config(tmp_path / "m"))
+    with pytest.raises(ConfigError, match=message) as info:
+        engine.load()
+    assert str(tmp_path / "m" / "model.toml") in str(info.value)
