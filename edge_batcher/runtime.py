@@ -256,6 +256,8 @@ class Runtime:
                         f"so [offload] must be enabled with at least one [[offload.peers]]"
                     )
                 self.offload.remote_only.add(mc.name)
+            elif self.offload is not None and mc.name not in self.config.offload.remote_only:
+                self.offload.remote_only.discard(mc.name)  # reloaded from backend "remote" to a local one
         await runner.start()
         self._fingerprints[mc.name] = await loop.run_in_executor(None, model_fingerprint, mc)
         log.info(

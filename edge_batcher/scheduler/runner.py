@@ -288,6 +288,8 @@ class ModelRunner:
         """More rows than the local engine takes: straight to a peer, or a clear error."""
         view = self.offload.view(self.name) if self.offload is not None else policy.NO_OFFLOAD
         if policy.oversized_target(queued.rows, self.settings, view) != "peer":
+            if view.remote_only and not view.peer_available:
+                raise Unavailable(f"model {self.name!r} is remote-only and no peer is available")
             peer_note = "" if self.offload is None else " and no peer can take it now"
             raise InvalidInput(
                 f"request has {queued.rows} rows, more than model {self.name!r} max_batch_size "
@@ -741,8 +743,10 @@ class ModelRunner:
         if isinstance(error, EdgeBatcherError) and error.status < 500:
             answer = error  # the peer's verdict on this request's input (400, 404): pass it on
         else:
-            answer = Unavailable(f"model {self.name!r}: offload to the peer failed ({error}) "
-                                 "and it cannot run locally in time")
+            why_not_local = {policy.REMOTE_ONLY: "the model is remote-only",
+                             policy.TOO_LARGE: "the request is larger than the local engine takes"}
+            answer = Unavailable(f"model {self.name!r}: offload to the peer failed ({error}) and "
+                                 f"{why_not_local.get(reason, 'it cannot run locally in time')}")
         log.warning("model %s: offload failed: %s", self.name, answer)
         self._fail(r, answer)
 

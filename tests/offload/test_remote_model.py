@@ -4,16 +4,18 @@ batch served by the peer (two real daemons on loopback for the end-to-end case).
 from __future__ import annotations
 
 import asyncio
+import shutil
 import signal
 
 import numpy as np
 import pytest
 
 from edge_batcher.client import ClientError
-from edge_batcher.config import DaemonConfig, load_model_config
+from edge_batcher.config import DaemonConfig, PeerSettings, load_model_config
 from edge_batcher.engines.registry import create_engine
 from edge_batcher.errors import ConfigError
 from edge_batcher.runtime import Runtime
+from edge_batcher.types import InferRequest
 from tests.offload.conftest import assert_matches_local, free_port
 from tests.offload.test_offload_two_daemons import edge_config, offloaded, peer_config
 from tests.offload.test_offload_two_daemons import peer_repo  # noqa: F401  (the fixture: a peer with batches up to 16)
@@ -86,13 +88,20 @@ def test_a_remote_model_is_validated_batched_and_served_by_the_peer(start_daemon
         assert direct.stats("vibration")["model_stats"][0]["inference_count"] == 2 * len(x)  # nothing bad reached it
     assert "nothing to warm up" in edge.log_text()
 
-    # Without the peer, a clear 503 at once rather than a timeout.
+    # Without the peer, a clear 503 at once rather than a timeout: first the failed offloads
+    # (until the breaker opens), then "no peer" without trying, for any size of request.
     peer.proc.send_signal(signal.SIGKILL)
     peer.proc.wait()
+    errors = []
     with edge.client() as client:
-        with pytest.raises(ClientError) as down:
-            client.infer("vibration", {"signal": x[:1]}, timeout_ms=3000)
-    assert down.value.status == 503 and "peer" in down.value.message
+        for rows in (1, 10, 1, 10, 1, 10):
+            with pytest.raises(ClientError) as down:
+                client.infer("vibration", {"signal": x[:rows]}, timeout_ms=3000)
+            errors.append(down.value)
+    assert all(e.status == 503 for e in errors), errors
+    assert "offload to the peer failed" in errors[0].message and "the model is remote-only" in errors[0].message
+    assert "remote-only and no peer is available" in errors[-1].message  # 10 rows, breaker open
+    assert "remote-only and no peer is available" in errors[-2].message  # 1 row, breaker open
     assert offloaded(edge, "vibration")["remote_only/ok"] == len(x) + 1
 
 
@@ -111,6 +120,38 @@ def test_a_remote_model_without_offload_peers_stops_start_up(remote_repo):
 
     with pytest.raises(ConfigError, match=r"model 'vibration' has backend 'remote'.*\[offload\] must be enabled"):
         asyncio.run(start())
+
+
+def test_reloaded_as_a_local_model_it_stops_being_remote_only(remote_repo, model_repo):
+    """SIGHUP's reload: the model gets its file and a local backend; it then runs here (the
+    only peer is down) and is no longer sent to peers."""
+    config = DaemonConfig()
+    config.models.repository = str(remote_repo)
+    config.memory.probe = "fixed"
+    config.memory.budget_mb = 1024
+    config.offload.enabled = True
+    config.offload.peers = [PeerSettings(url=f"http://127.0.0.1:{free_port()}")]  # nothing listens there
+    x = windows(1, seed=3)
+
+    async def run():
+        runtime = Runtime(config)
+        await runtime.start()
+        try:
+            before = runtime.runner("vibration").runs_locally, "vibration" in runtime.offload.remote_only
+            shutil.copy(model_repo / "vibration" / "model.onnx", remote_repo / "vibration" / "model.onnx")
+            shutil.copy(model_repo / "vibration" / "model.toml", remote_repo / "vibration" / "model.toml")
+            changes = await runtime.reload()
+            after = runtime.runner("vibration").runs_locally, "vibration" in runtime.offload.remote_only
+            response = await runtime.infer(InferRequest("vibration", {"signal": x}))
+            return before, changes, after, response
+        finally:
+            await runtime.close()
+
+    before, changes, after, response = asyncio.run(run())
+    assert before == (False, True)
+    assert changes["changed"] == ["vibration"]
+    assert after == (True, False)
+    assert_matches_local(model_repo, x, response.outputs)
 
 
 @pytest.mark.parametrize(
