@@ -9,6 +9,8 @@ device cannot run (or cannot run in time). The pieces, one concept per module:
   :class:`PeerError`, the error for "the peer could not serve this" (HTTP 502).
 * ``peers.py``: :class:`PeerPool`, the ordered peers with their breakers, a periodic health
   check, and ``infer`` that tries the peers in order.
+* ``conform.py``: a peer's outputs brought to the local model's shapes and datatypes (v2
+  servers differ: MLServer answers [n, 1] for [n]), or an error naming the mismatch.
 
 Which batches go to a peer is the scheduler's decision (see docs/offload.md); nothing here
 decides that.

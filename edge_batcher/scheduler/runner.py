@@ -31,6 +31,7 @@ from ..errors import (
     Unavailable,
 )  # fmt: skip
 from ..metrics import Metrics
+from ..offload.conform import conform_outputs
 from ..types import DATATYPE_TO_NUMPY, InferRequest, InferResponse, TensorSpec
 from . import policy
 from .queues import ModelQueue, QueuedRequest
@@ -713,7 +714,8 @@ class ModelRunner:
         loop = self._loop
 
         async def send(r: Pending) -> None:
-            outputs, _peer = await self.offload.infer(self.name, r.request.inputs, r.deadline - loop.time())
+            outputs, peer = await self.offload.infer(self.name, r.request.inputs, r.deadline - loop.time())
+            outputs = conform_outputs(outputs, self.outputs, r.rows, peer, self.name)
             self._count_offload(plan.reason, "ok", [r])
             if r.request.outputs is not None:
                 outputs = {name: outputs[name] for name in r.request.outputs if name in outputs}

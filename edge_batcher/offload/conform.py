@@ -1,0 +1,58 @@
+"""A peer's answer, shaped like the local model's: an offloaded request gets the outputs it
+would have got here.
+
+v2 servers differ in small ways that change what a client receives: MLServer's NumpyCodec
+turns a 1-D output of shape [n] into [n, 1] (seen against MLServer 1.7.1), and another build
+of the model on the peer (TensorRT, say) may answer INT32 where ONNX Runtime here answers
+INT64. Each output is brought to the model's declared
+shape (batch dimension = the request's rows) when the two differ only by dimensions of size
+1, and to its datatype when numpy casts it within the same kind; anything else is a mismatch
+between the two models, answered as an error naming the output, never passed on silently.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..types import DATATYPE_TO_NUMPY, TensorSpec
+from .client import PeerError
+
+
+def conform_outputs(outputs: dict[str, np.ndarray], specs: list[TensorSpec], rows: int,
+                    peer: str, model: str) -> dict[str, np.ndarray]:
+    """`outputs` with every declared output shaped and typed as `specs` says (outputs the
+    model does not declare are kept as they are). Raises PeerError on a real mismatch."""
+    conformed = dict(outputs)
+    for spec in specs:
+        array = outputs.get(spec.name)
+        if array is None:
+            continue  # not asked for (the request named its outputs); a missing one the codec reports
+        conformed[spec.name] = _conform(array, spec, rows, f"peer {peer}: model {model!r} output {spec.name!r}")
+    return conformed
+
+
+def _conform(array: np.ndarray, spec: TensorSpec, rows: int, what: str) -> np.ndarray:
+    want = DATATYPE_TO_NUMPY[spec.datatype]
+    if array.dtype != want and want != np.dtype(object):
+        if not np.can_cast(array.dtype, want, casting="same_kind"):
+            raise _mismatch(what, f"datatype {array.dtype} where the model answers {spec.datatype}")
+        array = array.astype(want)
+    dims = spec.shape[1:]
+    if not array.ndim or array.shape[0] != rows:
+        raise _mismatch(what, f"shape {list(array.shape)} for a request of {rows} row(s)")
+    if array.ndim == len(dims) + 1:
+        if all(d in (-1, g) for d, g in zip(dims, array.shape[1:])):
+            return array
+    else:
+        # Another rank: only unit dimensions may be added or missing ([n] vs [n, 1]).
+        kept = [g for g in array.shape[1:] if g != 1]
+        declared = [d for d in dims if d != 1]
+        if len(kept) == len(declared) and all(d in (-1, g) for d, g in zip(declared, kept)):
+            sizes = iter(kept)
+            return array.reshape((rows, *(1 if d == 1 else next(sizes) for d in dims)))
+    raise _mismatch(what, f"shape {list(array.shape)} where the model answers {[rows, *dims]}")
+
+
+def _mismatch(what: str, detail: str) -> PeerError:
+    return PeerError(f"{what}: {detail}; the peer's model does not match this one",
+                     breaker_failure=False)
