@@ -63,7 +63,10 @@ def remote_repo(tmp_path):
 def test_a_remote_model_is_validated_batched_and_served_by_the_peer(start_daemon, model_repo, peer_repo, remote_repo):
     port = free_port()
     peer = start_daemon(peer_config(port) + '[models]\nload = ["vibration"]\n', repo=peer_repo)
-    edge = start_daemon(edge_config(port), repo=remote_repo)
+    # The breaker stays open once opened (30 s), so the last requests below see "no peer".
+    config = edge_config(port).replace("breaker_reset_s = 0.5", "breaker_reset_s = 30")
+    assert "breaker_reset_s = 30" in config
+    edge = start_daemon(config, repo=remote_repo)
     x = windows(10, seed=31)
     with edge.client() as client:
         meta = client.model_metadata("vibration")
