@@ -4,6 +4,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+MLSERVER_VENV ?= .venv-mlserver
 CONFIG ?= configs/default.toml
 
 .PHONY: setup models run test bench clean
@@ -19,6 +20,14 @@ $(BIN)/edge-batcher: pyproject.toml
 
 setup: $(BIN)/edge-batcher
 
+# A real MLServer for the offload interop tests (tests/offload/test_offload_mlserver.py), in a
+# venv of its own: FastAPI, gRPC, pandas and the rest stay out of the daemon's.
+$(MLSERVER_VENV)/bin/mlserver: pyproject.toml
+	$(PYTHON) -m venv $(MLSERVER_VENV)
+	$(MLSERVER_VENV)/bin/pip install --quiet --upgrade pip
+	$(MLSERVER_VENV)/bin/pip install --quiet '.[mlserver-peer]'
+	touch $@
+
 models: setup state/index/meta.json
 	$(BIN)/python tools/build_demo_models.py --out engines
 
@@ -31,7 +40,7 @@ state/index/meta.json: engines/minilm/model.onnx docs/corpus/vibration-sensor-ma
 run: models
 	$(BIN)/edge-batcher serve --config $(CONFIG)
 
-test: setup
+test: setup $(MLSERVER_VENV)/bin/mlserver
 	@command -v mosquitto >/dev/null 2>&1 || echo "note: mosquitto is not installed: MQTT tests will be skipped (apt-get install -y mosquitto)"
 	$(BIN)/python -m pytest -q
 
@@ -39,4 +48,4 @@ bench: models
 	$(BIN)/edge-batcher bench --config $(CONFIG) --unix
 
 clean:
-	rm -rf $(VENV) engines/*/model.onnx engines/*/sample_request.json engines/minilm state .pytest_cache
+	rm -rf $(VENV) $(MLSERVER_VENV) engines/*/model.onnx engines/*/sample_request.json engines/minilm state .pytest_cache

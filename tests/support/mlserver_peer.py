@@ -1,0 +1,74 @@
+"""A real MLServer (Seldon) as an offload peer, for the interop tests.
+
+MLServer and its ~400 MB of dependencies (FastAPI, gRPC, pandas, ...) live in their own
+virtual environment, `.venv-mlserver`, which `make test` creates from the `mlserver-peer`
+extra in pyproject.toml; outside it the tests that need it skip. The peer serves the demo
+vibration model through tests/support/mlserver/runtime.py on free loopback ports.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+from tests.support.models import ROOT
+
+MLSERVER = ROOT / ".venv-mlserver" / "bin" / "mlserver"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MLServerPeer:
+    def __init__(self, home: Path, model_repo: Path, model: str = "vibration"):
+        self.home = home
+        folder = home / model
+        folder.mkdir(parents=True)
+        shutil.copy(model_repo / model / "model.onnx", folder / "model.onnx")
+        shutil.copy(Path(__file__).parent / "mlserver" / "runtime.py", home / "runtime.py")
+        (folder / "model-settings.json").write_text(json.dumps(
+            {"name": model, "implementation": "runtime.OnnxModel", "parameters": {"uri": str(folder / "model.onnx")}}
+        ))
+        self.port = _free_port()
+        (home / "settings.json").write_text(json.dumps({
+            "host": "127.0.0.1", "http_port": self.port, "grpc_port": _free_port(),
+            "metrics_port": _free_port(), "parallel_workers": 0,
+        }))
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = home / "mlserver.log"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 120.0) -> MLServerPeer:
+        with open(self.log, "ab") as log:
+            self.proc = subprocess.Popen([str(MLSERVER), "start", str(self.home)], cwd=self.home,
+                                         stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"mlserver exited with {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/v2/models/vibration/ready", timeout=1) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.3)
+        self.stop()
+        raise RuntimeError(f"mlserver not ready in {timeout_s} s:\n{self.log.read_text()[-3000:]}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
