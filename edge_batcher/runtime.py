@@ -261,7 +261,8 @@ class Runtime:
         await runner.start()
         self._fingerprints[mc.name] = await loop.run_in_executor(None, model_fingerprint, mc)
         log.info(
-            "model %s loaded: %d instance(s), sizes %s, inputs %s", mc.name, mc.instances,
+            "model %s loaded: %s, sizes %s, inputs %s", mc.name,
+            f"{mc.instances} instance(s)" if getattr(runner, "runs_locally", True) else "runs on offload peers only",
             mc.batching.preferred_batch_sizes, ", ".join(f"{s.name}{list(s.shape)}:{s.datatype}" for s in runner.inputs),
         )
         return runner

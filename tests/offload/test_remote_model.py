@@ -90,6 +90,7 @@ def test_a_remote_model_is_validated_batched_and_served_by_the_peer(start_daemon
     with peer.client() as direct:
         assert direct.stats("vibration")["model_stats"][0]["inference_count"] == 2 * len(x)  # nothing bad reached it
     assert "nothing to warm up" in edge.log_text()
+    assert "model vibration loaded: runs on offload peers only" in edge.log_text()
 
     # Without the peer, a clear 503 at once rather than a timeout: first the failed offloads
     # (until the breaker opens), then "no peer" without trying, for any size of request.
