@@ -235,6 +235,8 @@ class Runtime:
                          "healthy" if peer["healthy"] else "not reachable yet")
         for mc in _services_last(configs):
             self.runners[mc.name] = await self._load(mc)
+        if self.offload is not None and self.offload.declared:
+            await self.offload.check_now()  # compare remote models' declarations with the peers now
         self.ready = True
 
     async def _load(self, mc: ModelConfig):
@@ -255,9 +257,9 @@ class Runtime:
                         f"model {mc.name!r} has backend {mc.backend!r}: it runs on offload peers only, "
                         f"so [offload] must be enabled with at least one [[offload.peers]]"
                     )
-                self.offload.remote_only.add(mc.name)
-            elif self.offload is not None and mc.name not in self.config.offload.remote_only:
-                self.offload.remote_only.discard(mc.name)  # reloaded from backend "remote" to a local one
+                self.offload.add_remote_model(mc.name, runner.inputs, runner.outputs)
+            elif self.offload is not None:
+                self.offload.remove_remote_model(mc.name)  # in case it was reloaded from backend "remote"
         await runner.start()
         self._fingerprints[mc.name] = await loop.run_in_executor(None, model_fingerprint, mc)
         log.info(

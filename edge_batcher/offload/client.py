@@ -199,6 +199,23 @@ class PeerClient:
         """``GET /v2/models/{name}/ready`` (name mapped) answered 200."""
         return await self._ready(_model_path(self.remote_name(model), "/ready"), timeout_s)
 
+    async def model_metadata(self, model: str, timeout_s: float | None = None) -> dict | None:
+        """``GET /v2/models/{name}`` (name mapped): the peer's description of the model, or
+        None when it could not be had (the reason is kept in ``last_error``). Never raises
+        (but for cancellation)."""
+        loop = asyncio.get_running_loop()
+        budget = self.request_timeout_s if timeout_s is None else min(timeout_s, self.request_timeout_s)
+        path = _model_path(self.remote_name(model))
+        try:
+            status, _, data = await self._request("GET", path, loop.time() + budget)
+            metadata = json.loads(data) if status == 200 else None
+        except PeerError as exc:
+            self.last_error = exc.message
+            return None
+        except ValueError:
+            metadata = None
+        return metadata if isinstance(metadata, dict) else None
+
     def latency_estimate(self, model: str) -> float | None:
         """Moving average (EWMA) of successful infer round trips for this model, in seconds;
         None before the first one."""

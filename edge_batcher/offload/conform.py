@@ -56,3 +56,41 @@ def _conform(array: np.ndarray, spec: TensorSpec, rows: int, what: str) -> np.nd
 def _mismatch(what: str, detail: str) -> PeerError:
     return PeerError(f"{what}: {detail}; the peer's model does not match this one",
                      breaker_failure=False)
+
+
+def spec_mismatches(inputs: list[TensorSpec], outputs: list[TensorSpec], metadata: dict) -> list[str]:
+    """What in a peer's model metadata (``GET /v2/models/{m}``) disagrees with this model's
+    inputs and outputs, by the rules answers are conformed with: inputs must match in name,
+    datatype and shape (up to dimensions of size 1 and -1), outputs must exist with a
+    datatype castable within its kind. Empty when they agree, or when the peer does not
+    describe its tensors (MLServer's custom runtimes list none)."""
+    problems: list[str] = []
+    for kind, specs, exact in (("input", inputs, True), ("output", outputs, False)):
+        listed = metadata.get(f"{kind}s")
+        if not isinstance(listed, list) or not listed:
+            continue
+        theirs = {t.get("name"): t for t in listed if isinstance(t, dict)}
+        for spec in specs:
+            tensor = theirs.get(spec.name)
+            if tensor is None:
+                problems.append(f"{kind} {spec.name!r} is missing (the peer's {kind}s: {', '.join(map(str, theirs))})")
+                continue
+            datatype, shape = tensor.get("datatype"), tensor.get("shape")
+            if datatype != spec.datatype and (exact or not _castable(datatype, spec.datatype)):
+                problems.append(f"{kind} {spec.name!r} is {datatype} there, {spec.datatype} here")
+            if isinstance(shape, list) and not _shapes_agree(shape, list(spec.shape)):
+                problems.append(f"{kind} {spec.name!r} has shape {shape} there, {list(spec.shape)} here")
+    return problems
+
+
+def _castable(theirs: str | None, ours: str) -> bool:
+    if theirs not in DATATYPE_TO_NUMPY:
+        return False
+    return np.can_cast(DATATYPE_TO_NUMPY[theirs], DATATYPE_TO_NUMPY[ours], casting="same_kind")
+
+
+def _shapes_agree(theirs: list, ours: list) -> bool:
+    """Batch dimensions aside, equal up to dimensions of size 1, with -1 matching any size."""
+    a = [d for d in theirs[1:] if d != 1]
+    b = [d for d in ours[1:] if d != 1]
+    return len(a) == len(b) and all(x == y or -1 in (x, y) for x, y in zip(a, b))

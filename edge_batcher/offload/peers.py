@@ -30,7 +30,9 @@ from ..config import OffloadSettings
 from ..errors import InvalidInput, ModelNotFound
 from ..scheduler.policy import OffloadView
 from .breaker import Breaker
+from ..types import TensorSpec
 from .client import PeerClient, PeerError
+from .conform import spec_mismatches
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ class Peer:
     breaker: Breaker
     healthy: bool | None = None  # None: not checked yet (usable until a check says otherwise)
     missing_models: set[str] = field(default_factory=set)  # local names the peer answered 404 for
+    specs_checked: set[str] = field(default_factory=set)  # remote models whose metadata was compared
+    spec_mismatches: dict[str, list[str]] = field(default_factory=dict)  # model -> what disagrees
 
     def usable(self, model: str) -> bool:
         """Could a request for `model` go to this peer now (without taking a trial permit)?"""
@@ -56,8 +60,10 @@ class PeerPool:
     def __init__(self, settings: OffloadSettings, clock: Callable[[], float] = time.monotonic):
         self.settings = settings
         # Models that always run on a peer: [offload] remote_only, and the runtime adds the
-        # models with no engine on this device (backend "remote").
+        # models with no engine on this device (backend "remote", see add_remote_model).
         self.remote_only: set[str] = set(settings.remote_only)
+        # Those models' declared inputs and outputs, compared with each peer's metadata.
+        self.declared: dict[str, tuple[list[TensorSpec], list[TensorSpec]]] = {}
         self.peers: list[Peer] = []
         for ps in settings.peers:
             client = PeerClient(ps, request_timeout_s=settings.request_timeout_s)
@@ -95,6 +101,21 @@ class PeerPool:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
+
+    def add_remote_model(self, model: str, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> None:
+        """A model with no engine here: always offloaded, and its declared inputs and outputs
+        are compared with each healthy peer's metadata (a mismatch is logged once)."""
+        self.remote_only.add(model)
+        self.declared[model] = (inputs, outputs)
+        for peer in self.peers:  # a reloaded declaration is compared afresh
+            peer.specs_checked.discard(model)
+            peer.spec_mismatches.pop(model, None)
+
+    def remove_remote_model(self, model: str) -> None:
+        """The model runs here again (reloaded with a local backend)."""
+        self.declared.pop(model, None)
+        if model not in self.settings.remote_only:
+            self.remote_only.discard(model)
 
     # -- queries for the policy
 
@@ -137,6 +158,7 @@ class PeerPool:
                 "healthy": p.healthy,
                 "latency_s": {m: round(s, 6) for m, s in sorted(p.client.latencies().items())},
                 "missing_models": sorted(p.missing_models),
+                "spec_mismatches": dict(p.spec_mismatches),
                 "breaker": p.breaker.snapshot(),
                 "last_error": p.client.last_error,
             }
@@ -262,9 +284,26 @@ class PeerPool:
                 if await peer.client.model_ready(model, timeout_s=timeout):
                     peer.missing_models.discard(model)
                     log.info("offload peer %s now serves model %s", peer.name, model)
+            await self._check_specs(peer, timeout)
         else:
             self._set_healthy(peer, False)
             peer.breaker.record_failure()
+
+    async def _check_specs(self, peer: Peer, timeout: float) -> None:
+        """Compare each remote model's declared inputs and outputs with the peer's metadata,
+        once per peer (again after a reload); a peer that cannot say yet is asked next time."""
+        for model, (inputs, outputs) in sorted(self.declared.items()):
+            if model in peer.specs_checked:
+                continue
+            metadata = await peer.client.model_metadata(model, timeout_s=timeout)
+            if metadata is None:
+                continue
+            peer.specs_checked.add(model)
+            problems = spec_mismatches(inputs, outputs, metadata)
+            if problems:
+                peer.spec_mismatches[model] = problems
+                log.warning("offload peer %s serves model %s unlike its declaration here (model.toml): %s; "
+                            "its answers will fail or be refused", peer.name, model, "; ".join(problems))
 
     def _set_healthy(self, peer: Peer, healthy: bool) -> None:
         if peer.healthy == healthy:

@@ -60,3 +60,39 @@ def test_a_real_mismatch_is_an_error_naming_the_peer_model_and_output(outputs, d
         conform(outputs)
     assert "the peer's model does not match this one" in info.value.message
     assert info.value.breaker_failure is False  # the peer answered; its model is the problem
+
+
+# --------------------------------------------------------------------------- declared specs vs a peer's metadata
+
+from edge_batcher.offload.conform import spec_mismatches  # noqa: E402
+
+INPUTS = [TensorSpec("signal", "FP32", (-1, 256))]
+OUTPUTS = [TensorSpec("class_id", "INT64", (-1,)), TensorSpec("anomaly_score", "FP32", (-1,))]
+
+
+def metadata(inputs=(("signal", "FP32", [-1, 256]),), outputs=(("class_id", "INT64", [-1]), ("anomaly_score", "FP32", [-1]))):
+    def tensors(entries):
+        return [{"name": n, "datatype": d, "shape": s} for n, d, s in entries]
+
+    return {"name": "vibration", "inputs": tensors(inputs), "outputs": tensors(outputs)}
+
+
+def test_agreeing_metadata_has_no_mismatch_up_to_unit_dims_and_castable_outputs():
+    assert spec_mismatches(INPUTS, OUTPUTS, metadata()) == []
+    # MLServer-style [n, 1] and a TensorRT-style INT32 class id conform: not mismatches.
+    assert spec_mismatches(INPUTS, OUTPUTS, metadata(outputs=(("class_id", "INT32", [-1, 1]), ("anomaly_score", "FP32", [-1, 1])))) == []
+    # A peer that describes no tensors (MLServer custom runtimes) cannot be checked.
+    assert spec_mismatches(INPUTS, OUTPUTS, {"name": "vibration", "inputs": [], "outputs": []}) == []
+
+
+def test_every_disagreement_is_named():
+    problems = spec_mismatches(INPUTS, OUTPUTS, metadata(
+        inputs=(("signal", "FP16", [-1, 128]),),
+        outputs=(("class_id", "FP32", [-1]),),
+    ))
+    assert problems == [
+        "input 'signal' is FP16 there, FP32 here",
+        "input 'signal' has shape [-1, 128] there, [-1, 256] here",
+        "output 'class_id' is FP32 there, INT64 here",
+        "output 'anomaly_score' is missing (the peer's outputs: class_id)",
+    ]

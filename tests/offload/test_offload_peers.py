@@ -269,3 +269,28 @@ async def test_start_stop_without_peers():
     with pytest.raises(PeerError, match="no peers configured"):
         await pool.infer("x", {"a": np.zeros((1, 1), np.float32)}, timeout_s=1)
     await pool.stop()
+
+
+async def test_a_remote_model_s_declaration_is_compared_with_each_peer_s_metadata(serve_peer, caplog):
+    from edge_batcher.types import TensorSpec
+
+    server = await serve_peer()  # a real runtime serving vibration: signal FP32 [-1, 256]
+    outputs = [TensorSpec("class_probs", "FP32", (-1, 4)), TensorSpec("class_id", "INT64", (-1,)),
+               TensorSpec("anomaly_score", "FP32", (-1,))]
+    async with PeerPool(settings(server)) as pool:
+        pool.add_remote_model("vibration", [TensorSpec("signal", "FP32", (-1, 256))], outputs)
+        await pool.check_now()
+        [status] = pool.status()
+        assert status["spec_mismatches"] == {}
+        assert pool.view("vibration").remote_only
+
+        pool.add_remote_model("vibration", [TensorSpec("signal", "FP16", (-1, 256))], outputs)  # as after a reload
+        await pool.check_now()
+        await pool.check_now()  # compared once per peer: one warning, not one per round
+        [status] = pool.status()
+        assert status["spec_mismatches"] == {"vibration": ["input 'signal' is FP32 there, FP16 here"]}
+        warnings = [r.getMessage() for r in caplog.records if "unlike its declaration" in r.getMessage()]
+        assert len(warnings) == 1 and "peer1" in warnings[0] and "FP16 here" in warnings[0]
+
+        pool.remove_remote_model("vibration")
+        assert not pool.view("vibration").remote_only

@@ -17,7 +17,7 @@ from edge_batcher.errors import ConfigError
 from edge_batcher.runtime import Runtime
 from edge_batcher.types import InferRequest
 from tests.offload.conftest import assert_matches_local, free_port
-from tests.offload.test_offload_two_daemons import edge_config, offloaded, peer_config
+from tests.offload.test_offload_two_daemons import edge_config, offloaded, peer_config, peer_status
 from tests.offload.test_offload_two_daemons import peer_repo  # noqa: F401  (the fixture: a peer with batches up to 16)
 from tests.support.signals import windows
 
@@ -91,6 +91,7 @@ def test_a_remote_model_is_validated_batched_and_served_by_the_peer(start_daemon
         assert direct.stats("vibration")["model_stats"][0]["inference_count"] == 2 * len(x)  # nothing bad reached it
     assert "nothing to warm up" in edge.log_text()
     assert "model vibration loaded: runs on offload peers only" in edge.log_text()
+    assert peer_status(edge)[0]["spec_mismatches"] == {}  # the declaration matches the peer's metadata
 
     # Without the peer, a clear 503 at once rather than a timeout: first the failed offloads
     # (until the breaker opens), then "no peer" without trying, for any size of request.

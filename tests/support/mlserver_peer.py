@@ -17,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 from tests.support.models import ROOT
+from tests.support.processes import terminate
 
 MLSERVER = ROOT / ".venv-mlserver" / "bin" / "mlserver"
 
@@ -65,10 +66,4 @@ class MLServerPeer:
         raise RuntimeError(f"mlserver not ready in {timeout_s} s:\n{self.log.read_text()[-3000:]}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        terminate(self.proc, 20)
