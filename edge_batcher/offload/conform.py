@@ -4,10 +4,11 @@ would have got here.
 v2 servers differ in small ways that change what a client receives: MLServer's NumpyCodec
 turns a 1-D output of shape [n] into [n, 1] (seen against MLServer 1.7.1), and another build
 of the model on the peer (TensorRT, say) may answer INT32 where ONNX Runtime here answers
-INT64. Each output is brought to the model's declared
-shape (batch dimension = the request's rows) when the two differ only by dimensions of size
-1, and to its datatype when numpy casts it within the same kind; anything else is a mismatch
-between the two models, answered as an error naming the output, never passed on silently.
+INT64. Each output is brought to the model's declared shape (batch dimension = the request's
+rows) when the two differ only by dimensions of size 1, and to its datatype when numpy casts
+it within the same kind; anything else is a mismatch between the two models, answered as an
+error naming the output, never passed on silently. `spec_mismatches` applies the same rules
+ahead of time, to a peer's model metadata.
 """
 
 from __future__ import annotations
