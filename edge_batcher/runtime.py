@@ -258,6 +258,8 @@ class Runtime:
                         f"so [offload] must be enabled with at least one [[offload.peers]]"
                     )
                 self.offload.add_remote_model(mc.name, runner.inputs, runner.outputs)
+            elif self.offload is not None and mc.name in self.config.offload.remote_only:
+                self.offload.add_remote_model(mc.name, runner.inputs, runner.outputs)  # checked against the peers too
             elif self.offload is not None:
                 self.offload.remove_remote_model(mc.name)  # in case it was reloaded from backend "remote"
         await runner.start()

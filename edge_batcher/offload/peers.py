@@ -62,7 +62,7 @@ class PeerPool:
         # Models that always run on a peer: [offload] remote_only, and the runtime adds the
         # models with no engine on this device (backend "remote", see add_remote_model).
         self.remote_only: set[str] = set(settings.remote_only)
-        # Those models' declared inputs and outputs, compared with each peer's metadata.
+        # Those models' inputs and outputs (as loaded), compared with each peer's metadata.
         self.declared: dict[str, tuple[list[TensorSpec], list[TensorSpec]]] = {}
         self.peers: list[Peer] = []
         for ps in settings.peers:
@@ -103,8 +103,9 @@ class PeerPool:
         await self.stop()
 
     def add_remote_model(self, model: str, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> None:
-        """A model with no engine here: always offloaded, and its declared inputs and outputs
-        are compared with each healthy peer's metadata (a mismatch is logged once)."""
+        """A model that always runs on a peer (no engine here, or listed in remote_only): always
+        offloaded, and its inputs and outputs are compared with each healthy peer's metadata
+        (a mismatch is logged once)."""
         self.remote_only.add(model)
         self.declared[model] = (inputs, outputs)
         for peer in self.peers:  # a reloaded declaration is compared afresh

@@ -177,3 +177,30 @@ def test_remote_specs_must_be_declared_whole(tmp_path, change, message):
     with pytest.raises(ConfigError, match=message) as info:
         engine.load()
     assert str(tmp_path / "m" / "model.toml") in str(info.value)
+
+
+async def test_a_model_listed_remote_only_is_checked_against_the_peers_too(serve_peer, model_repo):
+    from tests.offload.conftest import TOKEN
+
+    server = await serve_peer()
+    config = DaemonConfig()
+    config.models.repository = str(model_repo)
+    config.models.load = ["vibration"]
+    config.models.warmup = False
+    config.memory.probe = "fixed"
+    config.memory.budget_mb = 1024
+    config.offload.enabled = True
+    config.offload.remote_only = ["vibration"]
+    config.offload.peers = [PeerSettings(url=server.url, name="peer", token=TOKEN)]
+    runtime = Runtime(config)
+    await runtime.start()
+    try:
+        assert runtime.runner("vibration").runs_locally  # loaded here, but always offloaded
+        assert set(runtime.offload.declared) == {"vibration"}
+        [status] = runtime.offload.status()
+        assert status["spec_mismatches"] == {}
+        response = await runtime.infer(InferRequest("vibration", {"signal": windows(1, seed=8)}))
+        assert runtime.runner("vibration").statistics()["offloaded"] == {"remote_only/ok": 1}
+        assert_matches_local(model_repo, windows(1, seed=8), response.outputs)
+    finally:
+        await runtime.close()
