@@ -51,6 +51,15 @@ shape = [-1]
 """
 
 
+def runtime_config(repo) -> DaemonConfig:
+    """An in-process Runtime's configuration: this repository, a fixed 1 GiB memory budget."""
+    config = DaemonConfig()
+    config.models.repository = str(repo)
+    config.memory.probe = "fixed"
+    config.memory.budget_mb = 1024
+    return config
+
+
 @pytest.fixture
 def remote_repo(tmp_path):
     """The edge's repository: the vibration model as model.toml alone, no model.onnx."""
@@ -111,10 +120,7 @@ def test_a_remote_model_is_validated_batched_and_served_by_the_peer(start_daemon
 
 
 def test_a_remote_model_without_offload_peers_stops_start_up(remote_repo):
-    config = DaemonConfig()
-    config.models.repository = str(remote_repo)
-    config.memory.probe = "fixed"
-    config.memory.budget_mb = 1024
+    config = runtime_config(remote_repo)
 
     async def start() -> None:
         runtime = Runtime(config)
@@ -130,10 +136,7 @@ def test_a_remote_model_without_offload_peers_stops_start_up(remote_repo):
 def test_reloaded_as_a_local_model_it_stops_being_remote_only(remote_repo, model_repo):
     """SIGHUP's reload: the model gets its file and a local backend; it then runs here (the
     only peer is down) and is no longer sent to peers."""
-    config = DaemonConfig()
-    config.models.repository = str(remote_repo)
-    config.memory.probe = "fixed"
-    config.memory.budget_mb = 1024
+    config = runtime_config(remote_repo)
     config.offload.enabled = True
     config.offload.peers = [PeerSettings(url=f"http://127.0.0.1:{free_port()}")]  # nothing listens there
     x = windows(1, seed=3)
@@ -183,12 +186,9 @@ async def test_a_model_listed_remote_only_is_checked_against_the_peers_too(serve
     from tests.offload.conftest import TOKEN
 
     server = await serve_peer()
-    config = DaemonConfig()
-    config.models.repository = str(model_repo)
+    config = runtime_config(model_repo)
     config.models.load = ["vibration"]
     config.models.warmup = False
-    config.memory.probe = "fixed"
-    config.memory.budget_mb = 1024
     config.offload.enabled = True
     config.offload.remote_only = ["vibration"]
     config.offload.peers = [PeerSettings(url=server.url, name="peer", token=TOKEN)]
