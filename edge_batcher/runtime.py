@@ -127,14 +127,22 @@ def _load_runner(config: ModelConfig, metrics: Metrics, warmup: bool, budget: Me
 
 
 def _calibrate(config: ModelConfig, estimator) -> None:
-    """Scale the liveness estimate to a measured batch: the largest preferred size at the
-    largest bucket (activations big enough to measure). One factor serves every bucket."""
+    """Scale the liveness estimate to measured batches at the largest preferred size: at the
+    largest bucket for the default factor (its activations are the easiest to measure), then
+    at each shorter bucket for a factor of its own, since ONNX Runtime's excess over liveness
+    grows with the length. A bucket too small to measure keeps the default, which is then
+    on the safe side. One measurement (a subprocess with its own copy of the weights) each."""
     from .memory.report import calibrate
 
-    seq_len = config.sequence.buckets[-1] if config.sequence else None
-    result = calibrate(estimator, config, config.batching.preferred_batch_sizes[-1], seq_len)
-    log.info("model %s: activation estimate calibration %.2f (%s)", config.name, result.factor,
-             "measured" if result.applied else f"not applied: {result.reason}")
+    size = config.batching.preferred_batch_sizes[-1]
+    buckets = config.sequence.buckets if config.sequence else [None]
+    for i, seq_len in enumerate(reversed(buckets)):
+        result = calibrate(estimator, config, size, seq_len, for_length=i > 0)
+        log.info("model %s: activation estimate calibration %.2f%s (%s)", config.name, result.factor,
+                 "" if i == 0 else f" at length {seq_len}",
+                 "measured" if result.applied else f"not applied: {result.reason}")
+        if i == 0 and not result.applied:
+            break  # the longest bucket could not be measured: the shorter ones cannot either
 
 
 def _publish_estimates(config: ModelConfig, admission: Admission, metrics: Metrics, budget: MemoryBudget) -> int:

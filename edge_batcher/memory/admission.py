@@ -57,8 +57,9 @@ class Admission:
         )
 
     def raise_calibration(self) -> float | None:
-        """The engine ran out of memory: estimates were low. Returns the new factor."""
+        """The engine ran out of memory: estimates were low. Raises every factor (each length
+        bucket's too); returns the new default factor."""
         if self.estimator is None:
             return None
-        self.estimator.calibration = self.estimator.calibration * OOM_CALIBRATION_STEP
+        self.estimator.scale_calibration(OOM_CALIBRATION_STEP)
         return self.estimator.calibration

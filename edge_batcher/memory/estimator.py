@@ -349,6 +349,7 @@ class OnnxFootprintEstimator:
         self.model_path = path
         self.max_new_tokens = max_new_tokens
         self.calibration = calibration  # validated by the property setter
+        self._length_calibration: dict[int, float] = {}  # seq_len -> its own factor, see set_calibration
         self._weight_sizes: dict[str, int] = {}
         self._weights = self._count_weights(model.graph, path.parent, set())
 
@@ -369,19 +370,31 @@ class OnnxFootprintEstimator:
 
     @property
     def calibration(self) -> float:
-        """Multiplier on the activation estimate (1.0 = trust the liveness walk)."""
+        """Multiplier on the activation estimate (1.0 = trust the liveness walk), for every
+        sequence length without a factor of its own (set_calibration)."""
         return self._calibration
 
     @calibration.setter
     def calibration(self, value: float) -> None:
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-            or value <= 0
-        ):
-            raise ConfigError(f"calibration must be a finite number > 0, got {value!r}")
-        self._calibration = float(value)
+        self._calibration = _checked_factor(value)
+
+    def set_calibration(self, factor: float, seq_len: int | None = None) -> None:
+        """The multiplier for one sequence length (a length bucket), or with seq_len=None the
+        default for all: ONNX Runtime's excess over liveness grows with the length (docs/memory.md)."""
+        if seq_len is None:
+            self.calibration = factor
+        else:
+            _check_positive("seq_len", seq_len)
+            self._length_calibration[seq_len] = _checked_factor(factor)
+
+    def calibration_for(self, seq_len: int | None) -> float:
+        return self._length_calibration.get(seq_len, self._calibration) if seq_len is not None else self._calibration
+
+    def scale_calibration(self, step: float) -> None:
+        """Multiply every factor (the default and each length's): estimates proved low."""
+        self.calibration = self._calibration * step
+        for seq_len, factor in self._length_calibration.items():
+            self._length_calibration[seq_len] = _checked_factor(factor * step)
 
     @staticmethod
     def _check_sequence_axes(
@@ -601,16 +614,22 @@ class OnnxFootprintEstimator:
         return self._activations(batch, seq_len).peak
 
     def estimate(self, batch: int, seq_len: int | None = None) -> Footprint:
-        """Footprint of one batch; activations scaled by calibration. Cached per
-        (batch, seq_len) (calibration is applied after the cache, so changing it is free)."""
+        """Footprint of one batch; activations scaled by the calibration for seq_len. Cached
+        per (batch, seq_len) (calibration is applied after the cache, so changing it is free)."""
         peak = self.activation_peak(batch, seq_len)
         kv = self.kv_bytes(batch, seq_len) if seq_len is not None else 0
         return Footprint(
             weights=self._weights,
-            activations=math.ceil(peak * self._calibration),
+            activations=math.ceil(peak * self.calibration_for(seq_len)),
             kv_cache=kv,
             unknown_shapes=self.unknown_shapes,
         )
+
+
+def _checked_factor(value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"calibration must be a finite number > 0, got {value!r}")
+    return float(value)
 
 
 def _check_positive(name: str, value: object) -> None:

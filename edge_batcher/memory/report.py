@@ -78,11 +78,12 @@ a layered model that is near the end of the run, so its peak is the sum of a han
 per-shape buffer pools (21 buffers for the demo encoder, with 1, 2 or 4 layers alike), which is
 more than the ideal liveness peak: about 1.75x on the demo encoder at length 128. On other
 graphs in-place reuse (Relu writing into its input) makes it less than liveness: the factor
-belongs to the model. :func:`calibrate` measures one size, sets
-``estimator.calibration = measured / estimated`` and returns a :class:`Calibration`; it leaves
-the estimator alone when the measurement is too small to trust (below ``MIN_CALIBRATION_BYTES``)
-or the factor is implausible (outside ``CALIBRATION_BOUNDS``). The factor depends on the
-sequence length (the s^2 attention buffers against the s FFN buffers), so calibrate per bucket.
+belongs to the model. :func:`calibrate` measures one size, sets the estimator's factor
+(measured / estimated; the default one, or with ``for_length`` that sequence length's own) and
+returns a :class:`Calibration`; it leaves the estimator alone when the measurement is too small
+to trust (below ``MIN_CALIBRATION_BYTES``) or the factor is implausible (outside
+``CALIBRATION_BOUNDS``). The factor depends on the sequence length (the s^2 attention buffers
+against the s FFN buffers), so the daemon calibrates each bucket (runtime._calibrate).
 """
 
 from __future__ import annotations
@@ -431,21 +432,24 @@ def calibrate(
     *,
     repeat: int = 1,
     measure: Callable[..., ActivationMeasurement] = measure_activation_peak,
+    for_length: bool = False,
 ) -> Calibration:
-    """Measure one batch (measure_activation_peak) and set ``estimator.calibration`` to
-    measured / raw liveness estimate, for a model's warm-up.
+    """Measure one batch (measure_activation_peak) and set the estimator's calibration to
+    measured / raw liveness estimate, for a model's warm-up: the default factor, or with
+    ``for_length`` the factor of this seq_len only (a length bucket).
 
     Use a size whose activations are a few MiB at least (the largest preferred size of the
     largest bucket is safest), and calibrate once per bucket if the buckets differ much (the
     factor depends on the sequence length). When the measurement is too small or the factor
     implausible the estimator keeps its calibration and applied is False.
     """
+    target = seq_len if for_length else None
     raw = estimator.activation_peak(batch, seq_len)
     measurement = measure(model, batch, seq_len, repeat=repeat)
     factor, reason = calibration_factor(raw, measurement)
     if factor is None:
-        return Calibration(estimator.calibration, False, reason, batch, seq_len, raw, measurement)
-    estimator.calibration = factor
+        return Calibration(estimator.calibration_for(target), False, reason, batch, seq_len, raw, measurement)
+    estimator.set_calibration(factor, target)
     return Calibration(factor, True, reason, batch, seq_len, raw, measurement)
 
 

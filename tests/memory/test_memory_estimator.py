@@ -8,6 +8,7 @@ graph outputs stay live to the end, initializers/Constants are weights, not acti
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -320,6 +321,20 @@ def test_estimate_is_cached_and_calibration_applies_after_the_cache(tmp_path: Pa
     est.calibration = 3.0
     assert est.estimate(4).activations == 3 * 3 * 4 * 4096
     assert est.activation_peak(4) == 3 * 4 * 4096  # raw, no calibration
+
+
+def test_a_length_bucket_may_have_its_own_calibration(tmp_path: Path) -> None:
+    est = OnnxFootprintEstimator(sequence_model(tmp_path), sequence_axes={"input_ids": 1}, calibration=2.0)
+    est.set_calibration(1.5, seq_len=10)
+    assert est.estimate(2, 10).activations == math.ceil(1.5 * 528 * 20)  # its own factor
+    assert est.estimate(2, 20).activations == 2 * 528 * 40  # the default
+    assert (est.calibration, est.calibration_for(10), est.calibration_for(20)) == (2.0, 1.5, 2.0)
+    est.scale_calibration(2.0)  # after an out-of-memory error: every factor rises
+    assert (est.calibration, est.calibration_for(10)) == (4.0, 3.0)
+    with pytest.raises(ConfigError, match="calibration"):
+        est.set_calibration(-1.0, seq_len=10)
+    with pytest.raises(ValueError, match="seq_len"):
+        est.set_calibration(1.0, seq_len=0)
 
 
 def test_bad_arguments(tmp_path: Path) -> None:

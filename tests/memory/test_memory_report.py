@@ -238,3 +238,20 @@ def test_encoder_builder_makes_a_runnable_model_with_the_declared_io(repo):
     est = estimator_for(repo, "encoder")
     est.estimate(8, 128)
     assert est.unknown_shapes == 0
+
+
+def test_warm_up_calibration_measures_every_length_bucket(repo):
+    """[memory] calibrate_at_warmup: the longest bucket sets the default factor, each shorter
+    bucket gets its own (ONNX Runtime's excess over liveness grows with the length)."""
+    from edge_batcher.runtime import _calibrate
+
+    mc = load_model_config(repo / "encoder")
+    est = estimator_for(repo, "encoder")
+    _calibrate(mc, est)
+    size = mc.batching.preferred_batch_sizes[-1]
+    factors = {seq_len: est.calibration_for(seq_len) for seq_len in mc.sequence.buckets}
+    assert est.calibration == factors[128]
+    for seq_len, factor in factors.items():
+        assert 1.0 < factor < 2.5, factors  # measured, not the untouched 1.0
+        assert est.estimate(size, seq_len).activations == math.ceil(est.activation_peak(size, seq_len) * factor)
+    assert factors[32] < factors[128], factors
