@@ -287,7 +287,7 @@ class ModelRunner:
 
     def _submit_oversized(self, queued: Pending) -> None:
         """More rows than the local engine takes: straight to a peer, or a clear error."""
-        view = self.offload.view(self.name) if self.offload is not None else policy.NO_OFFLOAD
+        view = self._offload_view()
         if policy.oversized_target(queued.rows, self.settings, view) != "peer":
             if view.remote_only and not view.peer_available:
                 raise Unavailable(f"model {self.name!r} is remote-only and no peer is available")
@@ -431,7 +431,7 @@ class ModelRunner:
                 waited = (now - req.arrival) * 1000
                 self._fail(req, DeadlineExceeded(
                     f"deadline passed after {waited:.1f} ms in the queue of model {self.name!r}, before it could run"))
-            offload = self.offload.view(self.name) if self.offload is not None else policy.NO_OFFLOAD
+            offload = self._offload_view()
             decision = policy.decide(
                 self.queue, now, self.settings, self.exec_time, self.fits, self._draining,
                 busy=self._local_batches > 0, local_free=bool(self._free_slots),
@@ -459,6 +459,9 @@ class ModelRunner:
         if expiry is not None and (wake_at is None or expiry < wake_at):
             wake_at = expiry
         self._arm_timer(wake_at)
+
+    def _offload_view(self) -> policy.OffloadView:
+        return self.offload.view(self.name) if self.offload is not None else policy.NO_OFFLOAD
 
     def _arm_timer(self, at: float | None) -> None:
         """Have `_schedule` called at `at`. A timer already set for earlier stays: firing early
