@@ -44,13 +44,10 @@ def _conform(array: np.ndarray, spec: TensorSpec, rows: int, what: str) -> np.nd
     if array.ndim == len(dims) + 1:
         if all(d in (-1, g) for d, g in zip(dims, array.shape[1:])):
             return array
-    else:
-        # Another rank: only unit dimensions may be added or missing ([n] vs [n, 1]).
-        kept = [g for g in array.shape[1:] if g != 1]
-        declared = [d for d in dims if d != 1]
-        if len(kept) == len(declared) and all(d in (-1, g) for d, g in zip(declared, kept)):
-            sizes = iter(kept)
-            return array.reshape((rows, *(1 if d == 1 else next(sizes) for d in dims)))
+    elif _shapes_agree(list(array.shape), [rows, *dims]):
+        # Another rank: only unit dimensions were added or left out ([n] vs [n, 1]).
+        sizes = iter(g for g in array.shape[1:] if g != 1)
+        return array.reshape((rows, *(1 if d == 1 else next(sizes) for d in dims)))
     raise _mismatch(what, f"shape {list(array.shape)} where the model answers {[rows, *dims]}")
 
 
