@@ -109,7 +109,8 @@ class MqttSettings:
     tls_insecure: bool = False  # skip hostname verification (testing only)
     max_inflight: int = 20  # QoS 1/2 messages in flight towards the broker
     max_queued: int = 1000  # outgoing messages buffered while disconnected
-    max_pending: int = 256  # received requests handed to the event loop and not yet answered
+    max_pending: int = 256  # messages answered at once (and the MQTT 5 Receive Maximum)
+    max_held_bytes: int = 32 * 1024 * 1024  # received, unanswered messages held in memory, payload + ~1 KiB each
     reconnect_min_s: float = 1.0
     reconnect_max_s: float = 30.0
     streams: list[StreamMapping] = field(default_factory=list)

@@ -15,19 +15,25 @@ With ``shared_group`` every subscription is ``$share/<group>/<filter>``: the bro
 messages of one topic across every daemon of the group (the way to scale past one device).
 
 Threads. paho's network thread (``loop_start``) runs every paho callback; none of them blocks it.
-``on_message`` takes one of ``max_pending`` slots and hands the message to the event loop with
-``call_soon_threadsafe``; when every slot is taken it answers at once with a 429 "overloaded"
-reply and acks, so memory never grows with the offered load. Decoding, inference, encoding and
-publishing happen on the event loop. The only blocking paho calls (``connect``: DNS, TCP, TLS;
-``loop_stop``: a thread join) run in the loop's executor.
+``on_message`` only admits the message to the inbox (bounded in bytes) and hands it to the event
+loop with ``call_soon_threadsafe``. Decoding, inference, encoding and publishing happen on the
+event loop, at most ``max_pending`` messages at once; the rest wait in the inbox in arrival order.
+The only blocking paho calls (``connect``: DNS, TCP, TLS; ``loop_stop``: a thread join) run in the
+loop's executor.
 
 At-least-once. The client connects with ``manual_ack=True`` and a persistent session
 (``clean_start=False`` + SessionExpiryInterval): the broker keeps our subscriptions and queues
 QoS 1/2 requests while the daemon restarts, and redelivers the ones we never acked. A request is
-acked only after its reply was sent (``on_publish``: the broker's PUBACK for a QoS 1 reply), and
-only on the connection it arrived on (after a reconnect the broker redelivers it anyway). So
-after a crash, a broker restart or a connection loss a request may be answered twice; every
-reply carries the request's Correlation Data and v2 ``id`` so clients can drop duplicates.
+acked only after its reply was accepted by the broker (``on_publish``: the PUBACK for a QoS 1
+reply), and only on the connection it arrived on (after a reconnect the broker redelivers it
+anyway). A reply that paho cannot queue yet is retried, never dropped. QoS 1/2 requests are never
+refused for load: the broker holds the backlog (Receive Maximum = ``max_pending``), and what a
+broker sends beyond it (mosquitto 2.0 does, after the first acknowledgements and on every
+reconnect) waits in the inbox up to ``max_held_bytes``; past that a message is left unacked and,
+once the inbox is empty, the transport reconnects so that the broker sends it again. Only QoS 0
+requests are answered 429 for load. After a crash, a broker restart or a connection loss a
+request may be answered twice; every reply carries the request's Correlation Data and v2 ``id``
+so clients can drop duplicates. docs/mqtt.md states the guarantee and its limits.
 
 Error edge: every :class:`~edge_batcher.errors.EdgeBatcherError` becomes ``{"error": message}``
 (plus the request's ``id`` when known) with its status in the "status" user property; anything
@@ -37,6 +43,7 @@ unexpected is logged and answered 500 while the daemon keeps serving.
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import json
 import logging
@@ -45,6 +52,7 @@ import socket
 import ssl
 import string
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,7 +63,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from ..config import MqttSettings, StreamMapping
-from ..errors import ConfigError, EdgeBatcherError, InvalidInput, Overloaded, Unavailable
+from ..errors import ConfigError, DeadlineExceeded, EdgeBatcherError, InvalidInput, Overloaded, Unavailable
 from ..protocol import v2
 from ..runtime import Runtime
 from ..types import DATATYPE_TO_NUMPY, InferRequest, TensorSpec
@@ -68,6 +76,10 @@ BINARY = v2.BINARY_CONTENT_TYPE
 STATUS_PROPERTY = "status"
 STOP_GRACE_S = 5.0  # stop(): how long replies in flight may take before their requests are left unacked
 PUBLISH_RECHECK_S = 5.0  # a reply not reported sent by then is checked against paho's own flag
+MESSAGE_OVERHEAD_BYTES = 1024  # a held message's MQTTMessage, properties and bookkeeping beyond its payload
+QUEUE_RETRY_S = 0.01  # a reply paho cannot queue yet (max_queued) is tried again after this long
+OVERLOAD_RETRY_S = (0.002, 0.05)  # a QoS 1/2 request the model's queue refused: first and longest wait
+LOG_INTERVAL_S = 10.0  # repeated warnings (outgoing queue full) are logged at most this often
 
 
 class _QuietRetries(logging.Filter):
@@ -99,7 +111,7 @@ def validate_settings(s: MqttSettings, where: str = "[mqtt]") -> None:
         raise ConfigError(f"{where} keepalive_s: expected 0..65535 seconds, got {s.keepalive_s}")
     if not 0 <= s.session_expiry_s <= 0xFFFFFFFF:
         raise ConfigError(f"{where} session_expiry_s: expected 0..4294967295 seconds, got {s.session_expiry_s}")
-    for key in ("max_inflight", "max_queued", "max_pending"):
+    for key in ("max_inflight", "max_queued", "max_pending", "max_held_bytes"):
         value = getattr(s, key)
         if value < 1:  # paho reads 0 as "unbounded": never allow it
             raise ConfigError(f"{where} {key}: expected a positive number (0 would be unbounded), got {value}")
@@ -344,18 +356,54 @@ class _PublishTracker:
                 self._ignored.add(mid)
 
 
-class _Slot:
-    """One of the max_pending hand-off slots, released exactly once."""
+class _Inbox:
+    """Bookkeeping of the messages taken from the broker and not answered yet: their bytes (each
+    counted as its payload plus MESSAGE_OVERHEAD_BYTES of Python objects) and how many are QoS 0.
 
-    __slots__ = ("_semaphore",)
+    paho's thread admits, the event loop releases; a lock keeps the two consistent.
+    """
 
-    def __init__(self, semaphore: threading.BoundedSemaphore):
-        self._semaphore: threading.BoundedSemaphore | None = semaphore
+    def __init__(self, max_bytes: int, max_qos0: int):
+        self._lock = threading.Lock()
+        self.max_bytes = max_bytes
+        self.max_qos0 = max_qos0
+        self.bytes = 0
+        self.count = 0
+        self.qos0 = 0
 
-    def release(self) -> None:
-        if self._semaphore is not None:
-            self._semaphore.release()
-            self._semaphore = None
+    def admit(self, qos: int, cost: int) -> bool:
+        """Take a message of `cost` bytes. A QoS 0 message needs one of max_pending places; a QoS 1/2
+        message needs room in max_bytes (an empty inbox always takes one, however large)."""
+        with self._lock:
+            if qos == 0:
+                if self.qos0 >= self.max_qos0:
+                    return False
+                self.qos0 += 1
+            elif self.count and self.bytes + cost > self.max_bytes:
+                return False
+            self.bytes += cost
+            self.count += 1
+            return True
+
+    def release(self, qos: int, cost: int) -> None:
+        with self._lock:
+            self.bytes -= cost
+            self.count -= 1
+            if qos == 0:
+                self.qos0 -= 1
+
+
+@dataclass(eq=False)
+class _Held:
+    """A message in the inbox: where it came from and when, for its deadline (times are
+    time.monotonic(), which is also the event loop's clock)."""
+
+    msg: MQTTMessage
+    generation: int  # the connection it arrived on
+    cost: int
+    expiry_s: int | None  # the MQTT 5 Message Expiry Interval left when it arrived
+    received: float  # when paho handed it over
+    started: float = 0.0  # when it left the inbox to be answered
 
 
 def _resolve(future: asyncio.Future, value: Any) -> None:
@@ -390,9 +438,17 @@ class MqttTransport:
         self._routes: list[StreamRoute] = []
         self._client: Client | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._slots = threading.BoundedSemaphore(settings.max_pending)
+        self._inbox = _Inbox(settings.max_held_bytes, settings.max_pending)
+        self._waiting: collections.deque[_Held] = collections.deque()  # in the inbox, not started yet
+        self._active = 0  # messages being answered (at most max_pending)
         self._tracker = _PublishTracker()
         self._tasks: set[asyncio.Task] = set()
+        self._connect_properties: Properties | None = None
+        self._session_resumed = False
+        self._deferred_generation: int | None = None  # a connection on which messages were left for redelivery
+        self._refetch: asyncio.Task | None = None
+        self._refetching = False
+        self._last_queue_warning = 0.0
         self._connected: asyncio.Event | None = None
         self._state = "disconnected"
         self._generation = 0  # bumped on every successful CONNACK (paho's thread)
@@ -401,7 +457,8 @@ class MqttTransport:
         self._accepting = False
         self._stopping = False
         self._counts = {"requests": 0, "stream_messages": 0, "answered": 0, "errors": 0, "rejected": 0,
-                        "redelivered": 0, "unacked": 0}  # fmt: skip
+                        "redelivered": 0, "unacked": 0, "deferred": 0, "superseded": 0, "refetches": 0,
+                        "overload_waits": 0, "expired": 0, "replies_dropped": 0}  # fmt: skip
 
     # ------------------------------------------------------------------ public state
 
@@ -413,9 +470,14 @@ class MqttTransport:
     @property
     def stats(self) -> dict[str, int]:
         """Counters: requests and stream_messages taken, answered (status 200), errors (error
-        replies), rejected (429 at the hand-off), redelivered (duplicates flagged by the broker),
-        unacked (left for redelivery)."""
-        return dict(self._counts)
+        replies), rejected (QoS 0 answered 429 at the hand-off), redelivered (duplicates flagged by
+        the broker), unacked (left for redelivery), deferred (arrived with the inbox full, left
+        unacked), superseded (waiting when the connection was lost; the broker sends them again),
+        refetches (reconnects made to get deferred messages back), overload_waits (a model's full
+        queue made a QoS 1/2 request wait), expired (504 after waiting past their deadline),
+        replies_dropped (429 replies to QoS 0 requests that paho could not queue); plus held and
+        held_bytes: the inbox now."""
+        return {**self._counts, "held": self._inbox.count, "held_bytes": self._inbox.bytes}
 
     @property
     def subscriptions(self) -> list[str]:
@@ -457,6 +519,7 @@ class MqttTransport:
         # keeps the rest queued for us (a backlog after a restart drains at our pace instead of
         # being answered 429). QoS 0 has no such bound: the 429 hand-off covers it.
         properties.ReceiveMaximum = min(s.max_pending, 65535)
+        self._connect_properties = properties
         connect = functools.partial(
             client.connect, s.host, s.port, keepalive=s.keepalive_s, clean_start=False, properties=properties
         )
@@ -485,6 +548,9 @@ class MqttTransport:
         Subscriptions are *not* removed: they belong to the persistent session, and removing them
         would make the broker drop the requests published while we restart."""
         self.pause()
+        self._drop_waiting("stopping")
+        if self._refetch is not None:
+            await asyncio.wait({self._refetch}, timeout=timeout)
         if self._tasks:
             await asyncio.wait(set(self._tasks), timeout=timeout)
         left = list(self._tasks)
@@ -576,9 +642,12 @@ class MqttTransport:
                       reason_code, reason_code.value)
             return
         self._generation += 1
+        self._session_resumed = bool(flags.session_present)
         self._connect_failures = 0
         log.info("MQTT: connected to %s:%d (%s session)", s.host, s.port,
                  "resumed" if flags.session_present else "new")
+        if flags.session_present:  # what waits from the last connection is on its way again
+            self._call_on_loop(self._drop_waiting, "superseded")
         # Subscribing again is harmless when the session was resumed, and needed when it was not.
         _, self._subscribe_mid = client.subscribe([(f, s.qos) for f in self.subscriptions])
 
@@ -604,7 +673,7 @@ class MqttTransport:
         was = self._state
         self._state = "disconnected"
         self._signal(False)
-        if self._stopping:
+        if self._stopping or self._refetching:
             log.info("MQTT: disconnected (%s)", reason_code)
         elif was == "connected" or reason_code.is_failure:
             log.warning("MQTT: connection to %s:%d lost: %s (reason code %d); reconnecting with backoff",
@@ -613,39 +682,57 @@ class MqttTransport:
     def _on_message(self, client: Client, userdata: Any, msg: MQTTMessage) -> None:
         if not self._accepting:
             return  # stopping: left unacked, the broker redelivers it
-        if not self._slots.acquire(blocking=False):
-            self._reject_overloaded(msg)
+        cost = len(msg.payload) + MESSAGE_OVERHEAD_BYTES
+        if not self._inbox.admit(msg.qos, cost):
+            if msg.qos == 0:
+                self._reject_overloaded(msg)  # nothing will redeliver it: say so at once
+            else:
+                self._defer(msg)
             return
-        try:
-            self._loop.call_soon_threadsafe(self._dispatch, msg, self._generation)
-        except RuntimeError:  # the event loop is closed: we are going away
-            self._slots.release()
+        held = _Held(msg, self._generation, cost, getattr(msg.properties, "MessageExpiryInterval", None),
+                     time.monotonic())
+        if not self._call_on_loop(self._arrive, held):
+            self._inbox.release(msg.qos, cost)
 
     def _on_publish(self, client: Client, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
         if reason_code.is_failure:
             log.warning("MQTT: the broker refused a reply (mid %d): %s", mid, reason_code)
         self._tracker.done(mid, True)
 
+    def _defer(self, msg: MQTTMessage) -> None:
+        """A QoS 1/2 message with the inbox full (a broker sending past Receive Maximum): leave it
+        unacked. The broker sends it again on the next connection, which _refetch_deferred makes
+        once the inbox is empty."""
+        self._counts["deferred"] += 1
+        if self._deferred_generation != self._generation:
+            self._deferred_generation = self._generation
+            log.warning("MQTT: the broker sends more than the inbox holds (max_held_bytes %d, %d messages held): "
+                        "leaving the excess unacknowledged, to be fetched again by a reconnect once the inbox is empty",
+                        self.settings.max_held_bytes, self._inbox.count)
+
     def _reject_overloaded(self, msg: MQTTMessage) -> None:
-        """All max_pending slots are taken: answer 429 now and ack. Runs on paho's thread, so it only
-        queues two packets (publish and ack are non-blocking); the payload is not parsed, so the
-        reply carries the Correlation Data but not the v2 id."""
+        """A QoS 0 message with max_pending QoS 0 messages already taken: answer 429 now. Runs on
+        paho's thread, so it only queues the reply (non-blocking); the payload is not parsed, so the
+        reply carries the Correlation Data but not the v2 id. A reply paho cannot queue is dropped
+        and counted: QoS 0 promises nothing more."""
         self._counts["rejected"] += 1
         try:
             route = self._route(msg.topic)
-            if route is not None:  # (None: a stale subscription; just ack it)
-                error = Overloaded(
-                    f"overloaded: {self.settings.max_pending} messages are already pending on {self.device_id}; retry later"
-                )
-                topic, payload, properties = self._error_reply(msg, route, error, None)
-                info = self._client.publish(topic, payload, qos=self.settings.qos, properties=properties)
-                # Not waited for (paho's thread must not wait); on_publish is still coming unless
-                # the publish was refused outright.
-                pending = info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS or (
-                    info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN and self.settings.qos > 0)
-                self._tracker.forget(info.mid, pending)
-            if msg.qos:
-                self._client.ack(msg.mid, msg.qos)
+            if route is None:
+                return  # a stale subscription
+            error = Overloaded(
+                f"overloaded: {self.settings.max_pending} QoS 0 messages are already pending on {self.device_id}; "
+                f"retry later, or publish with QoS 1 to be served late instead"
+            )
+            topic, payload, properties = self._error_reply(msg, route, error, None)
+            info = self._client.publish(topic, payload, qos=self.settings.qos, properties=properties)
+            # Not waited for (paho's thread must not wait); on_publish is still coming unless
+            # the publish was refused outright.
+            pending = info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS or (
+                info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN and self.settings.qos > 0)
+            self._tracker.forget(info.mid, pending)
+            if not pending:
+                self._counts["replies_dropped"] += 1
         except Exception:
             log.exception("MQTT: could not reject a message on %s", msg.topic)
 
@@ -660,18 +747,77 @@ class MqttTransport:
         except RuntimeError:
             pass
 
-    def _dispatch(self, msg: MQTTMessage, generation: int) -> None:
-        slot = _Slot(self._slots)
-        if not self._accepting:
-            slot.release()
-            return
-        task = asyncio.get_running_loop().create_task(self._handle(msg, generation, slot))
-        self._tasks.add(task)
-        task.add_done_callback(functools.partial(self._task_done, slot))
+    def _call_on_loop(self, callback, *args) -> bool:
+        """From paho's thread; False when the event loop is closed (we are going away)."""
+        loop = self._loop
+        if loop is None:
+            return False
+        try:
+            loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:
+            return False
+        return True
 
-    def _task_done(self, slot: _Slot, task: asyncio.Task) -> None:
+    def _arrive(self, held: _Held) -> None:
+        if not self._accepting:
+            self._inbox.release(held.msg.qos, held.cost)  # left unacked: the next daemon (or we, restarted) answers it
+            return
+        self._waiting.append(held)
+        self._start_waiting()
+
+    def _start_waiting(self) -> None:
+        while self._waiting and self._active < self.settings.max_pending:
+            held = self._waiting.popleft()
+            held.started = time.monotonic()
+            self._active += 1
+            task = self._loop.create_task(self._handle(held))
+            self._tasks.add(task)
+            task.add_done_callback(functools.partial(self._finished, held))
+
+    def _finished(self, held: _Held, task: asyncio.Task) -> None:
         self._tasks.discard(task)
-        slot.release()  # already released before the ack unless the task failed or was cancelled
+        self._active -= 1
+        self._inbox.release(held.msg.qos, held.cost)
+        self._start_waiting()
+        self._maybe_refetch()
+
+    def _drop_waiting(self, why: str) -> None:
+        """Forget the messages not started yet, unacked: on a resumed session ("superseded") the
+        broker sends those of earlier connections again; when "stopping" the next daemon gets them."""
+        kept: collections.deque[_Held] = collections.deque()
+        for held in self._waiting:
+            if why == "superseded" and (held.generation == self._generation or held.msg.qos == 0):
+                kept.append(held)  # QoS 0 is never sent again: answer it still
+                continue
+            self._inbox.release(held.msg.qos, held.cost)
+            if why == "superseded":
+                self._counts["superseded"] += 1
+        self._waiting = kept
+
+    def _maybe_refetch(self) -> None:
+        """Messages were deferred on this connection and the inbox is empty now: reconnect, so the
+        broker sends them again (MQTT redelivers unacked messages only on a new connection)."""
+        if (self._deferred_generation != self._generation or self._inbox.count or self._refetch is not None
+                or not self._accepting or self._client is None):
+            return
+        self._refetch = self._loop.create_task(self._refetch_deferred())
+
+    async def _refetch_deferred(self) -> None:
+        client, s = self._client, self.settings
+        self._counts["refetches"] += 1
+        log.info("MQTT: reconnecting to receive the messages left unacknowledged while the inbox was full "
+                 "(%d deferred so far)", self._counts["deferred"])
+        self._refetching = True
+        try:
+            client.disconnect()  # queued after every reply and ack already written
+            await self._loop.run_in_executor(None, client.loop_stop)
+            if self._client is client and self._accepting:
+                client.connect_async(s.host, s.port, keepalive=s.keepalive_s, clean_start=False,
+                                     properties=self._connect_properties)
+                client.loop_start()
+        finally:
+            self._refetching = False
+            self._refetch = None
 
     def _route(self, topic: str) -> tuple[str, Any] | None:
         """("infer", model) for <prefix>/infer/<model>, ("stream", StreamRoute), or None."""
@@ -682,7 +828,8 @@ class MqttTransport:
                 return "stream", route
         return None
 
-    async def _handle(self, msg: MQTTMessage, generation: int, slot: _Slot) -> None:
+    async def _handle(self, held: _Held) -> None:
+        msg = held.msg
         if msg.dup:
             self._counts["redelivered"] += 1
         route = self._route(msg.topic)
@@ -690,28 +837,64 @@ class MqttTransport:
             if route is None:
                 # A subscription left in the persistent session by an older configuration.
                 log.warning("MQTT: no request route or stream matches %s; dropping the message", msg.topic)
-                slot.release()
-                self._ack(msg, generation)
+                self._ack(msg, held.generation)
                 return
             if route[0] == "infer":
                 self._counts["requests"] += 1
-                topic, payload, properties = await self._answer_request(msg, route)
+                topic, payload, properties = await self._answer_request(held, route)
             else:
                 self._counts["stream_messages"] += 1
-                topic, payload, properties = await self._answer_stream(msg, route)
+                topic, payload, properties = await self._answer_stream(held, route)
         except _LeaveUnacked:
             self._counts["unacked"] += 1
             return
         if await self._publish(topic, payload, properties):
-            # Free the slot first: the ack lets the broker send the next message (Receive Maximum),
-            # which must find a slot free rather than be answered 429.
-            slot.release()
-            self._ack(msg, generation)
+            self._ack(msg, held.generation)
         else:
             self._counts["unacked"] += 1
 
-    async def _answer_request(self, msg: MQTTMessage, route: tuple[str, Any]) -> tuple[str, bytes, Properties]:
-        model = route[1]
+    async def _infer(self, request: InferRequest, held: _Held) -> Any:
+        """Runtime.infer within the message's deadline (see _deadline). A QoS 1/2 request that finds
+        the model's queue full waits for room instead of being answered 429: its sender asked for
+        delivery, and the broker holds the rest of the backlog meanwhile."""
+        if request.timeout_s is not None and request.timeout_s <= 0:
+            return await self.runtime.infer(request)  # the runner's own 504 names the timeout
+        deadline, what = self._deadline(request, held)
+        delay, longest = OVERLOAD_RETRY_S
+        while True:
+            left = request.timeout_s = self._time_left(deadline, what)
+            try:
+                return await self.runtime.infer(request)
+            except Overloaded:
+                if held.msg.qos == 0:
+                    raise
+            self._counts["overload_waits"] += 1
+            await asyncio.sleep(min(delay, left))
+            delay = min(delay * 2, longest)
+
+    def _deadline(self, request: InferRequest, held: _Held) -> tuple[float, str]:
+        """When the request must be answered, and what set that. Its timeout counts from when it
+        left the inbox: a message waits there only because the broker sent past our Receive
+        Maximum, and would otherwise have waited at the broker. Its Message Expiry Interval
+        counts from its arrival, as the broker would have counted it."""
+        batching = self.runtime.runner(request.model).config.batching
+        timeout = batching.default_timeout_ms / 1000.0 if request.timeout_s is None else request.timeout_s
+        timeout = min(timeout, batching.max_timeout_ms / 1000.0)
+        deadline, what = held.started + timeout, f"timeout of {timeout * 1000:.0f} ms"
+        if held.expiry_s is not None and held.received + held.expiry_s < deadline:
+            deadline, what = held.received + held.expiry_s, f"message expiry interval of {held.expiry_s} s"
+        return deadline, what
+
+    def _time_left(self, deadline: float, what: str) -> float:
+        """Seconds left until `deadline`; DeadlineExceeded (504) when none are."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            self._counts["expired"] += 1
+            raise DeadlineExceeded(f"not answered within its {what}: it waited on {self.device_id}")
+        return left
+
+    async def _answer_request(self, held: _Held, route: tuple[str, Any]) -> tuple[str, bytes, Properties]:
+        msg, model = held.msg, route[1]
         payload = msg.payload
         header_length = None
         request_id = None
@@ -726,9 +909,9 @@ class MqttTransport:
             request_id = decoded.id
             request = to_infer_request(model, decoded)
             if decoded.parameters.get("stream") is True:
-                response = await self._stream_chunks(msg, model, request)
+                response = await self._stream_chunks(held, model, request)
             else:
-                response = await self.runtime.infer(request)
+                response = await self._infer(request, held)
             binary = v2.binary_outputs_for(decoded, list(response.outputs))
             body, json_length = v2.encode_response(model, response.id, response.outputs, binary=binary,
                                                    parameters=response.parameters or None)
@@ -746,14 +929,17 @@ class MqttTransport:
             properties.UserProperty.append((v2.HEADER_LENGTH, str(json_length)))
         return self._reply_topic(msg, model), body, properties
 
-    async def _stream_chunks(self, msg: MQTTMessage, model: str, request) -> Any:
+    async def _stream_chunks(self, held: _Held, model: str, request: InferRequest) -> Any:
         """A streaming model (rag, generator) with parameters.stream = true: publish every chunk
         but the last at once, each with the request's Correlation Data and
         parameters.triton_final_response = false; the last is returned and published (and the
         request acked) like any reply."""
+        msg = held.msg
         runner = self.runtime.runner(model)
         if not hasattr(runner, "stream"):
             raise InvalidInput(f"model {model!r} does not stream tokens; leave out parameters.stream")
+        if request.timeout_s is None or request.timeout_s > 0:
+            request.timeout_s = self._time_left(*self._deadline(request, held))
         previous = None
         async for chunk in runner.stream(request):
             if previous is not None:
@@ -764,11 +950,11 @@ class MqttTransport:
             raise InvalidInput(f"model {model!r} produced no output for this request")
         return previous
 
-    async def _answer_stream(self, msg: MQTTMessage, route: tuple[str, Any]) -> tuple[str, bytes, Properties]:
-        stream: StreamRoute = route[1]
+    async def _answer_stream(self, held: _Held, route: tuple[str, Any]) -> tuple[str, bytes, Properties]:
+        msg, stream = held.msg, route[1]
         try:
             array, single = stream.decode(msg.payload, f"stream {msg.topic}")
-            response = await self.runtime.infer(InferRequest(model=stream.model, inputs={stream.input.name: array}))
+            response = await self._infer(InferRequest(model=stream.model, inputs={stream.input.name: array}), held)
             outputs = {name: out[0] if single else out for name, out in response.outputs.items()}
             result: dict[str, Any] = {
                 "topic": msg.topic,
@@ -827,20 +1013,26 @@ class MqttTransport:
     async def _publish(self, topic: str, payload: bytes, properties: Properties) -> bool:
         """Publish and wait until paho reports it sent (QoS 1: the broker's PUBACK). False when
         the reply could not be queued: its request is then left unacked for redelivery."""
-        client = self._client
-        if client is None:
-            return False
         qos = self.settings.qos
-        try:
-            info: MQTTMessageInfo = client.publish(topic, payload, qos=qos, properties=properties)
-        except ValueError as exc:  # e.g. a response topic with wildcards: resending will not help
-            log.warning("MQTT: cannot publish the reply to %r: %s; dropping it", topic, exc)
-            return True
-        if info.rc == MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
+        while True:
+            client = self._client
+            if client is None:
+                return False
+            try:
+                info: MQTTMessageInfo = client.publish(topic, payload, qos=qos, properties=properties)
+            except ValueError as exc:  # e.g. a response topic with wildcards: resending will not help
+                log.warning("MQTT: cannot publish the reply to %r: %s; dropping it", topic, exc)
+                return True
+            if info.rc != MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
+                break
+            # paho holds max_queued replies already: wait for the broker to take some, then retry.
             self._tracker.forget(info.mid, pending=False)
-            log.warning("MQTT: outgoing queue full (max_queued %d): reply to %s not sent; its request stays "
-                        "unacked and is redelivered after a reconnect", self.settings.max_queued, topic)
-            return False
+            now = time.monotonic()
+            if now - self._last_queue_warning >= LOG_INTERVAL_S:
+                self._last_queue_warning = now
+                log.warning("MQTT: outgoing queue full (max_queued %d): replies wait for the broker to take "
+                            "earlier ones", self.settings.max_queued)
+            await asyncio.sleep(QUEUE_RETRY_S)
         if info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN and qos == 0:
             self._tracker.forget(info.mid, pending=False)
             return False  # QoS 0 is not kept across a reconnect

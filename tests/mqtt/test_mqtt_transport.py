@@ -14,25 +14,7 @@ from edge_batcher.protocol import v2
 from edge_batcher.transports.mqtt import MqttTransport
 from edge_batcher.types import InferRequest
 
-from tests.support.mqtt import Broker, TestClient, make_tls_files, wait_until
-
-PREFIX = "edge-batcher/testdev"
-INFER = f"{PREFIX}/infer/vibration"
-
-
-def signal_rows(n: int, seed: int = 0) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    t = np.arange(256) / 2560.0
-    return (np.sin(2 * np.pi * 30 * t)[None] * rng.uniform(0.5, 2.0, (n, 1))
-            + 0.1 * rng.standard_normal((n, 256))).astype(np.float32)
-
-
-def v2_json(rows: np.ndarray, id: str | None = None) -> bytes:
-    body = {"inputs": [{"name": "signal", "shape": list(rows.shape), "datatype": "FP32", "data": rows.ravel().tolist()}]}
-    if id is not None:
-        body["id"] = id
-    return json.dumps(body).encode()
-
+from tests.support.mqtt import INFER, PREFIX, Broker, TestClient, make_tls_files, signal_rows, v2_json, wait_until
 
 def direct(served, rows: np.ndarray) -> dict[str, np.ndarray]:
     lt, runtime = served

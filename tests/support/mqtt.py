@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from paho.mqtt.client import Client
 from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
@@ -28,6 +29,22 @@ ROOT = Path(__file__).resolve().parents[2]
 MOSQUITTO = shutil.which("mosquitto") or next(
     (p for p in ("/usr/sbin/mosquitto", "/usr/local/sbin/mosquitto") if os.access(p, os.X_OK)), None
 )
+PREFIX = "edge-batcher/testdev"  # the in-process transport tests' device_id "testdev"
+INFER = f"{PREFIX}/infer/vibration"
+
+
+def signal_rows(n: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    t = np.arange(256) / 2560.0
+    return (np.sin(2 * np.pi * 30 * t)[None] * rng.uniform(0.5, 2.0, (n, 1))
+            + 0.1 * rng.standard_normal((n, 256))).astype(np.float32)
+
+
+def v2_json(rows: np.ndarray, id: str | None = None) -> bytes:
+    body = {"inputs": [{"name": "signal", "shape": list(rows.shape), "datatype": "FP32", "data": rows.ravel().tolist()}]}
+    if id is not None:
+        body["id"] = id
+    return json.dumps(body).encode()
 
 
 def free_port() -> int:
@@ -170,7 +187,7 @@ class TestClient:
 
     def publish(self, topic: str, payload: bytes | str, *, correlation: bytes | None = None, qos: int = 1,
                 response_topic: str | None | bool = True, content_type: str | None = None,
-                user_properties: list[tuple[str, str]] = ()) -> None:
+                user_properties: list[tuple[str, str]] = (), expiry_s: int | None = None) -> None:
         props = Properties(PacketTypes.PUBLISH)
         if response_topic is True:
             response_topic = self.response_topic
@@ -182,6 +199,8 @@ class TestClient:
             props.ContentType = content_type
         if user_properties:
             props.UserProperty = list(user_properties)
+        if expiry_s is not None:
+            props.MessageExpiryInterval = expiry_s
         info = self.client.publish(topic, payload, qos=qos, properties=props)
         assert info.rc == 0, f"publish failed: {info.rc}"
 
