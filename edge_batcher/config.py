@@ -92,7 +92,7 @@ class MqttSettings:
     enabled: bool = False
     host: str = "localhost"
     port: int = 1883
-    client_id: str = ""  # empty: edge-batcher-<device id>
+    client_id: str = ""  # empty: edge-batcher-<device id>-<hash of the Unix socket path>
     device_id: str = ""  # empty: the host name
     topic_prefix: str = ""  # empty: edge-batcher/<device id>
     shared_group: str = ""  # non-empty: subscribe as $share/<group>/... to split requests across daemons
@@ -110,7 +110,7 @@ class MqttSettings:
     max_inflight: int = 20  # QoS 1/2 messages in flight towards the broker
     max_queued: int = 1000  # outgoing messages buffered while disconnected
     max_pending: int = 256  # messages answered at once (and the MQTT 5 Receive Maximum)
-    max_held_bytes: int = 32 * 1024 * 1024  # received, unanswered messages held in memory, payload + ~1 KiB each
+    max_held_bytes: int = 32 * 1024 * 1024  # received, unanswered messages held in memory, payload + ~2 KiB each
     reconnect_min_s: float = 1.0
     reconnect_max_s: float = 30.0
     streams: list[StreamMapping] = field(default_factory=list)

@@ -45,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -62,7 +63,7 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersi
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from ..config import MqttSettings, StreamMapping
+from ..config import DaemonConfig, MqttSettings, StreamMapping
 from ..errors import ConfigError, DeadlineExceeded, EdgeBatcherError, InvalidInput, Overloaded, Unavailable
 from ..protocol import v2
 from ..runtime import Runtime
@@ -76,10 +77,11 @@ BINARY = v2.BINARY_CONTENT_TYPE
 STATUS_PROPERTY = "status"
 STOP_GRACE_S = 5.0  # stop(): how long replies in flight may take before their requests are left unacked
 PUBLISH_RECHECK_S = 5.0  # a reply not reported sent by then is checked against paho's own flag
-MESSAGE_OVERHEAD_BYTES = 1024  # a held message's MQTTMessage, properties and bookkeeping beyond its payload
+MESSAGE_OVERHEAD_BYTES = 2048  # a held message's MQTTMessage, properties, bookkeeping (~1.9 KiB measured)
 QUEUE_RETRY_S = 0.01  # a reply paho cannot queue yet (max_queued) is tried again after this long
 OVERLOAD_RETRY_S = (0.002, 0.05)  # a QoS 1/2 request the model's queue refused: first and longest wait
-LOG_INTERVAL_S = 10.0  # repeated warnings (outgoing queue full) are logged at most this often
+LOG_INTERVAL_S = 10.0  # repeated warnings (outgoing queue full, session taken over) are logged at most this often
+SESSION_TAKEN_OVER = 0x8E  # MQTT 5 DISCONNECT reason: another connection took our client id
 
 
 class _QuietRetries(logging.Filter):
@@ -431,7 +433,7 @@ class MqttTransport:
         self.runtime = runtime
         self._where = where
         self.device_id = settings.device_id or socket.gethostname()
-        self.client_id = settings.client_id or f"edge-batcher-{self.device_id}"
+        self.client_id = settings.client_id or default_client_id(self.device_id, runtime.config)
         self.prefix = settings.topic_prefix or f"edge-batcher/{self.device_id}"
         self._infer_filter = f"{self.prefix}/infer/+"
         self._password = self._read_password()
@@ -449,6 +451,7 @@ class MqttTransport:
         self._refetch: asyncio.Task | None = None
         self._refetching = False
         self._last_queue_warning = 0.0
+        self._last_takeover_log = -LOG_INTERVAL_S
         self._connected: asyncio.Event | None = None
         self._state = "disconnected"
         self._generation = 0  # bumped on every successful CONNACK (paho's thread)
@@ -675,9 +678,17 @@ class MqttTransport:
         self._signal(False)
         if self._stopping or self._refetching:
             log.info("MQTT: disconnected (%s)", reason_code)
+        elif reason_code.value == SESSION_TAKEN_OVER:
+            now = time.monotonic()
+            if now - self._last_takeover_log >= LOG_INTERVAL_S:
+                self._last_takeover_log = now
+                log.error("MQTT: session taken over: another client connected to %s:%d with our client id %r "
+                          "(reason code 0x8E); give each daemon its own [mqtt] client_id", self.settings.host,
+                          self.settings.port, self.client_id)
         elif was == "connected" or reason_code.is_failure:
-            log.warning("MQTT: connection to %s:%d lost: %s (reason code %d); reconnecting with backoff",
-                        self.settings.host, self.settings.port, reason_code, reason_code.value)
+            log.warning("MQTT: connection to %s:%d lost: %s (reason code %d, client id %r); reconnecting with "
+                        "backoff. If this repeats every second or so, another client uses the same client id",
+                        self.settings.host, self.settings.port, reason_code, reason_code.value, self.client_id)
 
     def _on_message(self, client: Client, userdata: Any, msg: MQTTMessage) -> None:
         if not self._accepting:
@@ -1060,6 +1071,14 @@ class MqttTransport:
 
 
 # --------------------------------------------------------------------------- helpers
+
+
+def default_client_id(device_id: str, config: DaemonConfig) -> str:
+    """``edge-batcher-<device id>-<8 hex digits of the Unix socket's path>``. The socket path tells
+    daemons on one host apart (two cannot share it), so the service and a bench run beside it do
+    not take each other's session, while a restarted daemon finds its persistent session again."""
+    path = str(config.socket_path())
+    return f"edge-batcher-{device_id}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
 
 
 def tcp_no_delay(client: Client, userdata: Any, sock: Any) -> None:

@@ -118,3 +118,19 @@ def test_ready_says_disabled_without_mqtt(mqtt_model_repo, daemon_process):
     d = daemon_process("plain", cfg).start()
     body = wait_mqtt(d, "disabled")
     assert body["ready"] is True
+
+
+def test_two_daemons_with_default_client_ids_share_a_broker(mqtt_model_repo, broker, daemon_process):
+    """The service and a bench on one host: each default id is derived from its socket path."""
+    cfg = config_text(mqtt_model_repo, broker.port).replace('client_id = "eb-daemon-test"\n', "")
+    assert "client_id" not in cfg
+    a = daemon_process("a", cfg).start()
+    b = daemon_process("b", cfg).start()
+    wait_mqtt(a, "connected")
+    wait_mqtt(b, "connected")
+    time.sleep(2)  # with one shared id they would evict each other about once a second
+    for d in (a, b):
+        assert wait_mqtt(d, "connected")["mqtt"] == "connected"
+        assert "lost" not in d.log_text(), d.log_text()
+    ids = [d.log_text().split(" as ", 1)[1].split(" ", 1)[0] for d in (a, b)]
+    assert ids[0] != ids[1] and all(i.startswith("edge-batcher-dut-") for i in ids), ids

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import numpy as np
@@ -291,3 +292,30 @@ def test_bench_mqtt_measures_through_the_broker(start_transport, broker):
     assert results["unanswered"] == 0
     assert 0 < results["latency_ms"]["p50"] <= results["latency_ms"]["p99"]
     assert "req/s" in format_mqtt_report(results)
+
+
+# --------------------------------------------------------------------------- client identity
+
+
+def test_the_default_client_id_is_stable_per_socket_and_differs_between_sockets(tmp_path):
+    from edge_batcher.config import DaemonConfig
+    from edge_batcher.transports.mqtt import default_client_id
+
+    def config(socket: str) -> DaemonConfig:
+        c = DaemonConfig()
+        c.server.unix_socket = socket
+        return c
+
+    a = default_client_id("jetson1", config(str(tmp_path / "a.sock")))
+    assert a == default_client_id("jetson1", config(str(tmp_path / "a.sock")))  # a restart finds its session
+    assert a != default_client_id("jetson1", config(str(tmp_path / "b.sock")))  # a second daemon does not take it
+    assert a.startswith("edge-batcher-jetson1-") and len(a) == len("edge-batcher-jetson1-") + 8
+
+
+def test_two_clients_with_one_id_are_named_in_the_log(start_transport, caplog):
+    caplog.set_level(logging.WARNING, logger="edge_batcher.transports.mqtt")
+    first = start_transport(client_id="eb-twin")
+    start_transport(client_id="eb-twin", wait=False)
+    wait_until(lambda: "'eb-twin'" in caplog.text, 10, "a warning naming the shared client id")
+    assert "same client id" in caplog.text or "session taken over" in caplog.text
+    assert first.client_id == "eb-twin"
