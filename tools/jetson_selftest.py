@@ -5,8 +5,8 @@ What it does, with the demo model (engines/vibration/model.onnx, from tools/buil
   1. builds a TensorRT plan with one profile per batch size (1, 2, 4, 8 by default) via
      edge_batcher.engines.trt_build, in a scratch directory;
   2. loads it with the TensorRTEngine backend and measures the memory that took (NvMapMemUsed
-     from /proc/meminfo on a Jetson, where cudaMemGetInfo is unreliable; pycuda's mem_get_info
-     elsewhere), next to the backend's own memory_footprint();
+     from /proc/meminfo on a Jetson, where cudaMemGetInfo is unreliable; cuMemGetInfo through
+     cuda-python or pycuda elsewhere), next to the backend's own memory_footprint();
   3. runs every batch size through TensorRT and through ONNX Runtime on the CPU and compares
      the outputs (tolerances widen for FP16/INT8: see tolerance());
   4. times each size and prints a markdown report (versions, build, correctness, memory,
@@ -14,14 +14,20 @@ What it does, with the demo model (engines/vibration/model.onnx, from tools/buil
 
     python tools/jetson_selftest.py [--fp16] [--dla-core 0] [--sizes 1,2,4,8] [--out report.md]
 
-Exit codes: 0 all outputs within tolerance; 1 a mismatch or a failure; 2 TensorRT/pycuda missing
-or no demo model. The pure parts (meminfo parsing, tolerances, comparison, report formatting)
+Works with TensorRT 10.x (JetPack 6 and 7) and 11.x (desktop GPUs; --fp16 there converts the model
+to FP16 first, see edge_batcher/engines/trt_build.py), and with either CUDA binding. The report
+names the Jetson module and JetPack (L4T 35/36/38/39), the TensorRT capabilities found and the
+binding used. --dla-core on a module without DLA (Jetson Thor, Orin Nano) is refused up front.
+
+Exit codes: 0 all outputs within tolerance; 1 a mismatch or a failure; 2 TensorRT or a CUDA
+binding missing, no demo model, or DLA asked of a module without it. The pure parts (meminfo parsing, tolerances, comparison, report formatting)
 are importable and unit-tested (tests/trt/test_trt_selftest.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import platform
 import sys
 import tempfile
@@ -63,17 +69,14 @@ def nvmap_used(meminfo: dict[str, int]) -> int | None:
 
 
 def parse_l4t_release(text: str) -> str:
-    """'# R36 (release), REVISION: 4.0, GCID: ...' -> 'L4T R36.4.0 (JetPack 6)'; '' if unknown."""
-    first = text.strip().splitlines()[0] if text.strip() else ""
-    if not first.startswith("# R"):
+    """'# R36 (release), REVISION: 4.3, GCID: ...' -> 'L4T R36.4.3 (JetPack 6.1/6.2)'; '' if unknown."""
+    from edge_batcher.memory.probe import jetpack_for_l4t, parse_l4t_release as parse  # noqa: PLC0415
+
+    release = parse(text)
+    if release is None:
         return ""
-    try:
-        major = first[3:].split()[0]
-        revision = first.split("REVISION:")[1].split(",")[0].strip()
-    except IndexError:
-        return first.lstrip("# ").strip()
-    jetpack = {"32": "JetPack 4", "34": "JetPack 5", "35": "JetPack 5", "36": "JetPack 6"}.get(major)
-    return f"L4T R{major}.{revision}" + (f" ({jetpack})" if jetpack else "")
+    jetpack = jetpack_for_l4t(release[0], release[1])
+    return f"L4T R{'.'.join(map(str, release))}" + (f" (JetPack {jetpack.jetpack})" if jetpack else "")
 
 
 def tolerance(precision: str) -> tuple[float, float, float]:
@@ -209,21 +212,24 @@ def format_report(report: Report) -> str:
 
 
 def read_versions(trt: Any, cuda: Any, root: Path = Path("/")) -> dict[str, str]:
+    """Versions for the report; `cuda` is an edge_batcher.engines.cuda_api.CudaApi."""
+    from edge_batcher.engines.tensorrt import tensorrt_capabilities  # noqa: PLC0415
+    from edge_batcher.memory.probe import read_jetson_info  # noqa: PLC0415
+
     versions = {"python": platform.python_version(), "machine": platform.machine()}
+    jetson = read_jetson_info(root)
+    versions["jetson"] = jetson.describe() if jetson else "not a Jetson (no /etc/nv_tegra_release)"
+    versions["TensorRT"] = tensorrt_capabilities(trt).describe() + (
+        " (FakeTensorRT)" if getattr(trt, "IS_FAKE", False) else "")
+    versions["CUDA binding"] = cuda.name + (" (fake)" if getattr(getattr(cuda, "d", None), "IS_FAKE", False) else "")
     try:
-        versions["jetson"] = parse_l4t_release((root / "etc" / "nv_tegra_release").read_text()) or "unknown release"
-    except OSError:
-        versions["jetson"] = "not a Jetson (no /etc/nv_tegra_release)"
-    versions["TensorRT"] = str(getattr(trt, "__version__", "?")) + (" (FakeTensorRT)" if getattr(trt, "IS_FAKE", False) else "")
-    try:
-        v = cuda.get_driver_version()
+        v = cuda.driver_version()
         versions["CUDA driver"] = f"{v // 1000}.{v % 1000 // 10}"
     except Exception:
         versions["CUDA driver"] = "?"
     try:
-        dev = cuda.Device(0)
-        major, minor = dev.compute_capability()
-        versions["GPU"] = f"{dev.name()} (compute {major}.{minor})"
+        major, minor = cuda.compute_capability(0)
+        versions["GPU"] = f"{cuda.device_name(0)} (compute {major}.{minor})"
     except Exception:
         versions["GPU"] = "?"
     try:
@@ -237,7 +243,7 @@ def read_versions(trt: Any, cuda: Any, root: Path = Path("/")) -> dict[str, str]
 
 class MemoryMeter:
     """Device memory in use: NvMapMemUsed on a Jetson (unified memory: cudaMemGetInfo is not the
-    GPU's share there), else total - free from pycuda's mem_get_info."""
+    GPU's share there), else total - free from cuMemGetInfo (`cuda`: a CudaApi)."""
 
     def __init__(self, cuda: Any, root: Path = Path("/")):
         self.cuda = cuda
@@ -251,13 +257,13 @@ class MemoryMeter:
     def used(self) -> int | None:
         if self.jetson:
             return nvmap_used(parse_meminfo(self.meminfo.read_text()))
-        ctx = self.cuda.Device(0).retain_primary_context()
+        ctx = self.cuda.open_device(0)
         ctx.push()
         try:
             free, total = self.cuda.mem_get_info()
         finally:
-            self.cuda.Context.pop()
-            ctx.detach()
+            ctx.pop()
+            ctx.release()
         return int(total - free)
 
 
@@ -279,7 +285,7 @@ def run_selftest(args: argparse.Namespace, trt: Any, cuda: Any, workdir: Path) -
     from edge_batcher.types import DATATYPE_TO_NUMPY  # noqa: PLC0415
 
     cuda.init()
-    report = Report(versions=read_versions(trt, cuda), build={}, fake=bool(getattr(trt, "IS_FAKE", False)))
+    report = Report(versions=read_versions(trt, cuda, args.root), build={}, fake=bool(getattr(trt, "IS_FAKE", False)))
     parser = trt_build.make_parser()
     build_argv = [str(args.onnx), "--repository", str(workdir), "--model", "selftest", "--sizes", args.sizes, "--force"]
     if args.fp16:
@@ -290,11 +296,13 @@ def run_selftest(args: argparse.Namespace, trt: Any, cuda: Any, workdir: Path) -
         build_argv += ["--workspace-mb", str(args.workspace_mb)]
     request = trt_build.request_from_args(parser.parse_args(build_argv))
     result = trt_build.build_engine(request, trt, cuda, write=lambda line: print(line, file=sys.stderr))
-    report.build = {"precision": request.precision, "profiles": len(request.profiles),
+    info = json.loads(result.info.read_text())
+    report.build = {"precision": request.precision, "precision from": info.get("precision_from", "?"),
+                    "profiles": len(request.profiles),
                     "sizes": args.sizes, "DLA core": args.dla_core if args.dla_core >= 0 else "none (GPU)",
                     "build time": f"{result.seconds:.1f} s", "plan size": _mib(result.plan_bytes)}
 
-    meter = MemoryMeter(cuda)
+    meter = MemoryMeter(cuda, args.root)
     before = meter.used()
     config = load_model_config(request.model_dir)
     engine = TensorRTEngine(config, trt_module=trt, cuda_module=cuda)
@@ -342,23 +350,32 @@ def main(argv: list[str] | None = None, trt_module: Any = None, cuda_module: Any
     p.add_argument("--iterations", type=int, default=50, help="timed batches per size")
     p.add_argument("--workdir", type=Path, help="keep the built plan here (default: a temporary directory)")
     p.add_argument("--out", type=Path, help="also write the report to this file")
+    p.add_argument("--root", type=Path, default=Path("/"), help=argparse.SUPPRESS)  # tests: a fake Jetson root
     args = p.parse_args(argv)
 
     from edge_batcher.engines.tensorrt import import_tensorrt  # noqa: PLC0415
     from edge_batcher.errors import ConfigError  # noqa: PLC0415
+    from edge_batcher.memory.probe import read_jetson_info  # noqa: PLC0415
 
-    try:  # the backend's own check: both packages present, TensorRT >= 10
-        trt, cuda = import_tensorrt(trt_module, cuda_module)
+    try:  # the backend's own check: TensorRT >= 10 and a CUDA binding present
+        modules = import_tensorrt(trt_module, cuda_module)
     except ConfigError as exc:
-        print(f"jetson_selftest: TensorRT and pycuda are needed ({exc}). This test only means something on the "
-              "device.", file=sys.stderr)
+        print(f"jetson_selftest: TensorRT and a CUDA binding (cuda-python or pycuda) are needed ({exc}). This test "
+              "only means something on the device.", file=sys.stderr)
         return 2
+    trt, cuda = modules.trt, modules.cuda
+    print(f"jetson_selftest: {modules.describe()}", file=sys.stderr)
     if not args.onnx.is_file():
         print(f"jetson_selftest: {args.onnx} not found; build the demo model first: python tools/build_demo_models.py",
               file=sys.stderr)
         return 2
     if args.dla_core >= 0 and not args.fp16:
         print("jetson_selftest: --dla-core needs --fp16 (DLA has no FP32)", file=sys.stderr)
+        return 2
+    jetson = read_jetson_info(args.root)
+    if args.dla_core >= 0 and jetson and jetson.module and jetson.module.dla_cores == 0:
+        print(f"jetson_selftest: --dla-core {args.dla_core}: {jetson.module.name} has no DLA "
+              "(run without --dla-core: the GPU serves the model)", file=sys.stderr)
         return 2
 
     def go(workdir: Path) -> Report:
@@ -370,7 +387,7 @@ def main(argv: list[str] | None = None, trt_module: Any = None, cuda_module: Any
             traceback.print_exc()
             try:
                 cuda.init()
-                versions = read_versions(trt, cuda)
+                versions = read_versions(trt, cuda, args.root)
             except Exception:
                 versions = {"TensorRT": str(getattr(trt, "__version__", "?"))}
             return Report(versions=versions, build={}, fake=bool(getattr(trt, "IS_FAKE", False)),

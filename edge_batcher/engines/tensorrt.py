@@ -18,10 +18,16 @@ Why it looks the way it does:
 * The batcher pads batches to the preferred sizes, and the plan has an optimization profile
   per preferred size (tools/build_engine.py), so each batch runs with kernels tuned for its
   exact shape. FP16/INT8 plans need nothing here: the I/O datatypes come from the engine.
+* TensorRT 10.x (what JetPack ships) and 11.x (pip on desktop GPUs) both load: the runtime
+  calls used here exist in both, and where they differ (the v1/v2 device-memory queries,
+  context.device_memory vs set_device_memory) the code asks the object what it has instead of
+  comparing version numbers. tensorrt_capabilities() does the same for the builder's side.
+* CUDA goes through engines/cuda_api.py: cuda-python when installed, else pycuda.
 
-The `tensorrt` and `pycuda` modules are imported in load(), never at import time, so a device
+`tensorrt` and the CUDA binding are imported in load(), never at import time, so a device
 without them can still import this module (the registry's lazy backends). Tests pass
-tests/fakes/fake_tensorrt.py's FakeTensorRT/FakeCuda through the constructor.
+tests/fakes/fake_tensorrt.py's FakeTensorRT and a fake binding (FakeCuda for pycuda,
+FakeCudaDriver for cuda-python) through the constructor.
 """
 
 from __future__ import annotations
@@ -40,14 +46,19 @@ from ..errors import ConfigError, EngineError, OutOfMemory
 from ..types import DATATYPE_TO_NUMPY, TensorSpec
 from . import trt_profiles as tp
 from .base import apply_overrides
+from .cuda_api import CudaApi, DeviceBuffer, HostBuffer, cuda_api_from, load_cuda_api
 
 log = logging.getLogger(__name__)
 
 PRECISIONS = ("fp32", "fp16", "int8")
 INSTALL_HINT = (
-    "JetPack ships TensorRT and its Python bindings (apt install nvidia-jetpack / python3-libnvinfer) and "
-    "pycuda installs with pip on the device; elsewhere: pip install 'edge-batcher[tensorrt]'"
+    "on a Jetson, TensorRT and its Python bindings come with JetPack (apt install nvidia-jetpack / "
+    "python3-libnvinfer): use a venv made with --system-site-packages and pip install 'edge-batcher[jetpack6]' "
+    "(or [jetpack7]) for cuda-python; on a desktop GPU: pip install 'edge-batcher[tensorrt]' (TensorRT 10, CUDA 12) "
+    "or 'edge-batcher[tensorrt-cu13]' (newest TensorRT, CUDA 13 driver); docs/tensorrt.md"
 )
+# The TensorRT generations this code was written and tested (against fakes) for.
+KNOWN_MAJORS = (10, 11)
 
 
 # --------------------------------------------------------------------------- settings
@@ -128,9 +139,14 @@ def read_plan_info(plan: Path) -> dict[str, Any] | None:
     return info if isinstance(info, dict) else None
 
 
-def rebuild_command(config: ModelConfig, settings: TensorRTSettings | None = None) -> str:
-    """The build-engine command line that rebuilds this model's plan with the same options."""
+def rebuild_command(config: ModelConfig, settings: TensorRTSettings | None = None,
+                    capabilities: "TensorRTCapabilities | None" = None) -> str:
+    """The build-engine command line that rebuilds this model's plan with the same options, as far
+    as the installed TensorRT (`capabilities`, when known) can build them: without INT8
+    calibration (TensorRT 11) an INT8 calibration-cache build needs a Q/DQ model instead, and
+    the command says so rather than repeat an option that build-engine would refuse."""
     s = settings or tensorrt_settings(config)
+    calibration = bool(s.calibration_cache) and (capabilities is None or capabilities.int8_calibration)
     onnx = s.onnx or "<model.onnx>"
     if s.onnx and not Path(s.onnx).is_absolute():
         onnx = str(config.directory / s.onnx)
@@ -140,7 +156,7 @@ def rebuild_command(config: ModelConfig, settings: TensorRTSettings | None = Non
         args.append("--range")
     if s.precision != "fp32":
         args.append(f"--{s.precision}")
-    if s.calibration_cache:
+    if calibration:
         args += ["--calibration-cache", s.calibration_cache]
     if s.dla_core >= 0:
         args += ["--dla-core", str(s.dla_core)]
@@ -151,7 +167,12 @@ def rebuild_command(config: ModelConfig, settings: TensorRTSettings | None = Non
     if s.timing_cache:
         args += ["--timing-cache", s.timing_cache]
     args.append("--force")
-    return "edge-batcher build-engine " + shlex.join(args)
+    command = "edge-batcher build-engine " + shlex.join(args)
+    if s.calibration_cache and not calibration:
+        command += (f" (TensorRT {capabilities.version} has no INT8 calibration, so {s.calibration_cache} cannot be "
+                    f"used: replace {onnx} with a Q/DQ-quantized ONNX model, e.g. from NVIDIA ModelOpt: python -m "
+                    "modelopt.onnx.quantization --onnx_path MODEL --quantize_mode int8 --calibration_data DATA.npy)")
+    return command
 
 
 # --------------------------------------------------------------------------- module loading
@@ -171,23 +192,94 @@ def import_tensorrt_module() -> Any:
     return tensorrt
 
 
-def import_tensorrt(trt_module: Any = None, cuda_module: Any = None) -> tuple[Any, Any]:
-    """(tensorrt, pycuda.driver), the given ones or the installed ones; ConfigError if missing."""
-    trt, cuda = trt_module, cuda_module
+@dataclass(frozen=True)
+class TensorRTCapabilities:
+    """What the installed TensorRT's Python API offers, found by looking (hasattr), not by version.
+
+    precision_flags:     BuilderFlag.FP16/INT8 exist (weak typing: TensorRT 10.x). Without them
+                         (11.x) every network is strongly typed: precision comes from the model.
+    int8_calibration:    the INT8 calibrator API exists (IInt8EntropyCalibrator2; 10.x only).
+    strongly_typed_flag: NetworkDefinitionCreationFlag.STRONGLY_TYPED exists.
+    explicit_batch_flag: NetworkDefinitionCreationFlag.EXPLICIT_BATCH exists (deprecated in 10, gone in 11).
+    """
+
+    version: str
+    precision_flags: bool
+    int8_calibration: bool
+    strongly_typed_flag: bool
+    explicit_batch_flag: bool
+
+    @property
+    def major(self) -> int:
+        return _major(self.version)
+
+    @property
+    def strongly_typed_only(self) -> bool:
+        return not self.precision_flags
+
+    def describe(self) -> str:
+        if self.precision_flags:
+            precision = "FP16/INT8 builder flags" + (", INT8 calibration" if self.int8_calibration else "")
+        else:
+            precision = "strongly typed networks only (precision from the ONNX model: FP16 tensors, Q/DQ nodes)"
+        return f"TensorRT {self.version}: {precision}"
+
+
+def tensorrt_capabilities(trt: Any) -> TensorRTCapabilities:
+    flags = getattr(trt, "BuilderFlag", None)
+    network_flags = getattr(trt, "NetworkDefinitionCreationFlag", None)
+    return TensorRTCapabilities(
+        version=str(getattr(trt, "__version__", "?")),
+        precision_flags=hasattr(flags, "FP16") and hasattr(flags, "INT8"),
+        int8_calibration=hasattr(trt, "IInt8EntropyCalibrator2"),
+        strongly_typed_flag=hasattr(network_flags, "STRONGLY_TYPED"),
+        explicit_batch_flag=hasattr(network_flags, "EXPLICIT_BATCH"),
+    )
+
+
+# What the backend needs at module level; the per-object calls are feature-detected where used.
+REQUIRED_NAMES = ("Runtime", "ILogger", "TensorIOMode", "ExecutionContextAllocationStrategy")
+
+
+@dataclass(frozen=True)
+class TensorRTModules:
+    """import_tensorrt()'s answer: the tensorrt module, the CUDA binding, what TensorRT can do."""
+
+    trt: Any
+    cuda: CudaApi
+    capabilities: TensorRTCapabilities
+
+    def describe(self) -> str:
+        return f"{self.capabilities.describe()}; CUDA binding {self.cuda.describe()}"
+
+
+def import_tensorrt(trt_module: Any = None, cuda_module: Any = None) -> TensorRTModules:
+    """tensorrt, a CUDA binding (cuda-python preferred, else pycuda) and TensorRT's capabilities:
+    the given ones or the installed ones. ConfigError when one is missing, TensorRT is older
+    than 10, or it lacks a name the backend needs."""
+    trt = trt_module
     try:
         if trt is None:
             trt = import_tensorrt_module()
-        if cuda is None:
-            import pycuda.driver as cuda  # noqa: PLC0415
+        cuda = load_cuda_api() if cuda_module is None else cuda_api_from(cuda_module)
     except ImportError as exc:
-        raise ConfigError(f"the tensorrt backend needs the tensorrt and pycuda packages ({exc}); {INSTALL_HINT}") from exc
-    version = str(getattr(trt, "__version__", "0"))
-    if _major(version) < 10:
+        raise ConfigError(f"the tensorrt backend needs TensorRT and a CUDA Python binding ({exc}); {INSTALL_HINT}") from exc
+    caps = tensorrt_capabilities(trt)
+    if caps.major < 10:
         raise ConfigError(
-            f"the tensorrt backend needs TensorRT >= 10 (JetPack 6.1 or newer); this device has TensorRT {version}. "
+            f"the tensorrt backend needs TensorRT >= 10 (JetPack 6.1 or newer); this device has TensorRT {caps.version}. "
             "Use the onnxruntime backend with the TensorrtExecutionProvider there (docs/tensorrt.md)"
         )
-    return trt, cuda
+    missing = [name for name in REQUIRED_NAMES if not hasattr(trt, name)]
+    if missing:
+        raise ConfigError(f"TensorRT {caps.version} lacks {', '.join(missing)}, which the tensorrt backend needs "
+                          f"(it knows TensorRT {' and '.join(f'{m}.x' for m in KNOWN_MAJORS)})")
+    if caps.major not in KNOWN_MAJORS:
+        log.warning("TensorRT %s is newer than the %s.x this backend was written for; continuing, features are "
+                    "detected as used", caps.version, KNOWN_MAJORS[-1])
+    modules = TensorRTModules(trt, cuda, caps)
+    log.info("tensorrt backend: %s", modules.describe())
+    return modules
 
 
 def _major(version: str) -> int:
@@ -232,11 +324,8 @@ def datatype_of_trt(dtype: Any) -> str | None:
     return tp.TRT_DTYPE_TO_DATATYPE.get(name)
 
 
-def _is_oom(exc: BaseException, cuda: Any) -> bool:
-    cuda_oom = getattr(cuda, "MemoryError", None)
-    if isinstance(cuda_oom, type) and isinstance(exc, cuda_oom):
-        return True
-    return isinstance(exc, MemoryError) or "out of memory" in str(exc).lower()
+def _is_oom(exc: BaseException, cuda: CudaApi) -> bool:
+    return cuda.is_out_of_memory(exc)
 
 
 # --------------------------------------------------------------------------- the engine
@@ -249,8 +338,12 @@ class _Buffer:
     dtype: np.dtype
     is_input: bool
     nbytes: int
-    device: Any  # pycuda DeviceAllocation
-    host: np.ndarray  # page-locked, flat
+    device: DeviceBuffer
+    pinned: HostBuffer
+
+    @property
+    def host(self) -> np.ndarray:  # page-locked, flat
+        return self.pinned.array
 
 
 class TensorRTEngine:
@@ -265,9 +358,10 @@ class TensorRTEngine:
         self.outputs: list[TensorSpec] = []
         self.profiles: list[tp.Profile] = []
         self.trt_version = ""
+        self.capabilities: TensorRTCapabilities | None = None
         self.plan_info: dict[str, Any] | None = None
         self._trt: Any = None
-        self._cuda: Any = None
+        self._cuda: CudaApi | None = None
         self._cuda_context: Any = None
         self._logger: Any = None
         self._runtime: Any = None
@@ -288,34 +382,36 @@ class TensorRTEngine:
     def load(self) -> None:
         c = self.config
         self.settings = tensorrt_settings(c)
-        trt, cuda = import_tensorrt(self._trt_module, self._cuda_module)
-        self._trt, self._cuda = trt, cuda
-        self.trt_version = str(getattr(trt, "__version__", "?"))
+        modules = import_tensorrt(self._trt_module, self._cuda_module)
+        trt, cuda = modules.trt, modules.cuda
+        self._trt, self._cuda, self.capabilities = trt, cuda, modules.capabilities
+        self.trt_version = modules.capabilities.version
         path = c.model_path
         if not path.is_file():
             raise ConfigError(
-                f"model {c.name!r}: plan {path} not found; build it on this device: {rebuild_command(c, self.settings)}"
+                f"model {c.name!r}: plan {path} not found; build it on this device: {self._rebuild_command()}"
             )
         plan = path.read_bytes()
         self.plan_info = read_plan_info(path)
         try:
             cuda.init()
-            self._cuda_context = cuda.Device(self.settings.device).retain_primary_context()
-        except Exception as exc:  # pycuda raises its own error types
-            raise ConfigError(f"model {c.name!r}: cannot open CUDA device {self.settings.device}: {exc}") from exc
+            self._cuda_context = cuda.open_device(self.settings.device)
+        except Exception as exc:  # each binding raises its own error types
+            raise ConfigError(f"model {c.name!r}: cannot open CUDA device {self.settings.device} "
+                              f"({cuda.name}): {exc}") from exc
         self._cuda_context.push()
         try:
             self._load(plan)
         except Exception as exc:
             self._release()
-            cuda.Context.pop()
+            self._cuda_context.pop()
             self._detach()
             if isinstance(exc, (ConfigError, EngineError)):
                 raise
             if _is_oom(exc, cuda):
                 raise OutOfMemory(f"model {c.name!r}: out of memory loading {path}: {exc}") from exc
             raise EngineError(f"model {c.name!r}: loading {path} failed: {exc}") from exc
-        cuda.Context.pop()
+        self._cuda_context.pop()
         log.info(
             "model %s: TensorRT %s plan %s, %d profile(s), device memory %d B (activations) + %d B (I/O)%s",
             c.name, self.trt_version, path.name, len(self.profiles), max(self._activations),
@@ -387,7 +483,7 @@ class TensorRTEngine:
             raise ConfigError(
                 f"model {c.name!r}: the plan has no optimization profile for batch size(s) {', '.join(missing)} "
                 f"of [batching] preferred_batch_sizes {c.batching.preferred_batch_sizes} "
-                f"({'; '.join(p.describe() for p in self.profiles)}); rebuild it: {rebuild_command(c, self.settings)}"
+                f"({'; '.join(p.describe() for p in self.profiles)}); rebuild it: {self._rebuild_command()}"
             )
         self.inputs = apply_overrides(specs_in, c.inputs, "input", c.name)
         self.outputs = apply_overrides(specs_out, c.outputs, "output", c.name)
@@ -400,13 +496,13 @@ class TensorRTEngine:
             raise EngineError(f"model {c.name!r}: TensorRT could not create an execution context: "
                               f"{self._logger.take() or 'no reason given'}")
         self._context = context
-        self._stream = cuda.Stream()
+        self._stream = cuda.stream()
         size = max(max(self._activations), 1)
         self._device_memory = cuda.mem_alloc(size)
-        if hasattr(context, "set_device_memory"):  # TensorRT >= 10.1: pointer and size
-            context.set_device_memory(int(self._device_memory), size)
+        if hasattr(context, "set_device_memory"):  # TensorRT >= 10.1 (and 11): pointer and size
+            context.set_device_memory(self._device_memory.ptr, size)
         else:  # TensorRT 10.0
-            context.device_memory = int(self._device_memory)
+            context.device_memory = self._device_memory.ptr
 
         # Output shapes per profile come from TensorRT's shape inference at the profile's max.
         self._io_per_profile = []
@@ -430,10 +526,13 @@ class TensorRTEngine:
             datatype = datatypes[name]
             dtype = DATATYPE_TO_NUMPY[datatype]
             n = max(nbytes, dtype.itemsize)
-            self._buffers[name] = _Buffer(
-                name, datatype, dtype, name in self._input_names, n,
-                cuda.mem_alloc(n), cuda.pagelocked_empty(n // dtype.itemsize, dtype),
-            )
+            device = cuda.mem_alloc(n)
+            try:
+                pinned = cuda.pinned_empty(n // dtype.itemsize, dtype)
+            except Exception:
+                device.free()
+                raise
+            self._buffers[name] = _Buffer(name, datatype, dtype, name in self._input_names, n, device, pinned)
 
     def close(self) -> None:
         """Free the buffers, the context, the engine and the runtime, in that order."""
@@ -448,19 +547,20 @@ class TensorRTEngine:
                     log.warning("model %s: stream did not synchronize on close", self.config.name, exc_info=True)
             self._release()
         finally:
-            self._cuda.Context.pop()
+            self._cuda_context.pop()
             self._detach()
 
     def _detach(self) -> None:
         """Drop our reference to the primary context (after popping it)."""
         if self._cuda_context is not None:
-            self._cuda_context.detach()
+            self._cuda_context.release()
             self._cuda_context = None
 
     def _release(self) -> None:
         """Free everything load() allocated; the primary context must be current."""
         for buf in self._buffers.values():
             buf.device.free()
+            buf.pinned.free()
         self._buffers = {}
         self._context = None  # the context before its engine, the engine before its runtime
         if self._device_memory is not None:
@@ -468,7 +568,9 @@ class TensorRTEngine:
             self._device_memory = None
         self._engine = None
         self._runtime = None
-        self._stream = None
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
         self._current_profile = -1
 
     # ------------------------------------------------------------------ inference
@@ -486,7 +588,7 @@ class TensorRTEngine:
                 raise OutOfMemory(f"model {self.config.name!r}: out of memory: {exc}") from exc
             raise EngineError(f"model {self.config.name!r}: TensorRT failed: {exc}") from exc
         finally:
-            self._cuda.Context.pop()
+            self._cuda_context.pop()
 
     def _infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         c, cuda, context, stream = self.config, self._cuda, self._context, self._stream
@@ -509,7 +611,7 @@ class TensorRTEngine:
             self._check(context.set_input_shape(name, array.shape), f"set_input_shape({name}, {list(array.shape)})")
             host = buf.host[: array.size].reshape(array.shape)
             np.copyto(host, array)
-            cuda.memcpy_htod_async(buf.device, host, stream)
+            cuda.copy_htod_async(buf.device, host, stream)
         out_views = {}
         for name in self._output_names:
             buf = self._buffers[name]
@@ -519,10 +621,10 @@ class TensorRTEngine:
                 raise EngineError(f"model {c.name!r}: output {name!r} shape {shape} does not fit its buffer")
             out_views[name] = buf.host[:count].reshape(shape)
         for name, buf in self._buffers.items():
-            self._check(context.set_tensor_address(name, int(buf.device)), f"set_tensor_address({name})")
+            self._check(context.set_tensor_address(name, buf.device.ptr), f"set_tensor_address({name})")
         self._check(context.execute_async_v3(stream.handle), "execute_async_v3")
         for name, view in out_views.items():
-            cuda.memcpy_dtoh_async(view, self._buffers[name].device, stream)
+            cuda.copy_dtoh_async(view, self._buffers[name].device, stream)
         stream.synchronize()
         # Copies: the pinned buffers are reused by the next batch while the runner still splits these.
         return {name: view.copy() for name, view in out_views.items()}
@@ -556,7 +658,7 @@ class TensorRTEngine:
 
     def _activation_bytes(self, profile: int) -> int:
         engine = self._engine
-        if hasattr(engine, "get_device_memory_size_for_profile_v2"):  # TensorRT >= 10.1
+        if hasattr(engine, "get_device_memory_size_for_profile_v2"):  # TensorRT >= 10.1; the only one in 11
             return int(engine.get_device_memory_size_for_profile_v2(profile))
         if hasattr(engine, "get_device_memory_size_for_profile"):
             return int(engine.get_device_memory_size_for_profile(profile))
@@ -590,6 +692,9 @@ class TensorRTEngine:
 
     # ------------------------------------------------------------------ errors
 
+    def _rebuild_command(self) -> str:
+        return rebuild_command(self.config, self.settings, self.capabilities)
+
     def _mismatch_message(self, trt_said: str) -> str:
         c = self.config
         info = self.plan_info or {}
@@ -607,6 +712,6 @@ class TensorRTEngine:
             f"model {c.name!r}: TensorRT {self.trt_version} cannot load the plan {c.model_path}: it was built for "
             f"another TensorRT version or GPU. Plans only load with the exact TensorRT version and GPU model they "
             f"were built with; this one was built with {built_text}. Rebuild it on this device: "
-            f"{rebuild_command(c, self.settings)} (or python tools/build_engine.py with the same arguments). "
+            f"{self._rebuild_command()} (or python tools/build_engine.py with the same arguments). "
             f"TensorRT said: {trt_said or 'nothing'}"
         )

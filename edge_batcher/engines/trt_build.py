@@ -10,8 +10,17 @@ Two steps, so everything but the build itself is testable without TensorRT:
      input shapes with the onnx package and plans the profiles, no TensorRT);
   2. build_engine(): BuildRequest -> TensorRT builder -> files.
 
+Reduced precision depends on what the installed TensorRT offers (tensorrt_capabilities(): it
+looks for the API, it does not compare versions). TensorRT 10.x has the weak-typing builder
+flags: --fp16/--int8 set BuilderFlag.FP16/INT8, and --calibration-cache feeds the INT8
+calibrator. TensorRT 11.x removed them and builds strongly typed networks only, in the
+precision the ONNX model states: --fp16 converts the FP32 model to FP16 first (onnx_fp16.py,
+FP32 I/O kept; the converted model is written next to the plan), --int8 needs a model with
+Q/DQ nodes, and a calibration cache cannot be used (the error says how to quantize instead).
+
 CLI wiring: `add_arguments(parser)` + `run(args)`, or `build_engine_main(argv)` (tools/build_engine.py).
-Exit codes: 0 built; 1 TensorRT failed to build; 2 bad arguments or TensorRT not installed.
+Exit codes: 0 built; 1 TensorRT failed to build; 2 bad arguments, TensorRT not installed, or a build this
+TensorRT cannot do (e.g. --calibration-cache on 11.x).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import hashlib
 import json
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,9 +44,22 @@ from ..errors import ConfigError
 from ..types import TensorSpec
 from . import trt_profiles as tp
 from .base import apply_overrides
-from .tensorrt import INSTALL_HINT, TensorRTSettings, import_tensorrt_module, make_logger, plan_info_path
+from . import onnx_fp16
+from .cuda_api import CudaApi, cuda_api_from, load_cuda_api
+from .tensorrt import (INSTALL_HINT, TensorRTCapabilities, TensorRTSettings, import_tensorrt_module, make_logger,
+                       plan_info_path, tensorrt_capabilities)
 
 PLAN_FILE = "model.plan"
+FP16_ONNX_FILE = "model.fp16.onnx"  # the --fp16 conversion for a strongly typed TensorRT, next to the plan
+QUANTIZE_HINT = (
+    "quantize the model to a Q/DQ ONNX model with your own calibration data, e.g. with NVIDIA ModelOpt "
+    "(pip install nvidia-modelopt; python -m modelopt.onnx.quantization --onnx_path {onnx} --quantize_mode int8 "
+    "--calibration_data calib.npy --output_path {quant}), and build that model with --int8"
+)
+
+
+def quantize_hint(onnx: Path) -> str:
+    return QUANTIZE_HINT.format(onnx=onnx, quant=onnx.with_name(onnx.stem + ".quant.onnx"))
 
 _ONNX_TYPES = {1: "FP32", 10: "FP16", 3: "INT8", 2: "UINT8", 6: "INT32", 7: "INT64", 9: "BOOL",
                4: "UINT16", 5: "INT16", 12: "UINT32", 13: "UINT64", 11: "FP64"}
@@ -62,6 +85,7 @@ class BuildRequest:
     gpu_fallback: bool = True
     timing_cache: Path | None = None
     force: bool = False
+    has_qdq: bool = False  # the ONNX model has QuantizeLinear/DequantizeLinear nodes
     source: ModelConfig | None = None  # the model.toml next to the ONNX file, if any
     inputs: list[TensorSpec] = field(default_factory=list)
     profiles: list[tp.Profile] = field(default_factory=list)
@@ -108,11 +132,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", help="preferred batch sizes, comma-separated (default: the source model.toml's, else 2,4,8)")
     p.add_argument("--range", action="store_true", help="one profile 1..max instead of one per size "
                    "(faster build, smaller plan, kernels tuned for the largest size only)")
-    p.add_argument("--fp16", action="store_true", help="allow FP16 kernels")
-    p.add_argument("--int8", action="store_true", help="allow INT8 kernels (FP16 too, for layers without INT8); "
-                   "needs --calibration-cache unless the model has Q/DQ nodes")
+    p.add_argument("--fp16", action="store_true", help="FP16: TensorRT 10 gets BuilderFlag.FP16; TensorRT 11 "
+                   "(strongly typed) gets the model converted to FP16 compute with FP32 inputs/outputs")
+    p.add_argument("--int8", action="store_true", help="INT8 (FP16 too, for layers without INT8): from Q/DQ "
+                   "nodes in the model, or on TensorRT 10 only from --calibration-cache")
     p.add_argument("--calibration-cache", type=Path, metavar="FILE",
-                   help="INT8 calibration cache (from your own calibration data: edge-batcher has none to give)")
+                   help="INT8 calibration cache (TensorRT 10 only; from your own calibration data: edge-batcher "
+                        "has none to give)")
     p.add_argument("--workspace-mb", type=int, default=0, help="builder workspace limit in MiB (default: TensorRT's)")
     p.add_argument("--dla-core", type=int, default=-1, metavar="N",
                    help="build for DLA core N (Orin NX / AGX Orin; needs --fp16 or --int8)")
@@ -199,9 +225,9 @@ def request_from_args(args: argparse.Namespace) -> BuildRequest:
     inputs, qdq = onnx_input_specs(onnx)
     if args.int8 and args.calibration_cache is None and not qdq:
         raise ConfigError(
-            "--int8 needs --calibration-cache FILE: INT8 scales come from calibrating with your own representative "
-            "data (edge-batcher ships none), or from Q/DQ nodes in the ONNX model (explicit quantization, e.g. "
-            "NVIDIA TensorRT Model Optimizer); this model has no Q/DQ nodes"
+            f"--int8 needs INT8 scales, and {onnx} has no Q/DQ nodes: either {quantize_hint(onnx)} (explicit "
+            "quantization: the only way on TensorRT 11), or, on TensorRT 10 only, pass --calibration-cache FILE "
+            "made by calibrating with your own representative data (edge-batcher ships none)"
         )
     for spec in inputs:
         if spec.datatype.startswith("onnx:"):
@@ -220,7 +246,7 @@ def request_from_args(args: argparse.Namespace) -> BuildRequest:
         profile_mode="range" if args.range else "per_size", precision=precision,
         calibration_cache=args.calibration_cache, workspace_mb=args.workspace_mb, dla_core=args.dla_core,
         gpu_fallback=not args.no_gpu_fallback, timing_cache=args.timing_cache, force=args.force,
-        source=source, inputs=inputs, profiles=profiles,
+        has_qdq=qdq, source=source, inputs=inputs, profiles=profiles,
     )
     _check_outputs(request)
     return request
@@ -234,6 +260,32 @@ def _check_outputs(request: BuildRequest) -> None:
     toml = request.model_dir / "model.toml"
     if toml.exists():
         raise ConfigError(f"{toml} exists; pass --force to replace it (or choose another --model)")
+
+
+# --------------------------------------------------------------------------- precision per TensorRT
+
+
+def check_request(request: BuildRequest, caps: TensorRTCapabilities) -> None:
+    """ConfigError when the installed TensorRT cannot build what was asked, saying what to do instead."""
+    if request.calibration_cache is not None and not caps.int8_calibration:
+        raise ConfigError(
+            f"--calibration-cache: TensorRT {caps.version} has no INT8 calibration (TensorRT 11 removed the calibrator API). "
+            f"Instead, {quantize_hint(request.onnx)}; or build on TensorRT 10.x (JetPack 6/7 ship it)"
+        )
+    if request.precision == "int8" and caps.strongly_typed_only and not request.has_qdq:
+        raise ConfigError(
+            f"--int8: TensorRT {caps.version} builds strongly typed networks only, so INT8 must come from Q/DQ nodes "
+            f"in the model, and {request.onnx} has none: {quantize_hint(request.onnx)}"
+        )
+
+
+def precision_source(request: BuildRequest, caps: TensorRTCapabilities) -> str:
+    """How the plan gets its precision: "builder flags" (10.x), "FP16 conversion", "Q/DQ nodes" or "model"."""
+    if request.precision == "fp32":
+        return "model"
+    if caps.precision_flags:
+        return "builder flags"
+    return "Q/DQ nodes" if request.precision == "int8" else "FP16 conversion"
 
 
 # --------------------------------------------------------------------------- model.toml
@@ -362,14 +414,13 @@ def device_info(cuda: Any = None, root: Path = Path("/")) -> dict[str, Any]:
     """GPU name, compute capability and L4T release for the build record; {} parts when unknown."""
     info: dict[str, Any] = {}
     try:
-        if cuda is None:
-            import pycuda.driver as cuda  # noqa: PLC0415 - optional for building
-        cuda.init()
-        dev = cuda.Device(0)
-        info["gpu"] = dev.name()
-        major, minor = dev.compute_capability()
+        api: CudaApi = load_cuda_api() if cuda is None else cuda_api_from(cuda)
+        api.init()
+        info["gpu"] = api.device_name(0)
+        major, minor = api.compute_capability(0)
         info["compute_capability"] = f"{major}.{minor}"
-    except Exception:  # no pycuda / no GPU: the record just has less in it
+        info["cuda_binding"] = api.name
+    except Exception:  # no CUDA binding / no GPU: the record just has less in it
         pass
     try:
         line = (root / "etc" / "nv_tegra_release").read_text().splitlines()[0]
@@ -390,28 +441,52 @@ class BuildResult:
 
 def build_engine(request: BuildRequest, trt: Any, cuda: Any = None,
                  write: Callable[[str], None] = print, progress: bool = True) -> BuildResult:
-    """Build the plan with TensorRT and write plan, build record and model.toml."""
+    """Build the plan with TensorRT and write plan, build record and model.toml.
+
+    Raises ConfigError when this TensorRT cannot build what was asked (check_request) or the
+    FP16 conversion a strongly typed TensorRT needs is not possible; BuildError when TensorRT fails.
+    """
     t0 = time.monotonic()
+    caps = tensorrt_capabilities(trt)
+    check_request(request, caps)
+    source = precision_source(request, caps)
+    with tempfile.TemporaryDirectory(prefix="eb-build-") as scratch:
+        onnx = request.onnx
+        if source == "FP16 conversion":  # converted in scratch space: a failed build leaves nothing behind
+            onnx = Path(scratch) / FP16_ONNX_FILE
+            counts = onnx_fp16.convert_to_fp16(request.onnx, onnx)
+            write(f"TensorRT {caps.version} is strongly typed: converted {request.onnx} to FP16 compute with FP32 "
+                  f"inputs/outputs ({counts['initializers']} initializers, {counts['io_casts']} I/O casts)")
+        return _build(request, trt, cuda, caps, source, onnx, write, progress, t0)
+
+
+def _build(request: BuildRequest, trt: Any, cuda: Any, caps: TensorRTCapabilities, source: str, onnx: Path,
+           write: Callable[[str], None], progress: bool, t0: float) -> BuildResult:
     logger = make_logger(trt)
     builder = trt.Builder(logger)
-    network = builder.create_network(0)  # TensorRT 10: explicit batch is the only mode
+    network_flags = 0  # explicit batch is the only mode since TensorRT 10 (its flag is gone in 11)
+    if caps.strongly_typed_only and caps.strongly_typed_flag:
+        network_flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    network = builder.create_network(network_flags)
+    if network is None:
+        raise BuildError(f"TensorRT could not create a network: {logger.take() or 'no reason logged'}")
     parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(request.onnx)):
+    if not parser.parse_from_file(str(onnx)):
         errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
-        raise BuildError(f"TensorRT cannot parse {request.onnx}: {'; '.join(errors) or logger.take()}")
+        raise BuildError(f"TensorRT cannot parse {onnx}: {'; '.join(errors) or logger.take()}")
     config = builder.create_builder_config()
     if request.workspace_mb:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, request.workspace_mb << 20)
-    if request.precision in ("fp16", "int8"):
+    if source == "builder flags":  # weak typing (10.x): allow reduced-precision kernels
         config.set_flag(trt.BuilderFlag.FP16)
-    if request.precision == "int8":
-        config.set_flag(trt.BuilderFlag.INT8)
-        if request.calibration_cache is not None:
-            config.int8_calibrator = _cache_calibrator(trt, request.calibration_cache.read_bytes())
+        if request.precision == "int8":
+            config.set_flag(trt.BuilderFlag.INT8)
+            if request.calibration_cache is not None:
+                config.int8_calibrator = _cache_calibrator(trt, request.calibration_cache.read_bytes())
     if request.dla_core >= 0:
         config.default_device_type = trt.DeviceType.DLA
         config.DLA_core = request.dla_core
-        if request.gpu_fallback:
+        if request.gpu_fallback and hasattr(trt.BuilderFlag, "GPU_FALLBACK"):
             config.set_flag(trt.BuilderFlag.GPU_FALLBACK)
     trt_profiles = []
     for profile in request.profiles:
@@ -420,7 +495,7 @@ def build_engine(request: BuildRequest, trt: Any, cuda: Any = None,
             op.set_shape(name, r.min, r.opt, r.max)
         config.add_optimization_profile(op)
         trt_profiles.append(op)
-    if request.calibration_cache is not None and hasattr(config, "set_calibration_profile"):
+    if source == "builder flags" and request.calibration_cache is not None and hasattr(config, "set_calibration_profile"):
         config.set_calibration_profile(trt_profiles[0])
     cache = None
     if request.timing_cache is not None:
@@ -440,6 +515,10 @@ def build_engine(request: BuildRequest, trt: Any, cuda: Any = None,
 
     request.model_dir.mkdir(parents=True, exist_ok=True)
     _write_atomic(request.plan_path, plan)
+    if onnx != request.onnx:  # keep the converted model the plan was built from, next to it
+        built_from = request.model_dir / FP16_ONNX_FILE
+        _write_atomic(built_from, onnx.read_bytes())
+        onnx = built_from
     if request.timing_cache is not None:
         timing = config.get_timing_cache() or cache
         _write_atomic(request.timing_cache, bytes(memoryview(timing.serialize())))
@@ -450,6 +529,9 @@ def build_engine(request: BuildRequest, trt: Any, cuda: Any = None,
         "onnx": str(request.onnx.resolve()),
         "onnx_sha256": hashlib.sha256(request.onnx.read_bytes()).hexdigest(),
         "precision": request.precision,
+        "precision_from": source,
+        "onnx_built": str(onnx.resolve()),
+        "tensorrt_capabilities": caps.describe(),
         "dla_core": request.dla_core,
         "profiles": [{name: {"min": list(r.min), "opt": list(r.opt), "max": list(r.max)}
                       for name, r in p.inputs.items()} for p in request.profiles],
@@ -489,6 +571,9 @@ def run(args: argparse.Namespace, trt_module: Any = None, cuda_module: Any = Non
             return 2
     try:
         build_engine(request, trt, cuda_module, write=print, progress=not args.quiet)
+    except ConfigError as exc:  # this TensorRT cannot build what was asked; the message says what to do
+        print(f"edge-batcher build-engine: {exc}", file=sys.stderr)
+        return 2
     except BuildError as exc:
         print(f"edge-batcher build-engine: {exc}", file=sys.stderr)
         return 1

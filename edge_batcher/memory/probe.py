@@ -6,12 +6,18 @@ number that matters is "free for us". Where that number comes from depends on th
 * Jetson (unified memory): CPU and GPU share one DRAM pool. ``cudaMemGetInfo`` and NVML give
   wrong or unsupported answers there (NVML memory is "Not Supported" on JetPack 6; vLLM crashes
   on it, vllm#9728), so :class:`JetsonProbe` reads ``/proc/meminfo`` and never touches CUDA.
-* Discrete NVIDIA GPU: :class:`CudaProbe` (pycuda ``mem_get_info``) or :class:`NvmlProbe`.
+* Discrete NVIDIA GPU: :class:`CudaProbe` (``cuMemGetInfo`` through cuda-python or pycuda,
+  engines/cuda_api.py) or :class:`NvmlProbe`.
 * CPU-only / NPU boxes: :class:`CpuProbe`, psutil bounded by the cgroup memory limit, because a
   container killed by the OOM killer at ``memory.max`` does not care how much RAM the host has.
 * :class:`FixedProbe`: a configured number, for tests and for operators who want one.
 
-Nothing here runs at import time; pycuda and pynvml are imported only when their probe is used.
+:func:`read_jetson_info` says which Jetson and JetPack this is (L4T release, module, DLA cores),
+JetPack 5 to 7 (L4T 35, 36, 38 for Thor, 39 for Thor and Orin); the self-test reports it and
+refuses DLA where the module has none (Jetson Thor, Orin Nano).
+
+Nothing here runs at import time; the CUDA bindings and pynvml are imported only when their
+probe is used.
 """
 
 from __future__ import annotations
@@ -105,6 +111,104 @@ def parse_meminfo(text: str) -> dict[str, int]:
             number *= 1024
         values[key.strip()] = number
     return values
+
+
+@dataclass(frozen=True)
+class JetPackRelease:
+    """What NVIDIA ships with one L4T release line (from NVIDIA's JetPack release notes)."""
+
+    jetpack: str
+    cuda: str
+    tensorrt: str
+    python: str
+    modules: str  # which Jetson families this JetPack supports
+
+
+# (L4T major, minor or None for any) -> the JetPack it belongs to. TensorRT 11 ships with none of them.
+JETPACK_RELEASES: dict[tuple[int, int | None], JetPackRelease] = {
+    (35, None): JetPackRelease("5.1", "11.4", "8.5", "3.8", "Xavier, Orin"),
+    (36, 2): JetPackRelease("6.0 DP", "12.2", "8.6", "3.10", "Orin"),
+    (36, 3): JetPackRelease("6.0", "12.2", "8.6", "3.10", "Orin"),
+    (36, 4): JetPackRelease("6.1/6.2", "12.6", "10.3", "3.10", "Orin"),
+    (38, None): JetPackRelease("7.0/7.1", "13", "10.13-10.16", "3.12", "Thor"),
+    (39, None): JetPackRelease("7.2", "13", "10.13-10.16", "3.12", "Thor, Orin"),
+}
+
+
+def parse_l4t_release(text: str) -> tuple[int, int, int] | None:
+    """'# R36 (release), REVISION: 4.3, ...' (/etc/nv_tegra_release) -> (36, 4, 3); None if unreadable."""
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    if not first.startswith("# R"):
+        return None
+    try:
+        major = int(first[3:].split()[0])
+        revision = first.split("REVISION:")[1].split(",")[0].strip().split(".")
+        return major, int(revision[0]), int(revision[1]) if len(revision) > 1 else 0
+    except (IndexError, ValueError):
+        return None
+
+
+def jetpack_for_l4t(major: int, minor: int) -> JetPackRelease | None:
+    return JETPACK_RELEASES.get((major, minor)) or JETPACK_RELEASES.get((major, None))
+
+
+@dataclass(frozen=True)
+class JetsonModule:
+    """A Jetson module family: name, memory in GiB (None: several sizes), DLA cores (None: depends)."""
+
+    name: str
+    memory_gib: int | None
+    dla_cores: int | None
+
+
+# Matched in order against /proc/device-tree/model. Jetson Thor has no DLA (its accelerator is the
+# PVA); Orin Nano has none either; Orin NX 8 GB has 1, 16 GB and AGX Orin have 2.
+JETSON_MODULES: tuple[tuple[str, JetsonModule], ...] = (
+    ("T4000", JetsonModule("Jetson Thor T4000", 64, 0)),
+    ("Thor", JetsonModule("Jetson AGX Thor (T5000)", 128, 0)),
+    ("AGX Orin", JetsonModule("Jetson AGX Orin", None, 2)),
+    ("Orin NX", JetsonModule("Jetson Orin NX", None, None)),
+    ("Orin Nano", JetsonModule("Jetson Orin Nano", None, 0)),
+    ("Xavier", JetsonModule("Jetson Xavier", None, None)),
+)
+
+
+@dataclass(frozen=True)
+class JetsonInfo:
+    """This board, as far as the root file system tells: L4T release, JetPack, module."""
+
+    l4t: tuple[int, int, int] | None
+    jetpack: JetPackRelease | None
+    model: str  # /proc/device-tree/model, '' when absent
+    module: JetsonModule | None
+
+    def describe(self) -> str:
+        parts = [f"L4T R{'.'.join(map(str, self.l4t))}" if self.l4t else "L4T release unknown"]
+        if self.jetpack:
+            parts.append(f"JetPack {self.jetpack.jetpack} (CUDA {self.jetpack.cuda}, TensorRT {self.jetpack.tensorrt}, "
+                         f"Python {self.jetpack.python})")
+        if self.module:
+            parts.append(self.module.name)
+        elif self.model:
+            parts.append(self.model)
+        return ", ".join(parts)
+
+
+def read_jetson_info(root: Path = Path("/")) -> JetsonInfo | None:
+    """The Jetson this is (None off Jetson): /etc/nv_tegra_release and /proc/device-tree/model."""
+    root = Path(root)
+    if not is_jetson(root):
+        return None
+    try:
+        l4t = parse_l4t_release((root / "etc" / "nv_tegra_release").read_text())
+    except OSError:
+        l4t = None
+    try:
+        model = (root / "proc" / "device-tree" / "model").read_bytes().rstrip(b"\x00").decode(errors="replace").strip()
+    except OSError:
+        model = ""
+    module = next((m for key, m in JETSON_MODULES if key.lower() in model.lower()), None)
+    return JetsonInfo(l4t, jetpack_for_l4t(l4t[0], l4t[1]) if l4t else None, model, module)
 
 
 class JetsonProbe:
@@ -236,9 +340,10 @@ def _refuse_on_jetson(probe: str, root: Path) -> None:
 
 
 class CudaProbe:
-    """Free/total memory of one CUDA device from pycuda's ``mem_get_info``.
+    """Free/total memory of one CUDA device from ``cuMemGetInfo``, through cuda-python when it is
+    installed, else pycuda (edge_batcher/engines/cuda_api.py; `cuda_module` passes a binding in).
 
-    mem_get_info needs a current context. We retain the device's *primary* context (the one
+    cuMemGetInfo needs a current context. We retain the device's *primary* context (the one
     the CUDA runtime, TensorRT and ONNX Runtime's CUDA EP share) instead of creating our own,
     which would cost a few hundred MB of device memory and would not be the context the
     engines allocate in. It is retained on the first read and released by close().
@@ -246,31 +351,49 @@ class CudaProbe:
 
     name = "cuda"
 
-    def __init__(self, device_index: int = 0, *, root: str | os.PathLike[str] = "/"):
+    def __init__(self, device_index: int = 0, *, root: str | os.PathLike[str] = "/", cuda_module: Any = None):
         if isinstance(device_index, bool) or not isinstance(device_index, int) or device_index < 0:
             raise ConfigError(f"device_index must be an integer >= 0, got {device_index!r}")
         _refuse_on_jetson(self.name, Path(root))
         self.device_index = device_index
+        self._cuda_module = cuda_module
+        self._api: Any = None
         self._context: Any = None
 
     def read(self) -> MemorySnapshot:
-        cuda = _import_optional("pycuda.driver", self.name, "pip install 'edge-batcher[tensorrt]'")
         if self._context is None:
-            cuda.init()
-            self._context = cuda.Device(self.device_index).retain_primary_context()
+            from ..engines.cuda_api import cuda_api_from, load_cuda_api  # noqa: PLC0415 - lazily
+
+            try:
+                api = load_cuda_api() if self._cuda_module is None else cuda_api_from(self._cuda_module)
+            except ImportError as e:
+                raise ConfigError(f"memory probe 'cuda' needs a CUDA Python binding: {e}") from e
+            try:
+                api.init()
+                self._context = api.open_device(self.device_index)
+            except Exception as e:  # each binding raises its own error types
+                raise ConfigError(
+                    f"memory probe 'cuda': cannot open CUDA device {self.device_index} with {api.name}: {e}"
+                ) from e
+            self._api = api
         self._context.push()
         try:
-            free, total = cuda.mem_get_info()
+            free, total = self._api.mem_get_info()
         finally:
-            cuda.Context.pop()
+            self._context.pop()
         return MemorySnapshot(
             int(total), int(free), f"cuda:{self.device_index}", {"device_index": self.device_index}
         )
 
+    @property
+    def binding(self) -> str:
+        """The CUDA binding in use ('' before the first read)."""
+        return self._api.name if self._api is not None else ""
+
     def close(self) -> None:
         """Release the primary context reference taken by read()."""
         if self._context is not None:
-            self._context.detach()
+            self._context.release()
             self._context = None
 
 
@@ -500,14 +623,14 @@ _OPTIONS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _pycuda_has_device() -> bool:
-    if importlib.util.find_spec("pycuda") is None:
-        return False
+def _cuda_has_device() -> bool:
+    from ..engines.cuda_api import load_cuda_api  # noqa: PLC0415 - lazily
+
     try:
-        cuda = importlib.import_module("pycuda.driver")
-        cuda.init()
-        return cuda.Device.count() > 0
-    except Exception:  # no driver, no device, broken install: all mean "not this probe"
+        api = load_cuda_api()
+        api.init()
+        return api.device_count() > 0
+    except Exception:  # no binding, no driver, no device, broken install: all mean "not this probe"
         return False
 
 
@@ -530,7 +653,8 @@ def _nvml_works(device_index: int) -> bool:
 def detect_probe(kind: str = "auto", **options: Any) -> MemoryProbe:
     """The probe for this machine (auto) or the one named.
 
-    auto: jetson if is_jetson(); else cuda if pycuda imports and sees a device; else nvml if it
+    auto: jetson if is_jetson(); else cuda if a CUDA binding (cuda-python, else pycuda) imports and
+    sees a device; else nvml if it
     imports and can read device memory; else cpu. fixed needs free_bytes.
 
     options are passed to the chosen probe's constructor (meminfo_path, cgroup_dir,
@@ -558,7 +682,7 @@ def detect_probe(kind: str = "auto", **options: Any) -> MemoryProbe:
         root = Path(options.get("root", "/"))
         if is_jetson(root):
             kind = "jetson"
-        elif _pycuda_has_device():
+        elif _cuda_has_device():
             kind = "cuda"
         elif _nvml_works(options.get("device_index", 0)):
             kind = "nvml"

@@ -1,7 +1,7 @@
 """FakeTensorRT and FakeCuda: honest stand-ins for `tensorrt` and `pycuda.driver` in tests.
 
 NOT TensorRT. Nothing here runs on a GPU or compiles anything. They implement only the part
-of the TensorRT 10 Python API and of pycuda that edge-batcher's TensorRT backend
+of the TensorRT 10 and 11 Python APIs and of pycuda that edge-batcher's TensorRT backend
 (edge_batcher/engines/tensorrt.py), its engine builder (trt_build.py) and the Jetson
 self-test use, with the same names, so those run unchanged in CI. They are passed in
 explicitly (`TensorRTEngine(config, trt_module=FakeTensorRT(cuda), cuda_module=cuda)`),
@@ -31,6 +31,15 @@ Stricter than real TensorRT (each would be a crash or silent corruption on hardw
   * memcpy_htod_async / memcpy_dtoh_async host buffers must be page-locked.
 Modelled: streams are asynchronous. Copies and executions queue on the stream and happen at
 stream.synchronize(), so reading an output before synchronizing sees stale data, as on a GPU.
+
+Two API generations (FakeTensorRT(cuda, version=...)): a "10.x" fake has the weak-typing
+precision flags (BuilderFlag.FP16/INT8/BF16/FP8...), the INT8 calibrator API, the
+EXPLICIT_BATCH network flag and the v1 memory queries (device_memory_size,
+get_device_memory_size_for_profile, context.device_memory); an "11.x" fake has none of them
+(AttributeError, as NVIDIA's 10.x -> 11.x migration guide lists them removed) and builds every
+network strongly typed: the plan's precision is the ONNX model's own (FP16 tensors, Q/DQ nodes).
+tests/fakes/fake_cuda_bindings.py fakes cuda-python's `cuda.bindings.driver` over the same
+FakeCuda device, so either binding can drive the same fake GPU.
 
 What only hardware can tell (not modelled): kernel selection and speed, real FP16/INT8
 numerics, real activation sizes (the fake's are synthetic), DLA, unified-memory behaviour on
@@ -114,6 +123,7 @@ class FakeCuda:
         # Counters a test can read to check behaviour ("no allocation per batch").
         self.counters = {"mem_alloc": 0, "pagelocked_empty": 0, "memcpy_htod": 0, "memcpy_dtoh": 0, "free": 0}
         self.primary_retained = 0
+        self.driver_version = 12060  # cuDriverGetVersion: CUDA 12.6, as JetPack 6.2
         fake = self
 
         class Context:
@@ -149,12 +159,19 @@ class FakeCuda:
     def init(self, flags: int = 0) -> None:
         self.initialized = True
 
-    def Device(self, index: int) -> "FakeDevice":  # noqa: N802 - pycuda's name
+    @property
+    def Device(self) -> "_DeviceClass":  # noqa: N802 - pycuda's name: Device(i), Device.count()
+        return _DeviceClass(self)
+
+    def get_device(self, index: int) -> "FakeDevice":
         if not self.initialized:
             raise CudaLogicError("cuDeviceGet failed: cuInit has not been called")
         if not 0 <= index < self.device_count:
             raise CudaLogicError(f"cuDeviceGet failed: invalid device ordinal {index}")
         return FakeDevice(self, index)
+
+    def get_driver_version(self) -> int:
+        return self.driver_version
 
     # ------------------------------------------------------------------ memory
 
@@ -264,6 +281,21 @@ class FakeCuda:
 
     def stream_by_handle(self, handle: int) -> "FakeStream | None":
         return self.streams.get(int(handle))
+
+
+class _DeviceClass:
+    """pycuda.driver.Device: called with an ordinal, or count() (a static method in pycuda)."""
+
+    def __init__(self, cuda: FakeCuda):
+        self._cuda = cuda
+
+    def __call__(self, index: int) -> "FakeDevice":
+        return self._cuda.get_device(index)
+
+    def count(self) -> int:
+        if not self._cuda.initialized:
+            raise CudaLogicError("cuDeviceGetCount failed: cuInit has not been called")
+        return self._cuda.device_count
 
 
 class DeviceAllocation:
@@ -415,6 +447,8 @@ class ExecutionContextAllocationStrategy(enum.Enum):
 
 
 class BuilderFlag(enum.Enum):
+    """TensorRT 10.x: with the weak-typing precision flags."""
+
     FP16 = 0
     INT8 = 1
     DEBUG = 2
@@ -423,7 +457,66 @@ class BuilderFlag(enum.Enum):
     DISABLE_TIMING_CACHE = 5
     TF32 = 6
     SPARSE_WEIGHTS = 7
+    OBEY_PRECISION_CONSTRAINTS = 10
+    PREFER_PRECISION_CONSTRAINTS = 11
+    DIRECT_IO = 12
+    FP8 = 16
     BF16 = 17
+    INT4 = 22
+
+
+class BuilderFlag11(enum.Enum):
+    """TensorRT 11.x: the precision flags are gone (strong typing only)."""
+
+    DEBUG = 2
+    GPU_FALLBACK = 3
+    REFIT = 4
+    DISABLE_TIMING_CACHE = 5
+    TF32 = 6
+    SPARSE_WEIGHTS = 7
+
+
+class NetworkDefinitionCreationFlag(enum.IntEnum):
+    """TensorRT 10.x (EXPLICIT_BATCH is deprecated there and ignored)."""
+
+    EXPLICIT_BATCH = 0
+    STRONGLY_TYPED = 1
+
+
+class NetworkDefinitionCreationFlag11(enum.IntEnum):
+    """TensorRT 11.x: EXPLICIT_BATCH removed; strong typing is always on."""
+
+    STRONGLY_TYPED = 1
+
+
+REMOVED_IN_11 = {
+    "module": ("IInt8Calibrator", "IInt8EntropyCalibrator2"),
+    "BuilderFlag": ("FP16", "INT8", "BF16", "FP8", "INT4", "OBEY_PRECISION_CONSTRAINTS",
+                    "PREFER_PRECISION_CONSTRAINTS", "DIRECT_IO"),
+    "NetworkDefinitionCreationFlag": ("EXPLICIT_BATCH",),
+    "IBuilder": ("platform_has_fast_fp16", "platform_has_fast_int8"),
+    "IBuilderConfig": ("int8_calibrator", "set_calibration_profile", "get_calibration_profile"),
+    "ICudaEngine": ("device_memory_size", "get_device_memory_size_for_profile"),
+    "IExecutionContext": ("device_memory",),
+}
+
+
+class _Generational:
+    """Attributes TensorRT 11 removed raise AttributeError on an 11.x fake, as the real 11.x
+    bindings do (they do not exist there). `_gen` is the fake's major version."""
+
+    _removed: tuple[str, ...] = ()
+    _gen: int = 10
+
+    def __getattribute__(self, name: str):
+        if name in type(self)._removed and object.__getattribute__(self, "_gen") >= 11:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}' (removed in TensorRT 11)")
+        return object.__getattribute__(self, name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in type(self)._removed and object.__getattribute__(self, "_gen") >= 11:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}' (removed in TensorRT 11)")
+        object.__setattr__(self, name, value)
 
 
 class MemoryPoolType(enum.Enum):
@@ -469,10 +562,10 @@ _TRT_TO_NUMPY = {DataType.FLOAT: np.float32, DataType.HALF: np.float16, DataType
 
 
 class FakeTensorRT:
-    """A module-like object standing in for `import tensorrt` (version 10 API subset).
+    """A module-like object standing in for `import tensorrt` (a 10.x or 11.x API subset).
 
     version: the TensorRT version this fake claims; a plan built by another version will not
-    deserialize. num_dla_cores: 0 like an Orin Nano, 2 like an AGX Orin. engine_stats: whether
+    deserialize. Its major version picks the API generation (see the module docstring). num_dla_cores: 0 like an Orin Nano, 2 like an AGX Orin. engine_stats: whether
     ICudaEngine.get_engine_stat exists (only newer TensorRT 10 releases have it).
     """
 
@@ -484,12 +577,9 @@ class FakeTensorRT:
     TensorIOMode = TensorIOMode
     TensorLocation = TensorLocation
     ExecutionContextAllocationStrategy = ExecutionContextAllocationStrategy
-    BuilderFlag = BuilderFlag
     MemoryPoolType = MemoryPoolType
     DeviceType = DeviceType
     IProgressMonitor = IProgressMonitor
-    IInt8Calibrator = IInt8Calibrator
-    IInt8EntropyCalibrator2 = IInt8EntropyCalibrator2
 
     def __init__(self, cuda: FakeCuda, version: str = "10.3.0", num_dla_cores: int = 0, engine_stats: bool = True):
         self.cuda = cuda
@@ -498,6 +588,15 @@ class FakeTensorRT:
         # ("execute_async_v3", profile, {input: shape}), ("deserialize_cuda_engine", version).
         self.calls: list[tuple] = []
         self.__version__ = version
+        self.major = int(version.split(".")[0])
+        if self.major >= 11:
+            self.BuilderFlag = BuilderFlag11
+            self.NetworkDefinitionCreationFlag = NetworkDefinitionCreationFlag11
+        else:
+            self.BuilderFlag = BuilderFlag
+            self.NetworkDefinitionCreationFlag = NetworkDefinitionCreationFlag
+            self.IInt8Calibrator = IInt8Calibrator
+            self.IInt8EntropyCalibrator2 = IInt8EntropyCalibrator2
         self.num_dla_cores = num_dla_cores
         self.engine_stats = engine_stats
         if engine_stats:
@@ -603,8 +702,11 @@ class _IO:
     dim_params: tuple[str | None, ...]
 
 
-class _Engine:
+class _Engine(_Generational):
+    _removed = REMOVED_IN_11["ICudaEngine"]
+
     def __init__(self, trt: FakeTensorRT, plan: dict, logger: ILogger, plan_size: int):
+        self._gen = trt.major
         self._trt = trt
         self._plan = plan
         self._logger = logger
@@ -638,6 +740,13 @@ class _Engine:
         return max(self._plan["device_memory"])
 
     @property
+    def device_memory_size(self) -> int:  # v1 (10.x only): the v2 number in this fake
+        return self.device_memory_size_v2
+
+    def get_device_memory_size_for_profile(self, profile_index: int) -> int:  # v1 (10.x only)
+        return self.get_device_memory_size_for_profile_v2(profile_index)
+
+    @property
     def streamable_weights_size(self) -> int:
         return 0  # not built with weight streaming
 
@@ -654,7 +763,7 @@ class _Engine:
     def __getattribute__(self, name: str):
         if name == "get_engine_stat" and not object.__getattribute__(self, "_trt").engine_stats:
             raise AttributeError(name)
-        return object.__getattribute__(self, name)
+        return super().__getattribute__(name)
 
     def get_tensor_name(self, index: int) -> str:
         return self._io[index].name
@@ -742,7 +851,8 @@ class _Engine:
         return shapes
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        reduced = self._plan["precision"] in ("fp16", "int8")
+        # Weakly typed (10.x flags): round through float16. Strongly typed: the model itself is FP16/Q-DQ.
+        reduced = self._plan["precision"] in ("fp16", "int8") and self._plan.get("typing", "weak") == "weak"
         if reduced:
             feeds = {k: (v.astype(np.float16).astype(v.dtype) if v.dtype.kind == "f" else v) for k, v in feeds.items()}
         names = [t.name for t in self._io if t.mode is TensorIOMode.OUTPUT]
@@ -755,13 +865,16 @@ class _Engine:
         return out
 
 
-class _Context:
+class _Context(_Generational):
+    _removed = REMOVED_IN_11["IExecutionContext"]
+
     def __del__(self) -> None:
         own = getattr(self, "_own_memory", None)
         if own is not None:
             own.live = False
 
     def __init__(self, engine: _Engine, strategy):
+        self._gen = engine._trt.major
         self.engine = engine
         self._strategy = strategy
         self._own_memory: _Alloc | None = None
@@ -944,17 +1057,21 @@ class _TimingCache:
         return True
 
 
-class _BuilderConfig:
-    def __init__(self) -> None:
-        self.flags: set[BuilderFlag] = set()
+class _BuilderConfig(_Generational):
+    _removed = REMOVED_IN_11["IBuilderConfig"]
+
+    def __init__(self, gen: int = 10) -> None:
+        self._gen = gen
+        self.flags: set = set()
         self.pool_limits: dict[MemoryPoolType, int] = {}
         self.default_device_type = DeviceType.GPU
         self.DLA_core = -1
         self.profiles: list[_OptimizationProfile] = []
         self.timing_cache: _TimingCache | None = None
         self.progress_monitor: IProgressMonitor | None = None
-        self.int8_calibrator: IInt8Calibrator | None = None
         self.calibration_profile: _OptimizationProfile | None = None
+        if gen < 11:
+            self.int8_calibrator: IInt8Calibrator | None = None
 
     def set_flag(self, flag: BuilderFlag) -> None:
         self.flags.add(flag)
@@ -993,6 +1110,9 @@ class _BuilderConfig:
         self.calibration_profile = profile
         return True
 
+    def get_calibration_profile(self) -> _OptimizationProfile | None:
+        return self.calibration_profile
+
 
 @dataclass
 class _NetTensor:
@@ -1010,6 +1130,7 @@ class _Network:
         self.onnx: bytes = b""
         self.weights_bytes = 0
         self.has_qdq = False
+        self.has_fp16 = False  # FP16 initializers or Casts to FP16: a strongly typed build runs them in FP16
 
     @property
     def num_inputs(self) -> int:
@@ -1094,14 +1215,18 @@ class _OnnxParser:
         self.network.onnx = bytes(model)
         self.network.weights_bytes = sum(numpy_helper.to_array(i).nbytes for i in proto.graph.initializer)
         self.network.has_qdq = any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in proto.graph.node)
+        self.network.has_fp16 = any(i.data_type == 10 for i in proto.graph.initializer) or any(
+            n.op_type == "Cast" and any(a.name == "to" and a.i == 10 for a in n.attribute) for n in proto.graph.node)
         return True
 
 
-class _Builder:
+class _Builder(_Generational):
     _trt: FakeTensorRT
+    _removed = REMOVED_IN_11["IBuilder"]
 
     def __init__(self, logger: ILogger):
         _check_logger(logger)
+        self._gen = self._trt.major
         self.logger = logger
 
     @property
@@ -1116,11 +1241,16 @@ class _Builder:
     def num_DLA_cores(self) -> int:  # noqa: N802
         return self._trt.num_dla_cores
 
-    def create_network(self, flags: int = 0) -> _Network:
+    def create_network(self, flags: int = 0) -> _Network | None:
+        known = sum(1 << int(f) for f in self._trt.NetworkDefinitionCreationFlag)
+        if int(flags) & ~known:
+            self._error(f"createNetworkV2: unknown NetworkDefinitionCreationFlag bits 0x{int(flags) & ~known:x} "
+                        f"(TensorRT {self._trt.__version__})")
+            return None
         return _Network(flags)
 
     def create_builder_config(self) -> _BuilderConfig:
-        return _BuilderConfig()
+        return _BuilderConfig(self._trt.major)
 
     def create_optimization_profile(self) -> _OptimizationProfile:
         return _OptimizationProfile()
@@ -1152,12 +1282,23 @@ class _Builder:
                         return self._error(f"profile {index}: {t.name!r} min {lo} opt {opt} max {hi} is invalid for {t.shape}")
                 ranges[t.name] = [list(lo), list(opt), list(hi)]
             profiles.append(ranges)
+        strongly_typed = self._trt.major >= 11 or bool(
+            network.flags & (1 << int(self._trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)))
+        if strongly_typed:
+            weak = [f.name for f in config.flags if f.name in REMOVED_IN_11["BuilderFlag"]]
+            if weak:  # TensorRT 10 refuses precision flags on a strongly typed network
+                return self._error(f"precision flags {weak} are not allowed on a strongly typed network")
+            precision = "int8" if network.has_qdq else "fp16" if network.has_fp16 else "fp32"
+        else:
+            precision = ("int8" if config.get_flag(BuilderFlag.INT8)
+                         else "fp16" if config.get_flag(BuilderFlag.FP16) else "fp32")
         on_dla = config.default_device_type is DeviceType.DLA
         if on_dla:
-            if not (config.get_flag(BuilderFlag.FP16) or config.get_flag(BuilderFlag.INT8)):
-                return self._error("DLA needs FP16 or INT8 (set BuilderFlag.FP16 or BuilderFlag.INT8)")
+            if precision == "fp32":
+                return self._error("DLA needs FP16 or INT8 (BuilderFlag.FP16/INT8 on 10.x, an FP16 or Q/DQ "
+                                   "model when strongly typed)")
             if not 0 <= config.DLA_core < self._trt.num_dla_cores:
-                if not config.get_flag(BuilderFlag.GPU_FALLBACK):
+                if not config.get_flag(self._trt.BuilderFlag.GPU_FALLBACK):
                     return self._error(f"DLA core {config.DLA_core} does not exist on this device "
                                        f"({self._trt.num_dla_cores} DLA cores) and GPU fallback is off")
                 _log(self.logger, _Severity.WARNING, "FakeTensorRT: no DLA available, all layers fall back to the GPU")
@@ -1178,7 +1319,6 @@ class _Builder:
                 monitor.step_complete("Building engine", step)
         if monitor is not None:
             monitor.phase_finish("Building engine")
-        precision = "int8" if config.get_flag(BuilderFlag.INT8) else "fp16" if config.get_flag(BuilderFlag.FP16) else "fp32"
         if config.timing_cache is not None:
             for ranges in profiles:
                 key = hashlib.sha256(json.dumps([precision, ranges], sort_keys=True).encode()).hexdigest()[:16]
@@ -1197,6 +1337,7 @@ class _Builder:
             "trt_version": self._trt.__version__,
             "compute_capability": list(self._trt.cuda.compute_capability),
             "precision": precision,
+            "typing": "strong" if strongly_typed else "weak",
             "dla_core": config.DLA_core if on_dla else -1,
             "workspace": config.pool_limits.get(MemoryPoolType.WORKSPACE),
             "io": [{"name": t.name, "mode": mode, "dtype": t.dtype.name, "shape": list(t.shape),
@@ -1226,15 +1367,21 @@ def tensorrt_installed() -> bool:
 
 
 def require_real_tensorrt():
-    """Skip unless real TensorRT and pycuda are installed (i.e. on the device); returns them."""
+    """Skip unless real TensorRT and a CUDA binding are installed (i.e. on the device); returns
+    (tensorrt, the binding module: cuda.bindings.driver, else pycuda.driver)."""
     import pytest
 
     trt = pytest.importorskip("tensorrt", reason="needs NVIDIA TensorRT (a Jetson or a GPU machine)")
     if not tensorrt_installed():
         pytest.skip("needs NVIDIA TensorRT (a Jetson or a GPU machine): 'tensorrt' here is only the tests/trt "
                     "directory")
-    cuda = pytest.importorskip("pycuda.driver", reason="needs pycuda with a CUDA driver")
-    return trt, cuda
+    from edge_batcher.engines.cuda_api import load_cuda_api
+
+    try:
+        api = load_cuda_api()
+    except ImportError as exc:
+        pytest.skip(f"needs cuda-python or pycuda with a CUDA driver: {exc}")
+    return trt, api.d
 
 
 

@@ -20,8 +20,12 @@ from edge_batcher.memory.probe import (
     detect_probe,
     is_jetson,
     own_cgroup_dirs,
+    parse_l4t_release,
     parse_meminfo,
+    read_jetson_info,
 )
+from tests.fakes.fake_cuda_bindings import fake_cuda_module
+from tests.fakes.fake_tensorrt import FakeCuda
 
 KB = 1024
 MiB = 1 << 20
@@ -292,9 +296,115 @@ def test_detect_probe_by_name_and_bad_names() -> None:
 
 
 def test_gpu_probes_say_what_is_missing(tmp_path: Path) -> None:
-    if importlib.util.find_spec("pycuda") is None:
-        with pytest.raises(ConfigError, match="pycuda"):
+    bindings = [m for m in ("cuda.bindings", "pycuda") if _importable(m)]
+    if not bindings:
+        with pytest.raises(ConfigError, match="needs a CUDA Python binding.*cuda-python.*pycuda"):
+            CudaProbe(root=tmp_path).read()
+    elif not _cuda_driver_present():  # a binding without a driver (this CI): the error names both
+        with pytest.raises(ConfigError, match="cannot open CUDA device 0 with (cuda-python|pycuda)"):
             CudaProbe(root=tmp_path).read()
     if importlib.util.find_spec("pynvml") is None:
         with pytest.raises(ConfigError, match="pynvml"):
             NvmlProbe(root=tmp_path).read()
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # the parent package is missing
+        return False
+
+
+def _cuda_driver_present() -> bool:
+    return any(Path(d, "libcuda.so.1").exists() for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu",
+                                                         "/usr/lib64", "/usr/local/cuda/compat"))
+
+
+# --- CudaProbe over both CUDA bindings (fakes of the same fake GPU) ------------------------------
+
+
+@pytest.mark.parametrize("binding", ["pycuda", "cuda-python"])
+def test_cuda_probe_reads_free_and_total_through_either_binding(tmp_path: Path, binding: str) -> None:
+    gpu = FakeCuda(total_memory=8 << 30)
+    probe = CudaProbe(0, root=tmp_path, cuda_module=fake_cuda_module(binding, gpu))
+    snap = probe.read()
+    assert (snap.total_bytes, snap.free_bytes, snap.source) == (8 << 30, 8 << 30, "cuda:0")
+    assert probe.binding == binding and gpu.primary_retained == 1
+    # Memory another user of the device takes shows up in the next read.
+    ctx = gpu.Device(0).retain_primary_context()
+    ctx.push()
+    gpu.mem_alloc(3 << 30)
+    gpu.Context.pop()
+    assert probe.read().free_bytes == 5 << 30
+    assert gpu.Context.get_current() is None  # the probe pops what it pushed
+    probe.close()
+    ctx.detach()
+    assert gpu.primary_retained == 0
+
+
+@pytest.mark.parametrize("binding", ["pycuda", "cuda-python"])
+def test_cuda_probe_on_a_missing_device_is_a_config_error(tmp_path: Path, binding: str) -> None:
+    probe = CudaProbe(1, root=tmp_path, cuda_module=fake_cuda_module(binding, FakeCuda(device_count=1)))
+    with pytest.raises(ConfigError, match=f"cannot open CUDA device 1 with {binding}"):
+        probe.read()
+
+
+# --- JetPack and Jetson modules -------------------------------------------------------------------
+
+
+def jetson_root(tmp_path: Path, release: str, model: bytes) -> Path:
+    (tmp_path / "etc").mkdir(parents=True)
+    (tmp_path / "etc" / "nv_tegra_release").write_text(release)
+    (tmp_path / "proc" / "device-tree").mkdir(parents=True)
+    (tmp_path / "proc" / "device-tree" / "model").write_bytes(model)
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    "release, model, jetpack, cuda, trt, python, module, memory_gib, dla",
+    [
+        ("# R36 (release), REVISION: 4.3, GCID: 38968081, BOARD: generic, EABI: aarch64\n",
+         b"NVIDIA Jetson Orin Nano Engineering Reference Developer Kit Super\x00",
+         "6.1/6.2", "12.6", "10.3", "3.10", "Jetson Orin Nano", None, 0),
+        ("# R38 (release), REVISION: 2.0, GCID: 41844464, BOARD: generic, EABI: aarch64\n",
+         b"NVIDIA Jetson AGX Thor Developer Kit\x00", "7.0/7.1", "13", "10.13-10.16", "3.12",
+         "Jetson AGX Thor (T5000)", 128, 0),
+        ("# R38 (release), REVISION: 4.0, GCID: 1, BOARD: generic, EABI: aarch64\n",
+         b"NVIDIA Jetson T4000\x00", "7.0/7.1", "13", "10.13-10.16", "3.12", "Jetson Thor T4000", 64, 0),
+        ("# R39 (release), REVISION: 0.0, GCID: 1, BOARD: generic, EABI: aarch64\n",
+         b"NVIDIA Jetson AGX Orin Developer Kit\x00", "7.2", "13", "10.13-10.16", "3.12", "Jetson AGX Orin", None, 2),
+    ],
+)
+def test_read_jetson_info_knows_jetpack_6_and_7(tmp_path: Path, release, model, jetpack, cuda, trt, python, module,
+                                                 memory_gib, dla) -> None:
+    info = read_jetson_info(jetson_root(tmp_path, release, model))
+    assert info is not None and info.jetpack is not None and info.module is not None
+    assert (info.jetpack.jetpack, info.jetpack.cuda, info.jetpack.tensorrt, info.jetpack.python) == (
+        jetpack, cuda, trt, python)
+    assert (info.module.name, info.module.memory_gib, info.module.dla_cores) == (module, memory_gib, dla)
+    assert f"JetPack {jetpack}" in info.describe() and module in info.describe()
+
+
+def test_jetson_info_off_jetson_and_unknown_releases(tmp_path: Path) -> None:
+    assert read_jetson_info(tmp_path) is None
+    info = read_jetson_info(jetson_root(tmp_path, "# R99 (release), REVISION: 1.0\n", b"Some future board\x00"))
+    assert info is not None and info.l4t == (99, 1, 0) and info.jetpack is None and info.module is None
+    assert info.describe() == "L4T R99.1.0, Some future board"
+    assert parse_l4t_release("garbage") is None and parse_l4t_release("") is None
+
+
+def test_jetson_thor_uses_the_jetson_probe_not_cuda(tmp_path: Path) -> None:
+    root = jetson_root(tmp_path, "# R38 (release), REVISION: 2.0\n", b"NVIDIA Jetson AGX Thor Developer Kit\x00")
+    with pytest.raises(ConfigError, match="Jetson"):
+        CudaProbe(root=root)
+    probe = detect_probe("auto", root=root, meminfo_path=_thor_meminfo(tmp_path), cgroup_dir=tmp_path / "none")
+    assert isinstance(probe, JetsonProbe)
+    assert probe.read().total_bytes == 128 * 1000**3 // KB * KB  # what /proc/meminfo says, not a table
+
+
+def _thor_meminfo(tmp_path: Path) -> Path:
+    path = tmp_path / "meminfo"
+    total = 128 * 1000**3 // KB  # kB
+    path.write_text(meminfo(total=total, free=total // 2, available=total // 2, swap_total=0, swap_free=0,
+                            nvmap=1 << 20))
+    return path

@@ -72,7 +72,7 @@ def test_a_bare_onnx_file_gets_default_sizes_and_a_name_from_the_file(tmp_path, 
         (["--dla-core", "0", "--fp16", "--range"], "cannot use --range"),
         (["--dla-core", "-2", "--fp16"], "DLA core number >= 0"),
         (["--no-gpu-fallback"], "only applies with --dla-core"),
-        (["--int8"], "--int8 needs --calibration-cache"),
+        (["--int8"], "--int8 needs INT8 scales"),
         (["--calibration-cache", "x.cache"], "only applies with --int8"),
         (["--int8", "--calibration-cache", "/nonexistent/calib.cache"], "not found"),
         (["--workspace-mb", "-1"], ">= 0"),
@@ -168,8 +168,8 @@ def test_quiet_build_prints_no_phases(repo, trt, cuda, capsys):
     assert "Building engine" not in capsys.readouterr().out
 
 
-def test_dla_build_sets_the_builder_up_for_dla(repo, build, cuda):
-    agx = FakeTensorRT(cuda, num_dla_cores=2)
+def test_dla_build_sets_the_builder_up_for_dla(repo, build, cuda, trt):
+    agx = FakeTensorRT(cuda, version=trt.__version__, num_dla_cores=2)
     model_dir = build("--fp16", "--dla-core", "1", trt_module=agx)
     plan = json.loads((model_dir / "model.plan").read_text())
     assert plan["dla_core"] == 1 and plan["precision"] == "fp16"
@@ -216,3 +216,109 @@ def test_tools_build_engine_script_runs(repo):
 def test_model_toml_values_are_valid_toml():
     assert trt_build._toml_value('say "hi"\\') == '"say \\"hi\\"\\\\"'
     assert tomllib.loads(f"x = {trt_build._toml_value(['a', 1, 2.5, True])}")["x"] == ["a", 1, 2.5, True]
+
+
+# ------------------------------------------------------------------ TensorRT 10.x and 11.x
+
+
+def qdq_model(directory):
+    """A small explicitly quantized model (Q/DQ on the input, then a MatMul), dynamic batch."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).normal(size=(256, 4)).astype(np.float32), "w")
+    scale = numpy_helper.from_array(np.array(0.05, np.float32), "scale")
+    zero = numpy_helper.from_array(np.array(0, np.int8), "zero")
+    graph = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["signal", "scale", "zero"], ["q"]),
+         helper.make_node("DequantizeLinear", ["q", "scale", "zero"], ["dq"]),
+         helper.make_node("MatMul", ["dq", "w"], ["logits"])],
+        "qdq",
+        [helper.make_tensor_value_info("signal", TensorProto.FLOAT, ["N", 256])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 4])],
+        [w, scale, zero],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    directory.mkdir(parents=True, exist_ok=True)
+    onnx.save(model, str(directory / "model.onnx"))
+    return directory / "model.onnx"
+
+
+def plan_json(model_dir):
+    return json.loads((model_dir / "model.plan").read_bytes())
+
+
+def test_fp16_on_tensorrt_10_sets_the_builder_flag(build, trt10):
+    model_dir = build("--fp16", trt_module=trt10)
+    plan, record = plan_json(model_dir), json.loads((model_dir / "model.plan.json").read_text())
+    assert (plan["precision"], plan["typing"]) == ("fp16", "weak")
+    assert record["precision_from"] == "builder flags" and record["onnx_built"].endswith("vibration/model.onnx")
+    assert not (model_dir / trt_build.FP16_ONNX_FILE).exists()
+
+
+def test_fp16_on_tensorrt_11_converts_the_model_and_builds_it_strongly_typed(repo, build, trt11, capsys):
+    model_dir = build("--fp16", trt_module=trt11)
+    plan, record = plan_json(model_dir), json.loads((model_dir / "model.plan.json").read_text())
+    assert (plan["precision"], plan["typing"]) == ("fp16", "strong")
+    assert record["precision_from"] == "FP16 conversion"
+    assert record["onnx_built"] == str((model_dir / trt_build.FP16_ONNX_FILE).resolve())
+    assert "strongly typed networks only" in record["tensorrt_capabilities"]
+    # The plan's I/O stays FP32 (the conversion casts at the edges), so clients see no change.
+    assert {t["name"]: t["dtype"] for t in plan["io"]}["signal"] == "FLOAT"
+    # model.toml still says fp16 and names the original model: a rebuild converts again.
+    s = tensorrt_settings(load_model_config(model_dir))
+    assert (s.precision, s.onnx) == ("fp16", "../vibration/model.onnx")
+
+
+def test_calibration_cache_on_tensorrt_11_exits_2_and_names_the_way_forward(repo, trt11, cuda, tmp_path, capsys):
+    cache = tmp_path / "calib.cache"
+    cache.write_bytes(b"TRT-100300-EntropyCalibration2\n")
+    rc = trt_build.build_engine_main([str(repo / "vibration" / "model.onnx"), "--int8", "--calibration-cache",
+                                      str(cache), "--quiet"], trt11, cuda)
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "TensorRT 11.4.0 has no INT8 calibration" in err and "modelopt.onnx.quantization" in err
+    assert "build that model with --int8" in err
+    assert not (repo / "vibration-trt").exists()
+
+
+def test_int8_without_qdq_on_tensorrt_11_is_refused_even_past_the_argument_check(repo, trt11, cuda):
+    request = trt_build.request_from_args(build_args(str(repo / "vibration" / "model.onnx"), "--fp16"))
+    request.precision = "int8"  # as a caller that skipped request_from_args' own check would
+    with pytest.raises(ConfigError, match="strongly typed networks only.*no(ne| Q/DQ).*modelopt"):
+        trt_build.build_engine(request, trt11, cuda, write=lambda line: None, progress=False)
+
+
+@pytest.mark.parametrize("version, typing", [("10.3.0", "weak"), ("11.4.0", "strong")])
+def test_a_qdq_model_builds_int8_on_both_generations(tmp_path, cuda, version, typing):
+    onnx_path = qdq_model(tmp_path / "src" / "qdq")
+    trt = FakeTensorRT(cuda, version=version)
+    request = trt_build.request_from_args(build_args(str(onnx_path), "--int8", "--repository", str(tmp_path / "out")))
+    assert request.has_qdq and request.calibration_cache is None
+    trt_build.build_engine(request, trt, cuda, write=lambda line: None, progress=False)
+    plan = plan_json(request.model_dir)
+    assert (plan["precision"], plan["typing"]) == ("int8", typing)
+    record = json.loads(request.plan_path.with_name("model.plan.json").read_text())
+    assert record["precision_from"] == ("builder flags" if typing == "weak" else "Q/DQ nodes")
+
+
+def test_an_fp16_build_that_cannot_be_converted_says_how_to_convert_it(tmp_path, trt11, cuda, capsys):
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Resize", ["x", "", "scales"], ["y"], mode="nearest")], "resize",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 1, 4, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 1, 8, 8])],
+        [helper.make_tensor("scales", TensorProto.FLOAT, [4], [1, 1, 2, 2])],
+    )
+    (tmp_path / "up").mkdir()
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "up" / "model.onnx"))
+    rc = trt_build.build_engine_main([str(tmp_path / "up" / "model.onnx"), "--fp16", "--repository",
+                                      str(tmp_path / "out"), "--quiet"], trt11, cuda)
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "cannot convert" in err and "Resize" in err and "modelopt.onnx.autocast" in err
+    assert not (tmp_path / "out").exists()

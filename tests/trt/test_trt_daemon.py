@@ -10,10 +10,13 @@ import asyncio
 
 import numpy as np
 import onnxruntime as ort
+import pytest
 
 from edge_batcher.client import AsyncClient
+from tests.trt.conftest import TRT10
 
 
+@pytest.mark.parametrize("trt", [TRT10], indirect=True)  # FakeTensorRTEngine is a 10.3.0 fake
 def test_daemon_serves_a_tensorrt_plan_in_preferred_sizes(start_daemon, repo, build):
     model_dir = build()
     toml = model_dir / "model.toml"

@@ -172,17 +172,17 @@ def test_memory_footprint_is_tensorrts_own_numbers(build, engine_for, cuda):
         engine.memory_footprint(3)
 
 
-def test_weights_fall_back_to_the_plan_size_without_engine_stats(build, engine_for, cuda):
-    old = FakeTensorRT(cuda, engine_stats=False)
+def test_weights_fall_back_to_the_plan_size_without_engine_stats(build, engine_for, cuda, trt):
+    old = FakeTensorRT(cuda, version=trt.__version__, engine_stats=False)
     model_dir = build(trt_module=old)
     engine = engine_for(model_dir, trt_module=old)
     assert engine.memory_footprint(2)["weights"] == (model_dir / "model.plan").stat().st_size
 
 
-def test_out_of_memory_at_load_is_out_of_memory_and_frees_what_it_took(build, engine_for):
+def test_out_of_memory_at_load_is_out_of_memory_and_frees_what_it_took(build, engine_for, trt):
     model_dir = build()
     small = FakeCuda(total_memory=300_000)  # room for the weights, not for the buffers too
-    engine = engine_for(model_dir, trt_module=FakeTensorRT(small), cuda_module=small, load=False)
+    engine = engine_for(model_dir, trt_module=FakeTensorRT(small, version=trt.__version__), cuda_module=small, load=False)
     with pytest.raises(OutOfMemory, match="out of memory loading"):
         engine.load()
     import gc
@@ -206,13 +206,13 @@ def test_sequence_model_runs_per_bucket_and_sizes_for_the_longest_bucket(repo, b
 # ------------------------------------------------------------------ errors at load
 
 
-def test_plan_from_another_tensorrt_version_says_how_to_rebuild(repo, build, engine_for, cuda):
+def test_plan_from_another_tensorrt_version_says_how_to_rebuild(repo, build, engine_for, cuda, trt):
     model_dir = build(trt_module=FakeTensorRT(cuda, version="10.0.1"))
-    engine = engine_for(model_dir, load=False)  # loaded by the default 10.3.0 fake
+    engine = engine_for(model_dir, load=False)  # loaded by the 10.3.0 or 11.4.0 fake
     with pytest.raises(ConfigError) as info:
         engine.load()
     text = str(info.value)
-    assert "TensorRT 10.3.0 cannot load the plan" in text
+    assert f"TensorRT {trt.__version__} cannot load the plan" in text
     assert "built for another TensorRT version or GPU" in text
     assert "built with TensorRT 10.0.1" in text and "model.plan.json" in text
     assert "edge-batcher build-engine" in text and "tools/build_engine.py" in text
@@ -221,10 +221,10 @@ def test_plan_from_another_tensorrt_version_says_how_to_rebuild(repo, build, eng
     assert cuda.primary_retained == 0
 
 
-def test_plan_from_another_gpu_is_refused_too(build, engine_for):
+def test_plan_from_another_gpu_is_refused_too(build, engine_for, trt):
     model_dir = build()
     other = FakeCuda(compute_capability=(7, 2))  # a Xavier
-    engine = engine_for(model_dir, trt_module=FakeTensorRT(other), cuda_module=other, load=False)
+    engine = engine_for(model_dir, trt_module=FakeTensorRT(other, version=trt.__version__), cuda_module=other, load=False)
     with pytest.raises(ConfigError, match="another TensorRT version or GPU.*incompatible device"):
         engine.load()
 
@@ -267,16 +267,16 @@ def test_bad_tensorrt_table_names_the_key(build, engine_for):
         engine_for(model_dir, load=False).load()
 
 
-def test_dla_core_on_a_device_without_dla(build, engine_for, cuda):
-    agx = FakeTensorRT(cuda, num_dla_cores=2)
+def test_dla_core_on_a_device_without_dla(build, engine_for, cuda, trt):
+    agx = FakeTensorRT(cuda, version=trt.__version__, num_dla_cores=2)
     model_dir = build("--fp16", "--dla-core", "1", trt_module=agx)
     engine = engine_for(model_dir, load=False)  # an Orin Nano: no DLA
     with pytest.raises(ConfigError, match="dla_core = 1, but this device has 0 DLA core"):
         engine.load()
 
 
-def test_dla_plan_loads_on_the_configured_core(repo, build, engine_for, cuda):
-    agx = FakeTensorRT(cuda, num_dla_cores=2)
+def test_dla_plan_loads_on_the_configured_core(repo, build, engine_for, cuda, trt):
+    agx = FakeTensorRT(cuda, version=trt.__version__, num_dla_cores=2)
     model_dir = build("--fp16", "--dla-core", "1", trt_module=agx)
     engine = engine_for(model_dir, trt_module=agx)  # the fake refuses a DLA plan unless DLA_core was set
     x = windows(4)
@@ -295,10 +295,10 @@ def test_rebuild_command_repeats_the_build_options(build):
 # ------------------------------------------------------------------ lazy import
 
 
-def test_importing_the_backend_imports_neither_tensorrt_nor_pycuda():
+def test_importing_the_backend_imports_neither_tensorrt_nor_a_cuda_binding():
     code = ("import sys, edge_batcher.engines.tensorrt, edge_batcher.engines.trt_build, "
-            "edge_batcher.engines.trt_profiles; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorrt', 'pycuda')))")
+            "edge_batcher.engines.trt_profiles, edge_batcher.engines.cuda_api, edge_batcher.memory.probe; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorrt', 'pycuda', 'cuda')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 
@@ -311,7 +311,7 @@ def test_without_tensorrt_installed_load_says_what_to_install(build):
     if tensorrt_installed():
         pytest.skip("tensorrt is installed here")
     engine = create_engine(load_model_config(build()))
-    with pytest.raises(ConfigError, match=r"needs the tensorrt and pycuda packages.*JetPack.*edge-batcher\[tensorrt\]"):
+    with pytest.raises(ConfigError, match=r"needs TensorRT and a CUDA Python binding.*JetPack.*edge-batcher\[tensorrt\]"):
         engine.load()
 
 
@@ -325,3 +325,84 @@ def test_profile_module_and_engine_agree_on_selection(build, engine_for):
     engine = engine_for(build())
     for size in (2, 4, 8):
         assert tp.profile_for_batch(size, engine.profiles) == tp.select_profile({"signal": (size, 256)}, engine.profiles)
+
+
+# ------------------------------------------------------------------ TensorRT 10.x and 11.x
+
+
+def test_capabilities_are_found_by_looking_not_by_version(trt10, trt11):
+    from edge_batcher.engines.tensorrt import tensorrt_capabilities
+
+    c10, c11 = tensorrt_capabilities(trt10), tensorrt_capabilities(trt11)
+    assert (c10.precision_flags, c10.int8_calibration, c10.explicit_batch_flag, c10.strongly_typed_only) == (
+        True, True, True, False)
+    assert (c11.precision_flags, c11.int8_calibration, c11.explicit_batch_flag, c11.strongly_typed_only) == (
+        False, False, False, True)
+    assert c10.describe() == "TensorRT 10.3.0: FP16/INT8 builder flags, INT8 calibration"
+    assert c11.describe().startswith("TensorRT 11.4.0: strongly typed networks only")
+
+
+def test_import_tensorrt_reports_version_capabilities_and_binding(trt, cuda_module, binding, caplog):
+    from edge_batcher.engines.tensorrt import import_tensorrt
+
+    with caplog.at_level("INFO", logger="edge_batcher.engines.tensorrt"):
+        modules = import_tensorrt(trt, cuda_module)
+    assert modules.trt is trt and modules.cuda.name == binding
+    assert modules.capabilities.version == trt.__version__
+    assert f"TensorRT {trt.__version__}: " in caplog.text and f"CUDA binding {binding}" in caplog.text
+
+
+def test_a_tensorrt_newer_than_11_loads_with_a_warning(build, engine_for, cuda, caplog):
+    future = FakeTensorRT(cuda, version="12.0.0")  # behaves as the 11.x fake: strongly typed only
+    model_dir = build(trt_module=future)
+    with caplog.at_level("WARNING", logger="edge_batcher.engines.tensorrt"):
+        engine = engine_for(model_dir, trt_module=future)
+    assert "TensorRT 12.0.0 is newer than the 11.x" in caplog.text
+    x = windows(2)
+    np.testing.assert_allclose(engine.infer({"signal": x})["class_probs"], reference(model_dir.parent, x)["class_probs"],
+                               atol=1e-5)
+
+
+def test_a_tensorrt_lacking_a_needed_name_is_refused(build, engine_for, cuda, trt):
+    broken = _Without(FakeTensorRT(cuda, version=trt.__version__), "ExecutionContextAllocationStrategy")
+    engine = engine_for(build(), trt_module=broken, load=False)
+    with pytest.raises(ConfigError, match="lacks ExecutionContextAllocationStrategy.*TensorRT 10.x and 11.x"):
+        engine.load()
+
+
+class _Without:
+    """A module stand-in that hides one name of the wrapped fake."""
+
+    def __init__(self, inner, hidden: str):
+        self._inner, self._hidden = inner, hidden
+
+    def __getattr__(self, name):
+        if name == self._hidden:
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+
+def test_a_stale_calibrated_int8_plan_on_tensorrt_11_prints_a_rebuild_it_can_do(repo, build, engine_for, cuda,
+                                                                                 trt10, trt11, tmp_path):
+    cache = tmp_path / "calib.cache"
+    cache.write_bytes(b"TRT-100300-EntropyCalibration2\n")
+    model_dir = build("--int8", "--calibration-cache", str(cache), trt_module=trt10)
+    engine = engine_for(model_dir, trt_module=trt11, load=False)  # JetPack plan moved to a TensorRT 11 desktop
+    with pytest.raises(ConfigError) as info:
+        engine.load()
+    text = str(info.value)
+    assert "TensorRT 11.4.0 cannot load the plan" in text and "built with TensorRT 10.3.0" in text
+    assert "--int8" in text and "--calibration-cache" not in text.split("(TensorRT 11.4.0 has no")[0]
+    assert "has no INT8 calibration" in text and "modelopt.onnx.quantization" in text
+    # The same plan on a TensorRT 10 of another version keeps the calibration cache in the command.
+    older = FakeTensorRT(cuda, version="10.0.1")
+    with pytest.raises(ConfigError, match=f"--calibration-cache {cache}"):
+        engine_for(model_dir, trt_module=older, load=False).load()
+
+
+def test_tensorrt_11_engines_have_no_v1_memory_queries_and_the_backend_does_not_need_them(build, engine_for, trt11):
+    engine = engine_for(build(trt_module=trt11), trt_module=trt11)
+    assert not hasattr(engine._engine, "get_device_memory_size_for_profile")
+    assert not hasattr(engine._engine, "device_memory_size")
+    f = engine.memory_footprint(8)
+    assert f["activations"] == engine._engine.get_device_memory_size_for_profile_v2(2) > 0

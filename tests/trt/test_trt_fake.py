@@ -145,13 +145,14 @@ def test_mem_alloc_runs_out_and_async_copies_need_pinned_memory():
     cuda.Context.pop()
 
 
-def test_deserialize_returns_none_for_other_versions_gpus_and_garbage(build, cuda):
+def test_deserialize_returns_none_for_other_versions_gpus_and_garbage(build, cuda, trt):
     plan = (build() / "model.plan").read_bytes()
-    for trt in (FakeTensorRT(cuda, version="10.7.0"), FakeTensorRT(FakeCuda(compute_capability=(8, 6)))):
-        logger = make_logger(trt)
-        assert trt.Runtime(logger).deserialize_cuda_engine(plan) is None
+    other_version = "11.4.0" if trt.major == 10 else "10.3.0"
+    for other in (FakeTensorRT(cuda, version=other_version),
+                  FakeTensorRT(FakeCuda(compute_capability=(8, 6)), version=trt.__version__)):
+        logger = make_logger(other)
+        assert other.Runtime(logger).deserialize_cuda_engine(plan) is None
         assert logger.take()
-    trt = FakeTensorRT(cuda)
     logger = make_logger(trt)
     assert trt.Runtime(logger).deserialize_cuda_engine(b"\x7fELF") is None
     assert "magic tag" in logger.take()
@@ -180,3 +181,54 @@ def test_builder_checks_profiles(repo, trt):
     assert "invalid" in logger.take()
     bad = trt.OnnxParser(builder.create_network(0), logger)
     assert not bad.parse(b"not onnx") and bad.num_errors == 1
+
+
+# ------------------------------------------------------------------ the two API generations
+
+
+def test_the_11_fake_has_none_of_what_tensorrt_11_removed(repo, build, trt10, trt11):
+    from tests.fakes.fake_tensorrt import REMOVED_IN_11
+
+    for name in REMOVED_IN_11["module"]:
+        assert hasattr(trt10, name) and not hasattr(trt11, name)
+    for name in REMOVED_IN_11["BuilderFlag"]:
+        assert hasattr(trt10.BuilderFlag, name) and not hasattr(trt11.BuilderFlag, name)
+    assert hasattr(trt10.NetworkDefinitionCreationFlag, "EXPLICIT_BATCH")
+    assert not hasattr(trt11.NetworkDefinitionCreationFlag, "EXPLICIT_BATCH")
+    for trt, present in ((trt10, True), (trt11, False)):
+        builder = trt.Builder(make_logger(trt))
+        config = builder.create_builder_config()
+        for name in REMOVED_IN_11["IBuilder"]:
+            assert hasattr(builder, name) is present
+        for name in REMOVED_IN_11["IBuilderConfig"]:
+            assert hasattr(config, name) is present
+        engine = trt.Runtime(make_logger(trt)).deserialize_cuda_engine(
+            (build(trt_module=trt, model=f"m{trt.major}") / "model.plan").read_bytes())
+        for name in REMOVED_IN_11["ICudaEngine"]:
+            assert hasattr(engine, name) is present
+        assert hasattr(engine, "get_device_memory_size_for_profile_v2")
+        context = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+        assert hasattr(context, "set_device_memory")
+        if not present:
+            with pytest.raises(AttributeError, match="removed in TensorRT 11"):
+                context.device_memory = 1 << 20
+
+
+def test_the_11_fake_refuses_the_explicit_batch_flag_and_10_refuses_flags_on_a_strongly_typed_network(repo, trt10,
+                                                                                                   trt11):
+    logger = make_logger(trt11)
+    assert trt11.Builder(logger).create_network(1 << 0) is None
+    assert "unknown NetworkDefinitionCreationFlag" in logger.take()
+    assert trt11.Builder(logger).create_network(1 << int(trt11.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+
+    logger = make_logger(trt10)
+    builder = trt10.Builder(logger)
+    network = builder.create_network(1 << int(trt10.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    assert trt10.OnnxParser(network, logger).parse_from_file(str(repo / "vibration" / "model.onnx"))
+    config = builder.create_builder_config()
+    profile = builder.create_optimization_profile()
+    profile.set_shape("signal", (2, 256), (2, 256), (2, 256))
+    config.add_optimization_profile(profile)
+    config.set_flag(trt10.BuilderFlag.FP16)
+    assert builder.build_serialized_network(network, config) is None
+    assert "not allowed on a strongly typed network" in logger.take()

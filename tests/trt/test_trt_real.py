@@ -1,4 +1,4 @@
-"""Tests that need real TensorRT, pycuda and an NVIDIA GPU (a Jetson): skipped elsewhere, with a reason.
+"""Tests that need real TensorRT, a CUDA binding (cuda-python or pycuda) and an NVIDIA GPU: skipped elsewhere.
 
 They are the on-device counterpart of the fake-backed tests: same builder and backend, the real
 modules. Nothing in this file has run in this project's CI (there is no GPU there).
@@ -12,30 +12,46 @@ import pytest
 
 from edge_batcher.config import load_model_config
 from edge_batcher.engines import trt_build
-from edge_batcher.engines.tensorrt import TensorRTEngine
+from edge_batcher.engines.cuda_api import cuda_api_from
+from edge_batcher.engines.tensorrt import TensorRTEngine, tensorrt_capabilities
 from edge_batcher.errors import ConfigError
 from tests.fakes.fake_tensorrt import FakeCuda, FakeTensorRT, require_real_tensorrt
 
 # Every TensorRT name the backend and the builder use, checked against the real bindings on the
 # device and against the fake here, so the two cannot drift apart silently.
-MODULE_NAMES = ["Runtime", "Builder", "OnnxParser", "ILogger", "IProgressMonitor", "IInt8EntropyCalibrator2",
-                "TensorIOMode", "ExecutionContextAllocationStrategy", "BuilderFlag", "MemoryPoolType", "DeviceType"]
+MODULE_NAMES = ["Runtime", "Builder", "OnnxParser", "ILogger", "IProgressMonitor", "TensorIOMode",
+                "ExecutionContextAllocationStrategy", "BuilderFlag", "MemoryPoolType", "DeviceType",
+                "NetworkDefinitionCreationFlag"]
+# Used only where tensorrt_capabilities() finds the weak-typing API (TensorRT 10.x); 11.x has none of them.
+WEAK_TYPING_NAMES = ["IInt8EntropyCalibrator2", "BuilderFlag.FP16", "BuilderFlag.INT8"]
 ENGINE_NAMES = ["num_io_tensors", "get_tensor_name", "get_tensor_mode", "get_tensor_dtype", "get_tensor_shape",
                 "num_optimization_profiles", "get_tensor_profile_shape", "get_device_memory_size_for_profile_v2",
                 "create_execution_context", "is_shape_inference_io"]
 CONTEXT_NAMES = ["set_device_memory", "set_optimization_profile_async", "set_input_shape", "get_tensor_shape",
                  "set_tensor_address", "execute_async_v3"]
-CUDA_NAMES = ["init", "Device", "Context", "Stream", "mem_alloc", "pagelocked_empty", "memcpy_htod_async",
-              "memcpy_dtoh_async", "mem_get_info", "MemoryError"]
+PYCUDA_NAMES = ["init", "Device", "Context", "Stream", "mem_alloc", "pagelocked_empty", "memcpy_htod_async",
+                "memcpy_dtoh_async", "mem_get_info", "MemoryError", "get_driver_version"]
+CUDA_PYTHON_NAMES = ["cuInit", "cuDeviceGet", "cuDeviceGetCount", "cuDeviceGetName", "cuDeviceGetAttribute",
+                     "cuDriverGetVersion", "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease", "cuCtxPushCurrent",
+                     "cuCtxPopCurrent", "cuMemAlloc", "cuMemFree", "cuMemAllocHost", "cuMemFreeHost",
+                     "cuMemcpyHtoDAsync", "cuMemcpyDtoHAsync", "cuStreamCreate", "cuStreamSynchronize",
+                     "cuStreamDestroy", "cuMemGetInfo", "cuGetErrorName", "CUdevice_attribute", "CUstream_flags"]
 
 
 def _surface(trt, cuda, plan: bytes) -> list[str]:
     missing = [f"tensorrt.{n}" for n in MODULE_NAMES if not hasattr(trt, n)]
-    missing += [f"pycuda.driver.{n}" for n in CUDA_NAMES if not hasattr(cuda, n)]
+    if tensorrt_capabilities(trt).precision_flags:
+        for name in WEAK_TYPING_NAMES:
+            owner, _, attr = name.rpartition(".")
+            if not hasattr(getattr(trt, owner) if owner else trt, attr):
+                missing.append(f"tensorrt.{name}")
+    api = cuda_api_from(cuda)
+    names = CUDA_PYTHON_NAMES if api.name == "cuda-python" else PYCUDA_NAMES
+    missing += [f"{api.name}.{n}" for n in names if not hasattr(cuda, n)]
     if not hasattr(trt.ExecutionContextAllocationStrategy, "USER_MANAGED"):
         missing.append("ExecutionContextAllocationStrategy.USER_MANAGED")
-    cuda.init()
-    ctx = cuda.Device(0).retain_primary_context()
+    api.init()
+    ctx = api.open_device(0)
     ctx.push()
     try:
         from edge_batcher.engines.tensorrt import make_logger
@@ -47,8 +63,8 @@ def _surface(trt, cuda, plan: bytes) -> list[str]:
         missing += [f"IExecutionContext.{n}" for n in CONTEXT_NAMES if not hasattr(context, n)]
         del context, engine
     finally:
-        cuda.Context.pop()
-        ctx.detach()
+        ctx.pop()
+        ctx.release()
     return missing
 
 
@@ -59,8 +75,8 @@ def _build(repo, trt, cuda, *argv):
     return request.model_dir
 
 
-def test_the_fake_has_every_name_the_backend_uses(build, trt, cuda):
-    assert _surface(trt, cuda, (build() / "model.plan").read_bytes()) == []
+def test_the_fake_has_every_name_the_backend_uses(build, trt, cuda_module):
+    assert _surface(trt, cuda_module, (build() / "model.plan").read_bytes()) == []
 
 
 def test_real_tensorrt_has_every_name_the_backend_uses(repo):

@@ -9,7 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.fakes.fake_cuda_bindings import fake_cuda_module
 from tests.fakes.fake_tensorrt import FakeCuda, FakeTensorRT, tensorrt_installed
+from tests.trt.conftest import TRT10, TRT11
 
 SCRIPT = Path(__file__).resolve().parents[2] / "tools" / "jetson_selftest.py"
 
@@ -47,8 +49,11 @@ def test_parse_meminfo_converts_kb_and_keeps_counts(st):
     "text, expected",
     [
         ("# R36 (release), REVISION: 4.0, GCID: 37537400, BOARD: generic, EABI: aarch64, DATE: Fri Sep 13\n",
-         "L4T R36.4.0 (JetPack 6)"),
-        ("# R35 (release), REVISION: 5.0, GCID: 35550185, BOARD: t186ref\n", "L4T R35.5.0 (JetPack 5)"),
+         "L4T R36.4.0 (JetPack 6.1/6.2)"),
+        ("# R35 (release), REVISION: 5.0, GCID: 35550185, BOARD: t186ref\n", "L4T R35.5.0 (JetPack 5.1)"),
+        ("# R38 (release), REVISION: 2.0, GCID: 41844464, BOARD: generic, EABI: aarch64\n",
+         "L4T R38.2.0 (JetPack 7.0/7.1)"),
+        ("# R39 (release), REVISION: 0.0, GCID: 1, BOARD: generic, EABI: aarch64\n", "L4T R39.0.0 (JetPack 7.2)"),
         ("# R99 (release), REVISION: 1.0\n", "L4T R99.1.0"),
         ("", ""),
         ("not a release file", ""),
@@ -100,19 +105,53 @@ def test_format_report_is_markdown_with_every_section(st):
     assert "**Result: FAIL**: RuntimeError: boom" in text and "FAKE TensorRT" in text
 
 
-def test_a_whole_run_against_the_fakes(st, model_repo, tmp_path, capsys):
+@pytest.mark.parametrize("binding", ["pycuda", "cuda-python"])
+@pytest.mark.parametrize("version, precision_from", [(TRT10, "builder flags"), (TRT11, "FP16 conversion")])
+def test_a_whole_run_against_the_fakes(st, model_repo, tmp_path, capsys, version, precision_from, binding):
     cuda = FakeCuda()
     out = tmp_path / "report.md"
     rc = st.main(["--onnx", str(model_repo / "vibration" / "model.onnx"), "--fp16", "--iterations", "3",
-                  "--workdir", str(tmp_path / "work"), "--out", str(out)], FakeTensorRT(cuda), cuda)
+                  "--workdir", str(tmp_path / "work"), "--out", str(out), "--root", str(tmp_path / "no-jetson")],
+                 FakeTensorRT(cuda, version=version), fake_cuda_module(binding, cuda))
     assert rc == 0
     text = out.read_text()
     assert text in capsys.readouterr().out  # printed too, for pasting
     assert "**Result: PASS**" in text and "FAKE TensorRT" in text
+    assert f"| TensorRT | TensorRT {version}: " in text and f"| CUDA binding | {binding} (fake) |" in text
+    assert f"| precision from | {precision_from} |" in text
     for size in (1, 2, 4, 8):
         assert f"| {size} | class_probs |" in text
     assert "measured (cuMemGetInfo (total - free))" in text
     assert (tmp_path / "work" / "selftest" / "model.plan").is_file()
+
+
+def thor_root(tmp_path: Path) -> Path:
+    root = tmp_path / "thor"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc" / "nv_tegra_release").write_text("# R38 (release), REVISION: 2.0, GCID: 1, BOARD: generic\n")
+    (root / "proc" / "device-tree").mkdir(parents=True)
+    (root / "proc" / "device-tree" / "model").write_bytes(b"NVIDIA Jetson AGX Thor Developer Kit\x00")
+    return root
+
+
+def test_dla_on_jetson_thor_is_refused_up_front(st, model_repo, tmp_path, capsys):
+    cuda = FakeCuda()
+    rc = st.main(["--onnx", str(model_repo / "vibration" / "model.onnx"), "--fp16", "--dla-core", "0",
+                  "--root", str(thor_root(tmp_path))], FakeTensorRT(cuda), cuda)
+    assert rc == 2
+    assert "Jetson AGX Thor (T5000) has no DLA" in capsys.readouterr().err
+
+
+def test_versions_name_jetpack_7_on_thor(st, tmp_path):
+    from edge_batcher.engines.cuda_api import cuda_api_from
+
+    cuda = FakeCuda()
+    api = cuda_api_from(cuda)
+    api.init()
+    versions = st.read_versions(FakeTensorRT(cuda), api, thor_root(tmp_path))
+    assert versions["jetson"] == ("L4T R38.2.0, JetPack 7.0/7.1 (CUDA 13, TensorRT 10.13-10.16, Python 3.12), "
+                                  "Jetson AGX Thor (T5000)")
+    assert versions["CUDA driver"] == "12.6" and versions["GPU"].startswith("FakeCuda device")
 
 
 def test_a_failing_run_reports_instead_of_crashing(st, model_repo, tmp_path, capsys):
@@ -127,7 +166,7 @@ def test_without_tensorrt_it_exits_2(st, capsys):
     if tensorrt_installed():
         pytest.skip("tensorrt is installed here")
     assert st.main([]) == 2
-    assert "TensorRT and pycuda are needed" in capsys.readouterr().err
+    assert "TensorRT and a CUDA binding (cuda-python or pycuda) are needed" in capsys.readouterr().err
 
 
 def test_missing_demo_model_and_dla_without_fp16_exit_2(st, tmp_path, capsys):

@@ -1,0 +1,269 @@
+"""FakeCudaDriver: an honest stand-in for cuda-python's `cuda.bindings.driver`, in tests.
+
+NOT CUDA. It is the same fake GPU as tests/fakes/fake_tensorrt.py's FakeCuda (numpy "device"
+memory, thread-local context stacks, streams that run their work at synchronize), seen through
+cuda-python's driver API instead of pycuda's: every function returns a tuple whose first item
+is a CUresult, and errors are codes, not exceptions. So FakeTensorRT runs on memory and
+streams made through either binding.
+
+Same names, argument orders and result tuples as cuda.bindings.driver for the calls
+edge_batcher/engines/cuda_api.py makes (tests/trt/test_cuda_api.py checks the names against
+the real module where cuda-python is installed). Enforced as the driver does: calls that need a
+context fail with CUDA_ERROR_INVALID_CONTEXT when none is current on the thread, calls before
+cuInit with CUDA_ERROR_NOT_INITIALIZED, allocations beyond the fake device's memory with
+CUDA_ERROR_OUT_OF_MEMORY. Stricter than the driver: the host side of an async copy must be
+memory from cuMemAllocHost (the driver also takes pageable memory, silently synchronously).
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import numpy as np
+
+from tests.fakes.fake_tensorrt import CudaLogicError, CudaMemoryError, FakeContext, FakeCuda
+
+
+class CUresult(enum.IntEnum):
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_VALUE = 1
+    CUDA_ERROR_OUT_OF_MEMORY = 2
+    CUDA_ERROR_NOT_INITIALIZED = 3
+    CUDA_ERROR_NO_DEVICE = 100
+    CUDA_ERROR_INVALID_DEVICE = 101
+    CUDA_ERROR_INVALID_CONTEXT = 201
+    CUDA_ERROR_INVALID_HANDLE = 400
+
+
+class CUdevice_attribute(enum.IntEnum):  # noqa: N801 - cuda-python's name
+    CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
+    CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
+
+
+class CUstream_flags(enum.IntEnum):  # noqa: N801
+    CU_STREAM_DEFAULT = 0
+    CU_STREAM_NON_BLOCKING = 1
+
+
+class _Handle:
+    """cuda-python's handle types: int() gives the address / handle."""
+
+    def __init__(self, value: int, obj: Any = None):
+        self._value = int(value)
+        self.obj = obj
+
+    def __int__(self) -> int:
+        return self._value
+
+    def getPtr(self) -> int:  # noqa: N802 - cuda-python's name
+        return self._value
+
+
+class CUdevice(_Handle):
+    pass
+
+
+class CUdeviceptr(_Handle):
+    pass
+
+
+class CUstream(_Handle):
+    pass
+
+
+class CUcontext(_Handle):
+    pass
+
+
+_OK = CUresult.CUDA_SUCCESS
+
+
+class FakeCudaDriver:
+    """The cuda.bindings.driver functions edge-batcher calls, over a FakeCuda device."""
+
+    IS_FAKE = True
+    CUresult = CUresult
+    CUdevice_attribute = CUdevice_attribute
+    CUstream_flags = CUstream_flags
+    CUdevice = CUdevice
+    CUdeviceptr = CUdeviceptr
+    CUstream = CUstream
+    CUcontext = CUcontext
+
+    def __init__(self, gpu: FakeCuda):
+        self.gpu = gpu
+        self._host: dict[int, np.ndarray] = {}  # cuMemAllocHost address -> its bytes
+        self.counters = {"cuMemAlloc": 0, "cuMemAllocHost": 0, "cuMemFree": 0, "cuMemFreeHost": 0}
+
+    # ------------------------------------------------------------------ errors
+
+    def _code(self, exc: Exception) -> CUresult:
+        text = str(exc)
+        if isinstance(exc, CudaMemoryError):
+            return CUresult.CUDA_ERROR_OUT_OF_MEMORY
+        if "cuInit" in text:
+            return CUresult.CUDA_ERROR_NOT_INITIALIZED
+        if "context" in text:
+            return CUresult.CUDA_ERROR_INVALID_CONTEXT
+        if "ordinal" in text:
+            return CUresult.CUDA_ERROR_INVALID_DEVICE
+        return CUresult.CUDA_ERROR_INVALID_VALUE
+
+    def _run(self, fn, *wrap):
+        """(CUSUCCESS, *results of fn) or (the error's code, None...) for FakeCuda's exceptions."""
+        try:
+            out = fn()
+        except (CudaLogicError, CudaMemoryError) as exc:
+            return (self._code(exc),) + (None,) * len(wrap)
+        if not wrap:
+            return (_OK,)
+        out = out if isinstance(out, tuple) else (out,)
+        return (_OK, *out)
+
+    def cuGetErrorName(self, error: CUresult):  # noqa: N802
+        return _OK, CUresult(int(error)).name.encode()
+
+    # ------------------------------------------------------------------ devices and contexts
+
+    def cuInit(self, flags: int):  # noqa: N802
+        self.gpu.init(flags)
+        return (_OK,)
+
+    def cuDriverGetVersion(self):  # noqa: N802
+        return _OK, self.gpu.driver_version
+
+    def cuDeviceGetCount(self):  # noqa: N802
+        return self._run(lambda: self.gpu.Device.count(), 1)
+
+    def cuDeviceGet(self, ordinal: int):  # noqa: N802
+        return self._run(lambda: CUdevice(ordinal, self.gpu.get_device(ordinal)), 1)
+
+    def cuDeviceGetName(self, length: int, dev: CUdevice):  # noqa: N802
+        return _OK, dev.obj.name().encode()[: length - 1]
+
+    def cuDeviceGetAttribute(self, attrib: CUdevice_attribute, dev: CUdevice):  # noqa: N802
+        major, minor = dev.obj.compute_capability()
+        if attrib == CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR:
+            return _OK, major
+        if attrib == CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR:
+            return _OK, minor
+        return CUresult.CUDA_ERROR_INVALID_VALUE, None
+
+    def cuDevicePrimaryCtxRetain(self, dev: CUdevice):  # noqa: N802
+        context = dev.obj.retain_primary_context()
+        return _OK, CUcontext(id(context), context)
+
+    def cuDevicePrimaryCtxRelease(self, dev: CUdevice):  # noqa: N802
+        if self.gpu.primary_retained <= 0:
+            return (CUresult.CUDA_ERROR_INVALID_CONTEXT,)
+        self.gpu.primary_retained -= 1
+        return (_OK,)
+
+    def cuCtxPushCurrent(self, ctx: CUcontext):  # noqa: N802
+        context: FakeContext = ctx.obj
+        return self._run(context.push)
+
+    def cuCtxPopCurrent(self):  # noqa: N802
+        stack = self.gpu._stack()
+        if not stack:
+            return CUresult.CUDA_ERROR_INVALID_CONTEXT, None
+        context = stack.pop()
+        return _OK, CUcontext(id(context), context)
+
+    # ------------------------------------------------------------------ memory
+
+    def cuMemAlloc(self, bytesize: int):  # noqa: N802
+        def alloc():
+            self.gpu.require_context("cuMemAlloc")
+            self.counters["cuMemAlloc"] += 1
+            return CUdeviceptr(self.gpu._allocate(bytesize, "user").ptr)
+        return self._run(alloc, 1)
+
+    def cuMemFree(self, dptr: CUdeviceptr):  # noqa: N802
+        alloc = self.gpu.allocations.get(int(dptr))
+        if alloc is None or not alloc.live:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        alloc.live = False
+        self.counters["cuMemFree"] += 1
+        self.gpu.counters["free"] += 1
+        return (_OK,)
+
+    def cuMemAllocHost(self, bytesize: int):  # noqa: N802
+        def alloc():
+            self.gpu.require_context("cuMemHostAlloc")
+            data = np.zeros(int(bytesize), dtype=np.uint8)
+            address = data.__array_interface__["data"][0]
+            self._host[address] = data
+            self.gpu._pinned.append((address, address + data.nbytes))
+            self.counters["cuMemAllocHost"] += 1
+            self.gpu.counters["pagelocked_empty"] += 1
+            return address
+        return self._run(alloc, 1)
+
+    def cuMemFreeHost(self, p: int):  # noqa: N802
+        data = self._host.pop(int(p), None)
+        if data is None:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        self.gpu._pinned.remove((int(p), int(p) + data.nbytes))
+        self.counters["cuMemFreeHost"] += 1
+        return (_OK,)
+
+    def _host_view(self, address: int, nbytes: int) -> np.ndarray | None:
+        for start, data in self._host.items():
+            if start <= address and address + nbytes <= start + data.nbytes:
+                return data[address - start: address - start + nbytes]
+        return None
+
+    def cuMemGetInfo(self):  # noqa: N802
+        return self._run(self.gpu.mem_get_info, 1, 2)
+
+    # ------------------------------------------------------------------ streams and copies
+
+    def cuStreamCreate(self, Flags: int):  # noqa: N802, N803
+        return self._run(lambda: CUstream(self.gpu.Stream().handle), 1)
+
+    def _stream(self, stream: CUstream):
+        return self.gpu.stream_by_handle(int(stream))
+
+    def cuStreamSynchronize(self, hStream: CUstream):  # noqa: N802, N803
+        s = self._stream(hStream)
+        if s is None:
+            return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+        return self._run(s.synchronize)
+
+    def cuStreamDestroy(self, hStream: CUstream):  # noqa: N802, N803
+        if self.gpu.streams.pop(int(hStream), None) is None:
+            return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+        return (_OK,)
+
+    def _copy(self, what: str, host: int, device: int, nbytes: int, stream: CUstream, to_device: bool):
+        try:
+            self.gpu.require_context(what)
+            self.gpu.lookup(int(device), int(nbytes))
+        except CudaLogicError as exc:
+            return (self._code(exc),)
+        view = self._host_view(int(host), int(nbytes))
+        if view is None:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)  # FakeCudaDriver: host memory must come from cuMemAllocHost
+        s = self._stream(stream)
+        if s is None:
+            return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+        key = "memcpy_htod" if to_device else "memcpy_dtoh"
+        self.gpu.counters[key] += 1
+        if to_device:
+            s.pending.append(lambda: self.gpu.write(int(device), view))
+        else:
+            s.pending.append(lambda: view.__setitem__(slice(None), self.gpu.read(int(device), int(nbytes))))
+        return (_OK,)
+
+    def cuMemcpyHtoDAsync(self, dstDevice, srcHost, ByteCount: int, hStream):  # noqa: N802, N803
+        return self._copy("cuMemcpyHtoDAsync", srcHost, dstDevice, ByteCount, hStream, True)
+
+    def cuMemcpyDtoHAsync(self, dstHost, srcDevice, ByteCount: int, hStream):  # noqa: N802, N803
+        return self._copy("cuMemcpyDtoHAsync", dstHost, srcDevice, ByteCount, hStream, False)
+
+
+def fake_cuda_module(binding: str, gpu: FakeCuda) -> Any:
+    """The fake binding module named "pycuda" (FakeCuda itself) or "cuda-python" (FakeCudaDriver)."""
+    return gpu if binding == "pycuda" else FakeCudaDriver(gpu)
