@@ -47,6 +47,15 @@ class ServerSettings:
     tls_cert: str = ""
     tls_key: str = ""
     max_body_bytes: int = 16 * 1024 * 1024
+    # HTTP connection and body limits (transports/http_connections.py, http_body.py): bytes all
+    # request bodies in progress may hold at once (503 beyond; 0: 4 x max_body_bytes), open
+    # connections across the Unix socket and TCP (the oldest idle one is closed for a new one;
+    # 503 when all are busy), time allowed to an idle connection or one still sending its
+    # header, and to send a whole body (408 beyond).
+    max_inflight_body_bytes: int = 0
+    max_connections: int = 512
+    idle_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
     drain_timeout_s: float = 30.0
     log_level: str = "INFO"
     log_format: str = "auto"  # auto | plain | journald | json
@@ -234,6 +243,15 @@ def _validate_daemon(config: DaemonConfig, source: str) -> None:
     if s.http:
         parse_host_port(s.http, f"{source}: [server] http")
     _positive(s.max_body_bytes, f"{source}: [server] max_body_bytes")
+    _positive(s.max_inflight_body_bytes, f"{source}: [server] max_inflight_body_bytes", allow_zero=True)
+    if s.max_inflight_body_bytes == 0:
+        s.max_inflight_body_bytes = 4 * s.max_body_bytes
+    elif s.max_inflight_body_bytes < s.max_body_bytes:
+        raise ConfigError(f"{source}: [server] max_inflight_body_bytes ({s.max_inflight_body_bytes}) must be at "
+                          f"least max_body_bytes ({s.max_body_bytes}), or no body of the largest size is ever accepted")
+    _positive(s.max_connections, f"{source}: [server] max_connections")
+    _positive(s.idle_timeout_s, f"{source}: [server] idle_timeout_s")
+    _positive(s.body_timeout_s, f"{source}: [server] body_timeout_s")
     if bool(s.tls_cert) != bool(s.tls_key):
         raise ConfigError(f"{source}: [server] tls_cert and tls_key go together: set both or neither")
     o = config.offload

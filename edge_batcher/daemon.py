@@ -10,7 +10,9 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
+import os
 import signal
 from pathlib import Path
 
@@ -24,6 +26,7 @@ from .scheduler.runner import WORKER_ON_EVERY_CPU_FROM_S
 from .systemd import Notifier, listen_fds, watchdog_interval
 from .transports.auth import bearer_auth_middleware, tls_context
 from .transports.http import create_app
+from .transports.http_connections import GuardedAppRunner
 from .transports.listeners import bind_tcp_socket, bind_unix_socket, remove_socket_file
 from .transports.mqtt import MqttTransport
 
@@ -32,6 +35,24 @@ log = logging.getLogger(__name__)
 # Each model load asks systemd for this much more start-up time (EXTEND_TIMEOUT_USEC), so a
 # long load or warm-up is not killed by TimeoutStartSec while the daemon is visibly progressing.
 LOAD_TIMEOUT_EXTENSION_S = 300.0
+# glibc malloc heaps ("arenas") shared by all threads; see limit_malloc_arenas.
+MALLOC_ARENAS = 2
+M_ARENA_MAX = -8  # mallopt parameter number, from glibc's malloc.h
+
+
+def limit_malloc_arenas(count: int = MALLOC_ARENAS) -> None:
+    """Let all threads share `count` glibc heaps instead of up to 8 per CPU. Large request bodies
+    are decoded on executor threads; each would otherwise get a heap of its own, and glibc keeps
+    those heaps' freed pages for good (measured: eight concurrent 15 MB JSON bodies left RSS
+    84 MB above baseline, malloc_trim included; with 2 heaps, 29 MB). MALLOC_ARENA_MAX in the
+    environment wins; a C library that is not glibc is left alone."""
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(M_ARENA_MAX, count)
 
 
 class Daemon:
@@ -71,6 +92,7 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         c = self.config
+        limit_malloc_arenas()  # before the first worker thread allocates
         log.info("edge-batcher starting: config %s, model repository %s", c.source, c.models.repository)
         cpu = choose_cpu(c.server.loop_cpu)
         try:
@@ -128,9 +150,14 @@ class Daemon:
                 raise ConfigError("[server] http is set: a bearer token is required on TCP; set token_file (or token)")
             middlewares = (bearer_auth_middleware(token),)
         app = create_app(self.runtime, max_body_bytes=s.max_body_bytes, health_checks=self.health_checks,
-                         middlewares=middlewares)
+                         middlewares=middlewares, max_inflight_body_bytes=s.max_inflight_body_bytes,
+                         body_timeout_s=s.body_timeout_s)
         # Handlers still running at cleanup were already answered by the drain; don't wait long.
-        self._web = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=5.0)
+        # keepalive_timeout also bounds the time to send a request header (aiohttp arms it on
+        # connect); lingering_time: how long a body we answered without reading is drained.
+        self._web = GuardedAppRunner(app, max_connections=s.max_connections, handle_signals=False,
+                                     access_log=None, shutdown_timeout=5.0,
+                                     keepalive_timeout=s.idle_timeout_s, lingering_time=2.0)
         await self._web.setup()
         inherited = listen_fds()  # socket activation (systemd edge-batcher.socket)
         if inherited:

@@ -22,13 +22,20 @@ writable; copy them if you need to write in place.
 Non-finite floats: JSON has no NaN/Infinity, but like Triton (and Python's ``json``) we emit
 the JavaScript tokens ``NaN``, ``Infinity`` and ``-Infinity`` rather than fail or silently
 change values, and accept them on input. Clients that need strict JSON should ask for binary
-outputs, which carry every float exactly.
+outputs, which carry every float exactly. Floats beyond FP16/FP32 range become +-inf, as in
+Triton; a JSON *integer* beyond float64's range (about 1.8e308) is refused, since no float
+holds it.
+
+Limits that numpy imposes are checked up front, so that they are reported as bad input rather
+than crash: at most :data:`MAX_DIMS` dimensions, and a shape whose non-zero dimensions multiply
+to more than :data:`MAX_ELEMENTS` is refused even when another dimension is 0.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import reprlib
 import struct
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +50,18 @@ BINARY_CONTENT_TYPE = "application/octet-stream"
 JSON_CONTENT_TYPE = "application/json"
 
 _LENGTH_PREFIX = struct.Struct("<I")
+
+# numpy's limit on dimensions (NPY_MAXDIMS): 32 before numpy 2.0, 64 since.
+MAX_DIMS = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
+# numpy refuses arrays whose byte size, counting every non-zero dimension, overflows intp (even
+# when a 0 dimension makes them empty); 16 bytes covers the widest element we create.
+MAX_ELEMENTS = np.iinfo(np.intp).max // 16
+
+# Error messages quote what the client sent: bounded in length and depth, however large it is.
+_preview = reprlib.Repr()
+_preview.maxlevel = 3
+_preview.maxlist = _preview.maxdict = 8
+_preview.maxstring = _preview.maxother = 60
 
 
 # --------------------------------------------------------------------------- data types
@@ -102,7 +121,7 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
     if not isinstance(binary_default, bool):
         raise InvalidInput(
             f"request parameter 'binary_data_output' must be true or false, "
-            f"got {binary_default!r}"
+            f"got {_preview.repr(binary_default)}"
         )
 
     entries = header.get("inputs")
@@ -251,7 +270,7 @@ def _split_body(body: bytes, header_length: int | None) -> tuple[Any, memoryview
 def _optional_str(header: dict[str, Any], key: str, what: str) -> str | None:
     value = header.get(key)
     if value is not None and not isinstance(value, str):
-        raise InvalidInput(f"{what} '{key}' must be a string, got {value!r:.60}")
+        raise InvalidInput(f"{what} '{key}' must be a string, got {_preview.repr(value)}")
     return value
 
 
@@ -260,7 +279,7 @@ def _optional_dict(header: dict[str, Any], key: str, what: str) -> dict[str, Any
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise InvalidInput(f"{what} '{key}' must be a JSON object, got {value!r:.60}")
+        raise InvalidInput(f"{what} '{key}' must be a JSON object, got {_preview.repr(value)}")
     return value
 
 
@@ -293,11 +312,13 @@ def _decode_tensors(
     seen: set[str] = set()
     for entry in entries:
         if not isinstance(entry, dict):
-            raise InvalidInput(f"each of '{kind}s' must be a JSON object, got {entry!r:.60}")
+            raise InvalidInput(
+                f"each of '{kind}s' must be a JSON object, got {_preview.repr(entry)}"
+            )
         name = entry.get("name")
         if not isinstance(name, str) or not name:
             raise InvalidInput(f"{kind} without a name")
-        where = f"{kind} {name!r}"
+        where = f"{kind} {_preview.repr(name)}"
         if name in seen:
             raise InvalidInput(f"{where} appears twice")
         seen.add(name)
@@ -307,7 +328,7 @@ def _decode_tensors(
             raise InvalidInput(f"{where} has no datatype")
         if not isinstance(datatype, str) or datatype not in DATATYPE_TO_NUMPY:
             raise InvalidInput(
-                f"{where}: unknown datatype {datatype!r}; expected one of "
+                f"{where}: unknown datatype {_preview.repr(datatype)}; expected one of "
                 f"{', '.join(DATATYPE_TO_NUMPY)}"
             )
         shape = _check_shape(entry.get("shape"), where)
@@ -320,7 +341,8 @@ def _decode_tensors(
         if size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 raise InvalidInput(
-                    f"{where}: binary_data_size must be a non-negative integer, got {size!r}"
+                    f"{where}: binary_data_size must be a non-negative integer, "
+                    f"got {_preview.repr(size)}"
                 )
             if has_data:
                 raise InvalidInput(f"{where} has both data and binary_data_size")
@@ -344,7 +366,7 @@ def _decode_tensors(
     tensors: dict[str, np.ndarray] = {}
     offset = 0
     for name, datatype, shape, size, data in parsed:
-        where = f"{kind} {name!r}"
+        where = f"{kind} {_preview.repr(name)}"
         if size is None:
             tensors[name] = _from_json(data, datatype, shape, where)
         else:
@@ -357,9 +379,18 @@ def _check_shape(shape: Any, where: str) -> list[int]:
     if not isinstance(shape, list) or any(
         isinstance(d, bool) or not isinstance(d, int) for d in shape
     ):
-        raise InvalidInput(f"{where}: shape must be a list of integers, got {shape!r:.80}")
+        raise InvalidInput(f"{where}: shape must be a list of integers, got {_preview.repr(shape)}")
+    if len(shape) > MAX_DIMS:
+        raise InvalidInput(
+            f"{where}: shape has {len(shape)} dimensions, more than the {MAX_DIMS} supported"
+        )
     if any(d < 0 for d in shape):
-        raise InvalidInput(f"{where}: shape {shape} has a negative dimension")
+        raise InvalidInput(f"{where}: shape {_preview.repr(shape)} has a negative dimension")
+    if math.prod(d for d in shape if d) > MAX_ELEMENTS:
+        raise InvalidInput(
+            f"{where}: shape {_preview.repr(shape)} is too large (its non-zero dimensions "
+            f"multiply to more than {MAX_ELEMENTS})"
+        )
     return shape
 
 
@@ -374,20 +405,25 @@ def _decode_requested_outputs(entries: Any) -> list[RequestedOutput] | None:
     seen: set[str] = set()
     for entry in entries:
         if not isinstance(entry, dict):
-            raise InvalidInput(f"each of 'outputs' must be a JSON object, got {entry!r:.60}")
+            raise InvalidInput(
+                f"each of 'outputs' must be a JSON object, got {_preview.repr(entry)}"
+            )
         name = entry.get("name")
         if not isinstance(name, str) or not name:
             raise InvalidInput("requested output without a name")
         if name in seen:
-            raise InvalidInput(f"requested output {name!r} appears twice")
+            raise InvalidInput(f"requested output {_preview.repr(name)} appears twice")
         seen.add(name)
         params = entry.get("parameters") or {}
         if not isinstance(params, dict):
-            raise InvalidInput(f"requested output {name!r}: parameters must be a JSON object")
+            raise InvalidInput(
+                f"requested output {_preview.repr(name)}: parameters must be a JSON object"
+            )
         binary = params.get("binary_data")
         if binary is not None and not isinstance(binary, bool):
             raise InvalidInput(
-                f"requested output {name!r}: binary_data must be true or false, got {binary!r}"
+                f"requested output {_preview.repr(name)}: binary_data must be true or false, "
+                f"got {_preview.repr(binary)}"
             )
         result.append(RequestedOutput(name=name, binary=binary))
     return result
@@ -455,7 +491,7 @@ def _from_json(data: Any, datatype: str, shape: list[int], where: str) -> np.nda
 
     try:
         array = np.asarray(data)
-    except (ValueError, TypeError, RecursionError):
+    except (ValueError, TypeError, OverflowError, RecursionError):
         raise InvalidInput(
             f"{where}: data is not a regular nested list (ragged rows or nested too deeply)"
         ) from None
@@ -492,9 +528,17 @@ def _numbers_from_json(data: list, array: np.ndarray, datatype: str, where: str)
 
     if target.kind == "f":
         if kind == "O":  # e.g. integers too large for uint64: still numbers
-            array = np.array(_exact_numbers(data, datatype, where), dtype=np.float64)
-        # Any number converts; FP16/FP32 may round or overflow to inf, as in Triton.
-        return array.astype(target)
+            try:
+                array = np.array(_exact_numbers(data, datatype, where), dtype=np.float64)
+            except OverflowError:  # an integer beyond float64's range: no float holds it
+                raise InvalidInput(
+                    f"{where}: data for {datatype} has an integer too large for any "
+                    f"floating-point number (beyond {np.finfo(np.float64).max:.3g})"
+                ) from None
+        # Any other number converts; FP16/FP32 may round or overflow to inf, as in Triton
+        # (documented above, so numpy's overflow warning would only be noise in the log).
+        with np.errstate(over="ignore"):
+            return array.astype(target)
 
     info = np.iinfo(target)
     if kind == "O" or (kind == "f" and bool(np.any(np.abs(array) >= _FLOAT_EXACT))):
@@ -544,7 +588,9 @@ def _utf8(text: str, where: str) -> bytes:
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:  # lone surrogates, e.g. a JSON "\ud800" escape
-        raise InvalidInput(f"{where}: BYTES element {text!r:.40} is not valid unicode") from None
+        raise InvalidInput(
+            f"{where}: BYTES element {_preview.repr(text)} is not valid unicode"
+        ) from None
 
 
 def _object_array(items: list[bytes], shape: list[int]) -> np.ndarray:

@@ -125,6 +125,10 @@ class ServiceAccounting:
         self.runtime.metrics.requests_total.inc(model=self.name, status="200")
         self.runtime.metrics.request_seconds.observe(time.monotonic() - started, model=self.name)
 
+    def refuse_if_full(self) -> None:
+        """The runner interface's check before a transport reads a body. A service has no queue of
+        its own to look at here: it refuses in infer (the generator's admission queue is bounded)."""
+
     def _failed(self, started: float, exc: BaseException) -> None:
         if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
             return  # the caller went away: not a failure of the service

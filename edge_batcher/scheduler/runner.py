@@ -332,6 +332,13 @@ class ModelRunner:
             self._count_status(exc.status)
             raise
 
+    def refuse_if_full(self) -> None:
+        """Raise Overloaded (counted like any other answer) when the queue is already full, so a
+        transport can refuse a request before reading and decoding its body. `submit` checks again."""
+        if len(self.queue) >= self.queue.capacity:
+            self._count_status(Overloaded.status)
+            raise Overloaded(f"queue full: {len(self.queue)} requests waiting (queue_capacity {self.queue.capacity})")
+
     def _count_status(self, status: int) -> None:
         child = self._m_status.get(status)
         if child is None:

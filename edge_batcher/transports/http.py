@@ -3,12 +3,15 @@
 This is the HTTP edge of the error tree: EdgeBatcherError subclasses become their status code
 and `{"error": "..."}`; aiohttp's own HTTP errors (unknown route, body too large) get the same
 shape; anything unexpected is logged and answered 500 while the daemon keeps serving.
+Connection limits and framing errors live in `http_connections.py`, body limits in `http_body.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
+import reprlib
 
 from aiohttp import web
 
@@ -17,12 +20,15 @@ from ..errors import EdgeBatcherError, InvalidInput
 from ..protocol import v2
 from ..runtime import Runtime
 from ..types import InferRequest
+from .http_body import BodyBudget, ClientGone
+from .http_connections import connection_state_middleware
 
 log = logging.getLogger(__name__)
 
 RUNTIME = web.AppKey("runtime", Runtime)
 # name -> callable giving a component's state for GET /v2/health/ready, e.g. {"mqtt": lambda: "connected"}.
 HEALTH_CHECKS = web.AppKey("health_checks", dict)
+BODY_BUDGET = web.AppKey("body_budget", BodyBudget)
 # Decoding a body this large would hold the event loop for milliseconds: do it on a thread.
 DECODE_OFF_LOOP_BYTES = 256 * 1024
 
@@ -48,6 +54,8 @@ async def error_middleware(request: web.Request, handler):
         if exc.status == 405:
             return error_response(405, f"method {request.method} not allowed on {request.path}")
         return error_response(exc.status, exc.text or exc.reason)
+    except ClientGone:  # logged where it happened; nobody is left to read an answer
+        return error_response(400, "the client closed the connection before its request body was complete")
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # a bug, not bad input: keep serving, say what happened
@@ -56,10 +64,14 @@ async def error_middleware(request: web.Request, handler):
 
 
 def create_app(
-    runtime: Runtime, *, max_body_bytes: int, middlewares: tuple = (), health_checks: dict | None = None
+    runtime: Runtime, *, max_body_bytes: int, middlewares: tuple = (), health_checks: dict | None = None,
+    max_inflight_body_bytes: int | None = None, body_timeout_s: float = 60.0,
 ) -> web.Application:
-    app = web.Application(client_max_size=max_body_bytes, middlewares=[error_middleware, *middlewares])
+    app = web.Application(client_max_size=max_body_bytes,
+                          middlewares=[connection_state_middleware, error_middleware, *middlewares])
     app[RUNTIME] = runtime
+    app[BODY_BUDGET] = BodyBudget(max_body_bytes=max_body_bytes, timeout_s=body_timeout_s,
+                                  max_inflight_bytes=max_inflight_body_bytes or 4 * max_body_bytes)
     app[HEALTH_CHECKS] = health_checks if health_checks is not None else {}
     app.add_routes([
         web.get("/v2/health/live", live),
@@ -156,15 +168,15 @@ async def metrics(request: web.Request) -> web.Response:
 async def infer(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     model = request.match_info["model"]
-    runtime.runner(model)  # unknown model: 404 before reading the body
-    body = await request.read()
+    runtime.runner(model).refuse_if_full()  # 404 / 429 before reading and decoding the body
     header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH))
-    if len(body) > DECODE_OFF_LOOP_BYTES:
-        decoded = await asyncio.get_running_loop().run_in_executor(None, v2.decode_request, body, header_length)
-    else:
-        decoded = v2.decode_request(body, header_length)
-    infer_request = to_infer_request(model, decoded)
-    response = await runtime.infer(infer_request)
+    async with request.app[BODY_BUDGET].read(request) as body:  # 413/503/408 before holding it
+        if len(body) > DECODE_OFF_LOOP_BYTES:
+            decoded = await asyncio.get_running_loop().run_in_executor(None, v2.decode_request, body, header_length)
+        else:
+            decoded = v2.decode_request(body, header_length)
+        infer_request = to_infer_request(model, decoded)
+        response = await runtime.infer(infer_request)
     binary = v2.binary_outputs_for(decoded, list(response.outputs))
     payload, json_length = v2.encode_response(model, response.id, response.outputs, binary=binary,
                                               parameters=response.parameters or None)
@@ -179,14 +191,12 @@ def to_infer_request(model: str, decoded: v2.DecodedRequest) -> InferRequest:
     """Map v2 request parameters onto the core's request: priority, and a timeout given as
     `timeout_ms` or, as Triton's clients send it, `timeout` in microseconds."""
     params = decoded.parameters or {}
-    priority = params.get("priority")
-    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
-        raise InvalidInput(f"parameters.priority must be an integer, got {priority!r}")
+    priority = priority_parameter(params)
     timeout_s = None
     if "timeout_ms" in params:
-        timeout_s = _number(params["timeout_ms"], "timeout_ms") / 1000.0
+        timeout_s = timeout_parameter(params, "timeout_ms", 1000.0)
     elif "timeout" in params:
-        timeout_s = _number(params["timeout"], "timeout") / 1e6
+        timeout_s = timeout_parameter(params, "timeout", 1e6)
     return InferRequest(
         model=model,
         inputs=decoded.inputs,
@@ -198,8 +208,28 @@ def to_infer_request(model: str, decoded: v2.DecodedRequest) -> InferRequest:
     )
 
 
-def _number(value, name: str) -> float:
+def priority_parameter(params: dict) -> int | None:
+    """`parameters.priority`: an integer (its range is the model's to check), None when absent."""
+    priority = params.get("priority")
+    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
+        raise InvalidInput(f"parameters.priority must be an integer, got {reprlib.repr(priority)}")
+    return priority
+
+
+def timeout_parameter(params: dict, name: str, units_per_second: float) -> float:
+    """`parameters[name]` converted to seconds. Only a finite number >= 0 is a timeout: NaN
+    would otherwise expire at once (a misleading 504) and Infinity or an integer beyond float
+    range mean nothing, so they are the client's mistake (400). 0 is a deadline that has
+    already passed, which the model answers 504."""
+    value = params[name]
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidInput(f"parameters.{name} must be a number, got {value!r}")
-    return float(value)
+        raise InvalidInput(f"parameters.{name} must be a number, got {reprlib.repr(value)}")
+    try:
+        seconds = float(value) / units_per_second
+    except OverflowError:  # an integer too large for a float
+        seconds = math.inf
+    if not math.isfinite(seconds) or seconds < 0:
+        raise InvalidInput(f"parameters.{name} must be a finite number >= 0, got {reprlib.repr(value)}")
+    return seconds
+
 

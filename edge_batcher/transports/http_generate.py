@@ -29,7 +29,7 @@ from aiohttp import web
 
 from ..errors import EdgeBatcherError, InvalidInput
 from ..types import InferRequest, InferResponse
-from .http import RUNTIME
+from .http import RUNTIME, priority_parameter, timeout_parameter
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def _service(request: web.Request):
 async def _to_request(request: web.Request, model: str, runner) -> InferRequest:
     try:
         body = json.loads(await request.read() or b"null")
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, too deep
         raise InvalidInput(f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise InvalidInput('request body must be a JSON object like {"text_input": "...", "parameters": {}}')
@@ -78,17 +78,13 @@ async def _to_request(request: web.Request, model: str, runner) -> InferRequest:
     request_id = body.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidInput("'id' must be a string")
-    timeout_s = None
-    if "timeout_ms" in parameters:
-        value = parameters["timeout_ms"]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise InvalidInput(f"parameters.timeout_ms must be a number, got {value!r}")
-        timeout_s = value / 1000.0
-    priority = parameters.get("priority")
-    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
-        raise InvalidInput(f"parameters.priority must be an integer, got {priority!r}")
+    timeout_s = timeout_parameter(parameters, "timeout_ms", 1000.0) if "timeout_ms" in parameters else None
+    priority = priority_parameter(parameters)
     array = np.empty(1, dtype=object)
-    array[0] = text.encode("utf-8")
+    try:
+        array[0] = text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate, e.g. the JSON escape "\ud800"
+        raise InvalidInput("'text_input' is not valid unicode (it has a lone surrogate)") from None
     return InferRequest(model=model, inputs={spec.name: array}, id=request_id, priority=priority,
                         timeout_s=timeout_s, parameters=parameters)
 

@@ -12,6 +12,8 @@ from edge_batcher.errors import InvalidInput
 from edge_batcher.protocol.v2 import (
     BINARY_CONTENT_TYPE,
     HEADER_LENGTH,
+    MAX_DIMS,
+    MAX_ELEMENTS,
     DecodedRequest,
     RequestedOutput,
     binary_outputs_for,
@@ -600,3 +602,69 @@ def test_encoding_errors_are_invalid_input() -> None:
         encode_request({"x": np.ones(1)}, parameters={"bad": object()})
     with pytest.raises(InvalidInput, match="output 's': BYTES element"):
         encode_response("m", None, {"s": np.array(["\ud800"], dtype=object)})
+
+
+# --------------------------------------------------------------------------- limits (issue 14)
+# Each of these crashed the decoder (OverflowError, numpy ValueError: HTTP 500) before.
+
+
+@pytest.mark.parametrize(
+    "entry, words",
+    [
+        ({"name": "x", "shape": [1], "datatype": "FP32", "data": [10**400]},
+         "input 'x': data for FP32 has an integer too large for any floating-point number"),
+        ({"name": "x", "shape": [2], "datatype": "FP64", "data": [1.5, -(10**309)]},
+         "input 'x': data for FP64 has an integer too large for any floating-point number"),
+        ({"name": "x", "shape": [1], "datatype": "INT32", "data": [2**70]},
+         "input 'x': data for INT32 are out of range"),
+        ({"name": "x", "shape": [2], "datatype": "INT8", "data": [1.0, 10**400]},
+         "input 'x': data for INT8 are out of range"),
+        ({"name": "x", "shape": [1] * 65, "datatype": "FP32", "data": [1]},
+         f"input 'x': shape has 65 dimensions, more than the {MAX_DIMS} supported"),
+        ({"name": "x", "shape": [1] * 65, "datatype": "BYTES", "data": ["a"]},
+         "input 'x': shape has 65 dimensions"),
+        ({"name": "x", "shape": [2**64, 0], "datatype": "FP32", "data": []},
+         "input 'x': shape [18446744073709551616, 0] is too large"),
+        ({"name": "x", "shape": [2**62, 4, 0], "datatype": "BYTES", "data": []},
+         "is too large (its non-zero dimensions multiply to more than"),
+    ],
+    ids=["fp32-1e400", "fp64-neg-1e309", "int32-2**70", "int8-1e400", "65-dims", "65-dims-bytes",
+         "2**64-by-0", "2**64-elements-by-0-bytes"],
+)
+def test_values_and_shapes_beyond_numpy_limits_are_invalid_input(entry: dict, words: str) -> None:
+    with pytest.raises(InvalidInput) as info:
+        decode_request(_json_body([entry]))
+    assert words in info.value.message
+    assert info.value.status == 400
+
+
+def test_shapes_at_numpy_limits_still_decode() -> None:
+    deep = decode_request(_json_body([_fp32(shape=[1] * MAX_DIMS, data=[2.5])])).inputs["x"]
+    assert deep.shape == (1,) * MAX_DIMS and deep.reshape(-1).tolist() == [2.5]
+    for datatype in DATATYPES:
+        entry = {"name": "x", "shape": [MAX_ELEMENTS, 0], "datatype": datatype, "data": []}
+        assert decode_request(_json_body([entry])).inputs["x"].shape == (MAX_ELEMENTS, 0)
+        del entry["data"]
+        body, hl = _binary_body([{**entry, "parameters": {"binary_data_size": 0}}], b"")
+        assert decode_request(body, hl).inputs["x"].shape == (MAX_ELEMENTS, 0)
+
+
+def test_huge_shape_in_a_binary_tensor_is_invalid_input() -> None:
+    body, hl = _binary_body([_fp32(shape=[1] * 70, parameters={"binary_data_size": 4})], b"\0" * 4)
+    with pytest.raises(InvalidInput, match="input 'x': shape has 70 dimensions"):
+        decode_request(body, hl)
+    body, hl = _binary_body([_fp32(shape=[2**63, 0], parameters={"binary_data_size": 0})], b"")
+    with pytest.raises(InvalidInput, match="input 'x': shape .* is too large"):
+        decode_request(body, hl)
+
+
+def test_fp16_and_fp32_overflow_to_infinity_as_documented() -> None:
+    entry = {"name": "x", "shape": [3], "datatype": "FP16", "data": [1e39, -(2**70), 1.0]}
+    assert decode_request(_json_body([entry])).inputs["x"].tolist() == [np.inf, -np.inf, 1.0]
+
+
+def test_error_messages_quote_a_bounded_part_of_huge_values() -> None:
+    with pytest.raises(InvalidInput) as info:
+        decode_request(_json_body([_fp32(name="n" * 100_000, shape=["1"] * 100_000, data=[1])]))
+    assert "shape must be a list of integers" in info.value.message
+    assert len(info.value.message) < 400
