@@ -289,6 +289,21 @@ class GenerationService(ServiceAccounting):
                 f"{prompt_tokens + max_new_tokens}, more than the context of {limit} tokens: shorten the prompt "
                 "or ask for fewer new tokens")
 
+    def fits_now(self, prompt_tokens: int, max_new_tokens: int) -> bool:
+        """Would a sequence this long be admitted at once: its KV need fits in what the budget has
+        free after the sequences already waiting, and a decode slot is free? (The rag service asks
+        before choosing between this generator and a peer.)"""
+        kv = self.decoder.kv
+        if kv is None or self._draining or self._thread is None:
+            return False
+        need = kv.sequence_bytes(prompt_tokens, max_new_tokens)
+        with self._cond:
+            waiting = sum(seq.need for seq in self._waiting)
+            queued = len(self._waiting)
+        with self._gen_lock:
+            running = self._running_now
+        return queued == 0 and running < self.settings.max_running and need + waiting <= self.runtime.budget.available()
+
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
 

@@ -5,11 +5,13 @@ On disk, in the index directory::
 
     embeddings.npy    float32 [passages, dim], each row L2-normalised (cosine = dot product)
     passages.jsonl    one JSON object per line: {"id", "title", "text", "source"}
+    lexical.json      the BM25 statistics: each passage's term counts (lexical.py)
     meta.json         {"format", "version", "embedding_model", "dim", "count", "sources", "updated",
-                       "sha256": {"embeddings.npy": ..., "passages.jsonl": ...}}
+                       "lexical": {"analyzer"}, "sha256": {"embeddings.npy": ..., "passages.jsonl": ...,
+                       "lexical.json": ...}}
 
 Writing is atomic per file (written next to the target, fsynced, os.replace) and meta.json is
-replaced last. A reader checks the hashes in meta.json against the two data files, so one that
+replaced last. A reader checks the hashes in meta.json against the data files, so one that
 lands between the replacements sees a mismatch and keeps the index it has (and retries at the
 next query); it never serves embeddings of one build with passages of another.
 
@@ -19,8 +21,11 @@ per query, and reloads it off the event loop.
 Splitting: markdown is cut at headings (each passage's title is its heading path, e.g.
 "Manual > Bearing faults"); a section's paragraphs are grouped into passages of at most
 max_chars characters (a longer paragraph is cut at sentence ends). Plain text is cut into
-paragraph groups the same way. The text that is embedded is the passage's own heading plus
-the passage.
+paragraph groups the same way. The text that is embedded (and analysed for BM25) is the
+passage's own heading plus the passage.
+
+Search ranks by cosine (dense), by BM25 (lexical) or by both fused (fusion.py); an index
+written before lexical.json existed gets its BM25 statistics computed when it is loaded.
 """
 
 from __future__ import annotations
@@ -37,10 +42,13 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError, Unavailable
+from .fusion import Fusion, fused_scores
+from .lexical import ANALYZER, Bm25
 
 FORMAT = 1
 EMBEDDINGS = "embeddings.npy"
 PASSAGES = "passages.jsonl"
+LEXICAL = "lexical.json"
 META = "meta.json"
 DEFAULT_MAX_CHARS = 600  # ~130 tokens: about what a 128-token embedding model reads of a passage
 
@@ -186,23 +194,33 @@ def _unique(pid: str, used: set[str]) -> str:
 @dataclass
 class Hit:
     passage: Passage
-    score: float
+    score: float  # cosine similarity to the question (what [rag] min_score compares)
     rank: int
+    lexical: float | None = None  # BM25 score, when the lexical ranking took part
+    fused: float | None = None  # the reciprocal-rank-fusion score it was ranked by (hybrid)
 
     def to_json(self) -> dict:
-        return {"rank": self.rank, "id": self.passage.id, "title": self.passage.title,
-                "score": round(self.score, 4), "source": Path(self.passage.source).name if self.passage.source else ""}
+        out = {"rank": self.rank, "id": self.passage.id, "title": self.passage.title,
+               "score": round(self.score, 4), "source": Path(self.passage.source).name if self.passage.source else ""}
+        if self.lexical is not None:
+            out["bm25"] = round(self.lexical, 4)
+        if self.fused is not None:
+            out["fused"] = round(self.fused, 6)
+        return out
 
 
 class Index:
-    """Passages and their unit-length embeddings, in memory."""
+    """Passages, their unit-length embeddings and their BM25 statistics, in memory."""
 
-    def __init__(self, passages: list[Passage], embeddings: np.ndarray, meta: dict):
+    def __init__(self, passages: list[Passage], embeddings: np.ndarray, meta: dict, lexical: Bm25 | None = None):
         if embeddings.ndim != 2 or len(passages) != embeddings.shape[0]:
             raise ValueError(f"{len(passages)} passages but embeddings of shape {list(embeddings.shape)}")
         self.passages = passages
         self.embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
         self.meta = meta
+        self.lexical = lexical if lexical is not None else Bm25.from_texts([p.embed_text() for p in passages])
+        if len(self.lexical) != len(passages):
+            raise ValueError(f"{len(passages)} passages but BM25 statistics of {len(self.lexical)}")
 
     @property
     def dim(self) -> int:
@@ -225,6 +243,26 @@ class Index:
             top = np.argpartition(-row, k - 1)[:k] if k < len(row) else np.arange(len(row))
             top = top[np.argsort(-row[top], kind="stable")]
             out.append([Hit(self.passages[i], float(row[i]), r + 1) for r, i in enumerate(top)])
+        return out
+
+    def search_fused(self, queries: np.ndarray, texts: list[str], k: int, fusion: Fusion) -> list[list[Hit]]:
+        """Top-k for each question by `fusion` of its cosine ranking (query vectors) and its BM25
+        ranking (question texts). Best first. Every passage is ranked: O(passages) per question."""
+        if fusion.mode == "dense":
+            return self.search(queries, k)
+        queries = np.asarray(queries, dtype=np.float32).reshape(-1, self.dim)
+        if len(texts) != len(queries):
+            raise ValueError(f"{len(texts)} question texts for {len(queries)} query vectors")
+        queries = queries / np.maximum(np.linalg.norm(queries, axis=1, keepdims=True), 1e-12)
+        k = min(k, len(self.passages))
+        dense_rows = queries @ self.embeddings.T
+        out = []
+        for dense, text in zip(dense_rows, texts):
+            lexical = self.lexical.scores(text)
+            fused = fused_scores(dense, lexical, fusion)
+            top = np.argsort(-fused, kind="stable")[:k]
+            out.append([Hit(self.passages[i], float(dense[i]), r + 1, float(lexical[i]),
+                            float(fused[i]) if fusion.mode == "hybrid" else None) for r, i in enumerate(top)])
         return out
 
 
@@ -254,17 +292,26 @@ def load_index(directory: Path) -> Index | None:
     if meta.get("format") != FORMAT:
         raise Unavailable(f"index {directory}: format {meta.get('format')!r}, this edge-batcher reads {FORMAT}; rebuild it")
     hashes = meta.get("sha256", {})
+    lexical = None
     try:
-        for name in (EMBEDDINGS, PASSAGES):
+        for name in (EMBEDDINGS, PASSAGES, LEXICAL):
+            if name == LEXICAL and name not in hashes:
+                continue  # written before lexical.json existed: computed below
             if _sha256(directory / name) != hashes.get(name):
                 raise Unavailable(f"index {directory}: {name} does not match {META} (a rebuild in progress?)")
         embeddings = np.load(directory / EMBEDDINGS, allow_pickle=False)
         with open(directory / PASSAGES, encoding="utf-8") as fh:
             passages = [Passage(**json.loads(line)) for line in fh if line.strip()]
+        if LEXICAL in hashes:
+            stored = json.loads((directory / LEXICAL).read_text(encoding="utf-8"))
+            if stored.get("analyzer") == ANALYZER:  # else: re-analysed by Index with today's analyzer
+                lexical = Bm25.from_json(stored)
     except FileNotFoundError as exc:
         raise Unavailable(f"index {directory}: {exc.filename} is missing; rebuild the index") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise Unavailable(f"index {directory}: {LEXICAL} cannot be read: {exc}; rebuild the index") from None
     try:
-        return Index(passages, embeddings, meta)
+        return Index(passages, embeddings, meta, lexical)
     except ValueError as exc:
         raise Unavailable(f"index {directory}: {exc}") from None
 
@@ -277,11 +324,14 @@ def write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray
     if embeddings.shape[0] != len(passages):
         raise ValueError(f"{len(passages)} passages but {embeddings.shape[0]} embeddings")
     previous = read_meta(directory) or {}
+    lexical = Bm25.from_texts([p.embed_text() for p in passages])
     staged: dict[str, Path] = {}
     try:
         staged[EMBEDDINGS] = _stage(directory, EMBEDDINGS, lambda fh: np.save(fh, embeddings, allow_pickle=False))
         staged[PASSAGES] = _stage(directory, PASSAGES, lambda fh: fh.write(
             "".join(json.dumps(asdict(p), ensure_ascii=False) + "\n" for p in passages).encode("utf-8")))
+        staged[LEXICAL] = _stage(directory, LEXICAL, lambda fh: fh.write(
+            json.dumps(lexical.to_json(), ensure_ascii=False).encode("utf-8")))
         meta = {
             "format": FORMAT,
             "version": int(previous.get("version", 0)) + 1,
@@ -290,10 +340,11 @@ def write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray
             "count": len(passages),
             "sources": sources or {},
             "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "lexical": {"analyzer": ANALYZER, "k1": lexical.k1, "b": lexical.b},
             "sha256": {name: _sha256(path) for name, path in staged.items()},
         }
         staged[META] = _stage(directory, META, lambda fh: fh.write(json.dumps(meta, indent=2).encode()))
-        for name in (EMBEDDINGS, PASSAGES, META):  # meta last: it vouches for the other two
+        for name in (EMBEDDINGS, PASSAGES, LEXICAL, META):  # meta last: it vouches for the other two
             os.replace(staged.pop(name), directory / name)
     finally:
         for path in staged.values():

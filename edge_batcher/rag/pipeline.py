@@ -4,8 +4,10 @@
     length-bucketed with every other embedding request) -> cosine top-k over the index ->
     prompt assembly -> the generator service (continuous batching) -> answer + sources
 
-Without a generator (`[rag] generator = ""`) the answer is the retrieved passages themselves
-(extractive mode). model.toml (backend = "rag")::
+Retrieval fuses the cosine ranking with BM25 (fusion.py). Each request's answer is generated
+by the local generator when its KV cache fits now, else by the chat-completions peer
+([rag.peer], peer.py) when it is usable, else it is extractive: the best one or two sentences of
+the passages (extract.py); `route` in the response says which. model.toml (backend = "rag")::
 
     [rag]
     embedding_model = "minilm"     # a text-embedding model of the repository
@@ -30,13 +32,17 @@ import time
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
+from typing import AsyncIterator, Optional
 
 from ..config import ModelConfig, backend_settings
 from ..errors import ConfigError, InvalidInput, Unavailable
 from ..types import InferRequest, InferResponse, TensorSpec
+from .fusion import DEFAULT_FUSION, MODES, Fusion
 from .index import Hit, Index, IndexWatcher, default_index_dir, load_index
-from .prompt import DEFAULT_PASSAGE_TEMPLATE, DEFAULT_TEMPLATE, assemble, check_template, extractive_answer
+from ..offload.client import PeerError
+from .extract import answer_text, choose, sentences
+from .peer import ChatPeer, ChatPeerSettings
+from .prompt import DEFAULT_PASSAGE_TEMPLATE, DEFAULT_TEMPLATE, assemble, check_template, render
 from .service import (
     FINAL, InFlight, ServiceAccounting, ServiceStats, bytes_array, final_response, text_rows, token_responses,
     wait_idle,
@@ -63,11 +69,31 @@ class RagSettings:
     max_question_chars: int = 2000
     max_rows: int = 8
     max_new_tokens: int = 0  # 0: the generator's own default
+    retrieval: str = "hybrid"  # "hybrid" (dense + BM25, fused), "dense" or "lexical"
+    dense_weight: float = 1.0  # reciprocal rank fusion: weight of the cosine ranking
+    lexical_weight: float = DEFAULT_FUSION.lexical_weight  # ... of the BM25 ranking
+    rrf_k: float = DEFAULT_FUSION.rrf_k  # rank offset: small values let the first places dominate
+    answer_sentences: int = 2  # extractive answers: at most this many sentences ...
+    sentence_margin: float = 0.1  # ... each within this cosine of the best one
+    peer: Optional[ChatPeerSettings] = None  # [rag.peer]: an OpenAI-compatible generation server
+
+
+def fusion_from(s: RagSettings) -> Fusion:
+    return Fusion(s.retrieval, s.dense_weight, s.lexical_weight, s.rrf_k)
 
 
 def rag_settings(config: ModelConfig) -> RagSettings:
     s = backend_settings(config, "rag", RagSettings)
     where = f"{config.directory / 'model.toml'}: [rag]"
+    if s.answer_sentences < 1 or s.sentence_margin < 0:
+        raise ConfigError(f"{where} answer_sentences must be >= 1 and sentence_margin >= 0")
+    if s.peer is not None and not (s.peer.url and s.peer.model):
+        raise ConfigError(f"{where}.peer: url and model are required (the chat-completions server and its model name)")
+    if s.retrieval not in MODES:
+        raise ConfigError(f"{where} retrieval: expected one of {', '.join(MODES)}, got {s.retrieval!r}")
+    if s.dense_weight < 0 or s.lexical_weight < 0 or s.dense_weight + s.lexical_weight <= 0 or s.rrf_k < 0:
+        raise ConfigError(f"{where} dense_weight, lexical_weight and rrf_k must be >= 0 (and one weight > 0), got "
+                          f"{s.dense_weight}, {s.lexical_weight}, {s.rrf_k}")
     if not 1 <= s.top_k <= s.max_top_k:
         raise ConfigError(f"{where} top_k: expected 1..max_top_k ({s.max_top_k}), got {s.top_k}")
     if s.max_rows <= 0 or s.max_question_chars <= 0:
@@ -94,6 +120,9 @@ class RagService(ServiceAccounting):
         self.runtime = runtime
         self.settings = rag_settings(config)
         self.index_dir = index_dir_for(config, self.settings)
+        self.fusion = fusion_from(self.settings)
+        self.peer = (ChatPeer(self.settings.peer, f"{config.directory / 'model.toml'}: [rag.peer]")
+                     if self.settings.peer is not None else None)
         self.inputs = [TensorSpec(QUESTION, "BYTES", (-1,))]
         self.outputs = [TensorSpec(ANSWER, "BYTES", (-1,)), TensorSpec(SOURCES, "BYTES", (-1,))]
         self.queue = InFlight()
@@ -106,7 +135,10 @@ class RagService(ServiceAccounting):
         self._embedding_dim = 0
         self._max_rows = self.settings.max_rows
         self.counters = {"extractive": 0, "generated": 0, "index_reloads": 0, "embed_ns": 0, "search_ns": 0,
-                         "generate_ns": 0, "passages_returned": 0}
+                         "generate_ns": 0, "extract_ns": 0, "passages_returned": 0,
+                         "sentences_embedded": 0}
+        self.routes = {"local": 0, "peer": 0, "extractive": 0}
+        self.fallbacks: dict[str, int] = {}  # why a generated answer was not possible -> count
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -122,6 +154,9 @@ class RagService(ServiceAccounting):
                               "output); use backend edge_batcher.rag.embed:TextEmbeddingEngine")
         self._embedding_dim = embedder.outputs[0].shape[-1]
         self._max_rows = min(s.max_rows, embedder.config.batching.max_batch_size)
+        self._embed_rows = embedder.config.batching.max_batch_size
+        if self.peer is not None:
+            await self.peer.start()
         self._reload_lock = asyncio.Lock()
         try:
             await self._current_index()
@@ -130,7 +165,7 @@ class RagService(ServiceAccounting):
         else:
             log.info("model %s: index %s: %d passages (version %s), %s mode", self.name, self.index_dir,
                      len(self._index or ()), (self._index.meta.get("version") if self._index else None),
-                     f"generator {s.generator!r}" if s.generator else "extractive")
+                     self._mode())
 
     async def drain(self, timeout: float) -> None:
         self._draining = True
@@ -139,6 +174,8 @@ class RagService(ServiceAccounting):
     async def close(self) -> None:
         self._draining = True
         self._index = None
+        if self.peer is not None:
+            await self.peer.close()
 
     # ------------------------------------------------------------------ the index
 
@@ -217,19 +254,29 @@ class RagService(ServiceAccounting):
         engines = getattr(runner, "engines", None)
         return getattr(engines[0], "tokenizer", None) if engines else None
 
-    async def _retrieve(self, questions: list[str], top_k: int, request: InferRequest) -> list[list[Hit]]:
+    async def _embed(self, texts: list[str], request: InferRequest):
+        """Embeddings of texts through the core scheduler (batched with every other request),
+        in requests of at most the embedding model's batch size."""
+        import numpy as np
+
+        step = self._embed_rows or len(texts)
+        responses = await asyncio.gather(*(self.runtime.infer(InferRequest(
+            model=self.settings.embedding_model, inputs={"text": bytes_array(texts[i:i + step])},
+            priority=request.priority, timeout_s=request.timeout_s)) for i in range(0, len(texts), step)))
+        return np.concatenate([next(iter(r.outputs.values())) for r in responses])
+
+    async def _retrieve(self, questions: list[str], top_k: int, request: InferRequest):
+        """The hits of each question (best first) and the questions' embeddings."""
         index = await self._current_index()
         t0 = time.perf_counter()
-        response = await self.runtime.infer(InferRequest(
-            model=self.settings.embedding_model, inputs={"text": bytes_array(questions)},
-            priority=request.priority, timeout_s=request.timeout_s))
+        vectors = await self._embed(questions, request)
         t1 = time.perf_counter()
-        vectors = next(iter(response.outputs.values()))
-        hits = [[h for h in row if h.score >= self.settings.min_score] for row in index.search(vectors, top_k)]
+        ranked = index.search_fused(vectors, questions, top_k, self.fusion)
+        hits = [[h for h in row if h.score >= self.settings.min_score] for row in ranked]
         self.counters["embed_ns"] += int((t1 - t0) * 1e9)
         self.counters["search_ns"] += int((time.perf_counter() - t1) * 1e9)
         self.counters["passages_returned"] += sum(len(h) for h in hits)
-        return hits
+        return hits, vectors
 
     def _generator(self):
         name = self.settings.generator
@@ -249,17 +296,77 @@ class RagService(ServiceAccounting):
         gen.check_fits_context(gen.count_tokens(prompt), max_new)  # even without passages: a clear error
         return prompt, used
 
-    async def _answer(self, question: str, hits: list[Hit], generation: dict, request: InferRequest) -> tuple[str, list[Hit], dict]:
-        if not self.settings.generator:
-            self.counters["extractive"] += 1
-            return extractive_answer(hits), hits, {"mode": "extractive"}
-        gen = self._generator()
-        prompt, used = self._prompt(gen, question, hits, generation)
+    async def _extract(self, vector, hits: list[Hit], request: InferRequest) -> str:
+        """The extractive answer: the best one or two sentences of the hits (extract.py)."""
+        candidates = sentences(hits)
+        if not candidates:
+            return ""
         t0 = time.perf_counter()
-        result = await gen.generate(prompt, generation, timeout_s=request.timeout_s, apply_template=False)
+        vectors = await self._embed([c.embed_text(hits) for c in candidates], request)
+        self.counters["sentences_embedded"] += len(candidates)
+        chosen = choose(vector, candidates, vectors, max_sentences=self.settings.answer_sentences,
+                        margin=self.settings.sentence_margin)
+        self.counters["extract_ns"] += int((time.perf_counter() - t0) * 1e9)
+        return answer_text(chosen, hits)
+
+    async def _start_generation(self, question: str, hits: list[Hit], generation: dict, request: InferRequest):
+        """Decide where this answer is generated, and start it there: (route, passages used,
+        generation events or None for an extractive answer, why not generated or None).
+
+        The local generator when its KV cache fits the memory budget now (or when it is the only
+        generator), else the peer when it is usable and answers, else extractive."""
+        s = self.settings
+        reason = None
+        if s.generator:
+            gen = self._generator()
+            prompt, used = self._prompt(gen, question, hits, generation)
+            max_new = generation.get("max_new_tokens", gen.settings.max_new_tokens)
+            if self.peer is None or gen.fits_now(gen.count_tokens(prompt), max_new):
+                seq = gen.submit(prompt, generation, timeout_s=request.timeout_s, apply_template=False)
+                return "local", used, gen.events(seq), None
+            reason = f"local generator {s.generator!r}: no room in the KV memory budget now"
+        if self.peer is not None:
+            if self.peer.usable():
+                events = self.peer.stream(render(s.prompt_template, s.passage_template, question, hits),
+                                          generation, request.timeout_s)
+                try:
+                    first = await events.__anext__()  # the peer is judged before anything is sent on
+                except PeerError as exc:
+                    await events.aclose()
+                    reason = exc.message
+                else:
+                    return "peer", hits, _prepended(first, events), None
+            else:
+                reason = (f"generation peer {self.peer.name}: "
+                          + ("unhealthy" if self.peer.healthy is False else f"circuit breaker {self.peer.breaker.state}"))
+        if reason:
+            key = "peer" if self.peer is not None and "peer" in reason else "local"
+            self.fallbacks[key] = self.fallbacks.get(key, 0) + 1
+            log.debug("model %s: answering extractively: %s", self.name, reason)
+        return "extractive", hits, None, reason
+
+    def _routed(self, route: str, reason: str | None) -> dict:
+        self.routes[route] += 1
+        return {"route": route, **({"route_reason": reason} if reason else {})}
+
+    async def _answer(self, question: str, vector, hits: list[Hit], generation: dict,
+                      request: InferRequest) -> tuple[str, list[Hit], dict]:
+        route, used, events, reason = await self._start_generation(question, hits, generation, request)
+        if events is None:
+            answer = await self._extract(vector, hits, request)
+            self.counters["extractive"] += 1
+            return answer, hits, {"mode": "extractive", **self._routed(route, reason)}
+        t0 = time.perf_counter()
+        result = None
+        async with aclosing(events):  # leaving early cancels the generation
+            async for kind, payload in events:
+                if kind == "done":
+                    result = payload
+        if result is None:
+            raise PeerError(f"model {self.name!r}: generation ended without a result")
         self.counters["generate_ns"] += int((time.perf_counter() - t0) * 1e9)
         self.counters["generated"] += 1
-        return result.text, used, {"mode": "generated", **result.parameters()}
+        return result.text, used, {"mode": "generated", **self._routed(route, reason), **result.parameters()}
 
     async def infer(self, request: InferRequest) -> InferResponse:
         started = time.monotonic()
@@ -267,8 +374,9 @@ class RagService(ServiceAccounting):
         try:
             questions = self._questions(request, self._max_rows)
             top_k, generation = self._parameters(request.parameters)
-            hits = await self._retrieve(questions, top_k, request)
-            answers = await asyncio.gather(*(self._answer(q, h, generation, request) for q, h in zip(questions, hits)))
+            hits, vectors = await self._retrieve(questions, top_k, request)
+            answers = await asyncio.gather(*(self._answer(q, v, h, generation, request)
+                                             for q, v, h in zip(questions, vectors, hits)))
         except BaseException as exc:
             self._failed(started, exc)
             raise
@@ -276,40 +384,41 @@ class RagService(ServiceAccounting):
             self.queue.count -= 1
         self._ok(started, len(questions))
         outputs = {ANSWER: bytes_array([a for a, _, _ in answers]),
-                   SOURCES: bytes_array([json.dumps([h.to_json() for h in used]) for _, used, _ in answers])}
+                   SOURCES: bytes_array([_sources(used) for _, used, _ in answers])}
         if request.outputs is not None:
             outputs = {k: v for k, v in outputs.items() if k in request.outputs}
         return InferResponse(self.name, request.id, outputs, answers[0][2] if len(answers) == 1 else {})
 
     async def stream(self, request: InferRequest) -> AsyncIterator[InferResponse]:
         """One question: a first chunk with the sources, then the answer in pieces as it is
-        generated, the last chunk with triton_final_response=True (extractive: one chunk)."""
+        generated (here or on the peer), the last chunk with triton_final_response=True
+        (extractive: one chunk)."""
         started = time.monotonic()
         self.queue.count += 1
         try:
             questions = self._questions(request, 1)
             top_k, generation = self._parameters(request.parameters)
-            hits = (await self._retrieve(questions, top_k, request))[0]
-            if not self.settings.generator:
+            hits, vectors = await self._retrieve(questions, top_k, request)
+            hits = hits[0]
+            route, used, events, reason = await self._start_generation(questions[0], hits, generation, request)
+            if events is None:
+                answer = await self._extract(vectors[0], hits, request)
                 self.counters["extractive"] += 1
                 yield final_response(self.name, request.id, {
-                    ANSWER: bytes_array([extractive_answer(hits)]),
-                    SOURCES: bytes_array([json.dumps([h.to_json() for h in hits])])}, mode="extractive")
+                    ANSWER: bytes_array([answer]), SOURCES: bytes_array([_sources(hits)])},
+                    mode="extractive", **self._routed(route, reason))
             else:
-                gen = self._generator()
-                prompt, used = self._prompt(gen, questions[0], hits, generation)
-                seq = gen.submit(prompt, generation, timeout_s=request.timeout_s, apply_template=False)
-                yield InferResponse(self.name, request.id, {
-                    ANSWER: bytes_array([""]), SOURCES: bytes_array([json.dumps([h.to_json() for h in used])])},
-                    {FINAL: False})
+                routed = self._routed(route, reason)
                 t0 = time.perf_counter()
-                async with aclosing(gen.events(seq)) as events:  # leaving early cancels the generation
-                    async for chunk in token_responses(self.name, request.id, ANSWER, events, mode="generated"):
+                async with aclosing(events):  # leaving early cancels the generation
+                    yield InferResponse(self.name, request.id, {
+                        ANSWER: bytes_array([""]), SOURCES: bytes_array([_sources(used)])}, {FINAL: False, **routed})
+                    async for chunk in token_responses(self.name, request.id, ANSWER, events, mode="generated", **routed):
                         if chunk.parameters[FINAL]:
                             self.counters["generated"] += 1
                             self.counters["generate_ns"] += int((time.perf_counter() - t0) * 1e9)
                         yield chunk
-        except BaseException as exc:
+        except BaseException as exc:  # a peer failing after its first token is a PeerError (502)
             self._failed(started, exc)
             raise
         finally:
@@ -321,16 +430,24 @@ class RagService(ServiceAccounting):
         c = self.counters
         index = self._index
         out.update({
-            "mode": f"generator {self.settings.generator}" if self.settings.generator else "extractive",
+            "mode": self._mode(),
             "answers": {"extractive": c["extractive"], "generated": c["generated"]},
+            "routes": dict(self.routes),
+            "fallbacks": dict(self.fallbacks),
+            "retrieval": {"mode": self.fusion.mode, "dense_weight": self.fusion.dense_weight,
+                          "lexical_weight": self.fusion.lexical_weight, "rrf_k": self.fusion.rrf_k},
             "passages_returned": c["passages_returned"],
-            "stage_ns": {"embed": c["embed_ns"], "search": c["search_ns"], "generate": c["generate_ns"]},
+            "sentences_embedded": c["sentences_embedded"],  # extractive answers' sentences, ranked by the embedding model
+            "stage_ns": {"embed": c["embed_ns"], "search": c["search_ns"], "generate": c["generate_ns"],
+                         "extract": c["extract_ns"]},
             "index": {"dir": str(self.index_dir), "passages": len(index) if index is not None else 0,
                       "version": index.meta.get("version") if index is not None else None,
                       "embedding_model": index.meta.get("embedding_model") if index is not None else None,
                       "reloads": c["index_reloads"], "problem": self._index_problem},
             "in_flight": len(self.queue),
         })
+        if self.peer is not None:
+            out["peer"] = self.peer.status()
         runner = self.runtime.runners.get(self.settings.embedding_model)
         engines = getattr(runner, "engines", None)
         if engines and hasattr(engines[0], "token_padding"):
@@ -338,3 +455,21 @@ class RagService(ServiceAccounting):
             padding["padding_ratio_rows"] = runner.statistics().get("padding_ratio", 0.0)
             out["embedding"] = padding
         return out
+
+    def _mode(self) -> str:
+        parts = ([f"generator {self.settings.generator}"] if self.settings.generator else []) + \
+                ([f"peer {self.peer.name}"] if self.peer is not None else [])
+        return " + ".join(parts) if parts else "extractive"
+
+
+def _sources(hits: list[Hit]) -> str:
+    """The `sources` output of one answer: each passage's rank, id, title, scores and full text."""
+    return json.dumps([{**h.to_json(), "text": h.passage.text} for h in hits], ensure_ascii=False)
+
+
+async def _prepended(first, events: AsyncIterator) -> AsyncIterator:
+    """`first`, then the rest of `events` (closed when this is)."""
+    async with aclosing(events):
+        yield first
+        async for event in events:
+            yield event

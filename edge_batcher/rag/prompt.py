@@ -46,7 +46,3 @@ def check_template(template: str, where: str) -> None:
         if field not in template:
             raise ConfigError(f"{where}: prompt_template must contain {field}")
 
-
-def extractive_answer(hits: list[Hit]) -> str:
-    """Without a generator the answer is the retrieved passages themselves, best first."""
-    return "\n\n".join(f"[{i + 1}] {h.passage.title.rsplit(' > ', 1)[-1]}\n{h.passage.text}" for i, h in enumerate(hits))

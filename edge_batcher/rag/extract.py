@@ -1,0 +1,79 @@
+"""Extractive answers: the one or two sentences of the retrieved passages that answer the question.
+
+Without a generator, the answer is not the passages verbatim but their best sentences: every
+sentence of the top passages is embedded (with its passage's heading in front, so "It can slip"
+still knows it is about magnet mounts) by the same embedding model as the question, through the
+core scheduler, and ranked by cosine to the question. The best sentence is the answer; the
+runner-up joins it when it scores within `margin` of the best (two halves of one answer, e.g. a
+limit and its exception). Chosen sentences are given in document order, each followed by the
+number of its passage, and a last line names those passages ([n] title (id)). The full passages
+stay in the `sources` output.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from .index import Hit
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
+_BULLET = re.compile(r"^\s*(?:[-*+]|\d+[.)])\s+")
+
+
+@dataclass
+class Sentence:
+    hit: int  # index into the hits (the passage's rank - 1)
+    position: int  # order within the passage
+    text: str
+
+    def embed_text(self, hits: list[Hit]) -> str:
+        heading = hits[self.hit].passage.title.rsplit(" > ", 1)[-1]
+        return f"{heading}: {self.text}" if heading else self.text
+
+
+def sentences(hits: list[Hit]) -> list[Sentence]:
+    """The sentences of the passages (list items count as sentences; code blocks stay whole)."""
+    out: list[Sentence] = []
+    for h, hit in enumerate(hits):
+        n = 0
+        for paragraph in re.split(r"\n\s*\n", hit.passage.text):
+            lines = paragraph.splitlines()
+            items = lines if any(_BULLET.match(line) for line in lines) else [" ".join(lines)]
+            for item in items:
+                item = _BULLET.sub("", item).strip()
+                parts = [item] if item.startswith(("```", "~~~")) else _SENTENCE_END.split(item)
+                for part in parts:
+                    if part.strip():
+                        out.append(Sentence(h, n, part.strip()))
+                        n += 1
+    return out
+
+
+def choose(question: np.ndarray, candidates: list[Sentence], vectors: np.ndarray, *, max_sentences: int = 2,
+           margin: float = 0.1) -> list[tuple[Sentence, float]]:
+    """The best sentence, and up to max_sentences - 1 more scoring within `margin` of it;
+    in document order (passage rank, then position)."""
+    if not candidates:
+        return []
+    q = np.asarray(question, dtype=np.float32).reshape(-1)
+    q = q / max(float(np.linalg.norm(q)), 1e-12)
+    v = np.asarray(vectors, dtype=np.float32)
+    scores = (v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)) @ q
+    order = np.argsort(-scores, kind="stable")
+    best = float(scores[order[0]])
+    chosen = [int(i) for i in order[:max_sentences] if scores[i] >= best - margin]
+    chosen.sort(key=lambda i: (candidates[i].hit, candidates[i].position))
+    return [(candidates[i], float(scores[i])) for i in chosen]
+
+
+def answer_text(chosen: list[tuple[Sentence, float]], hits: list[Hit]) -> str:
+    """'<sentence> [n] <sentence> [m]' and a line naming the cited passages."""
+    if not chosen:
+        return ""
+    body = " ".join(f"{s.text} [{s.hit + 1}]" for s, _ in chosen)
+    cited = sorted({s.hit for s, _ in chosen})
+    names = "; ".join(f"[{h + 1}] {hits[h].passage.title.rsplit(' > ', 1)[-1]} ({hits[h].passage.id})" for h in cited)
+    return f"{body}\nSources: {names}"

@@ -1,0 +1,70 @@
+"""Extractive answers: the best one or two sentences of the retrieved passages, ranked by the real
+MiniLM model against the question, with the passages named as sources (and kept whole in
+`sources`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestClient, TestServer
+
+from edge_batcher.config import DaemonConfig, MemorySettings, ModelsSettings
+from edge_batcher.rag.extract import answer_text, choose, sentences
+from edge_batcher.rag.index import Hit, Passage
+from edge_batcher.runtime import Runtime
+from edge_batcher.transports.http import create_app
+from edge_batcher.transports.http_generate import add_generate_routes
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def client(rag_repo):
+    runtime = Runtime(DaemonConfig(models=ModelsSettings(repository=str(rag_repo), warmup=False, load=["minilm", "rag"]),
+                                   memory=MemorySettings(probe="fixed", budget_mb=1024)))
+    await runtime.start()
+    app = create_app(runtime, max_body_bytes=1 << 20)
+    add_generate_routes(app)
+    async with TestClient(TestServer(app)) as c:
+        yield c
+    await runtime.close()
+
+
+@pytest.mark.asyncio(loop_scope="module")
+@pytest.mark.parametrize("question, expected, passage", [
+    ("What torque should I use to tighten the sensor's mounting stud?", "5 N·m", "stud-mounting"),
+    ("How many sensors can one gateway serve?", "up to 32 sensors", "pairing-the-sensor-with-the-gateway"),
+    ("What RSSI does the radio link need?", "−85 dBm", "no-data-from-a-sensor"),
+])
+async def test_the_answer_is_the_sentence_that_answers(client, question, expected, passage):
+    r = await client.post("/v2/models/rag/generate", json={"text_input": question})
+    body = await r.json()
+    assert r.status == 200, body
+    answer = body["answer"]
+    assert body["mode"] == "extractive" and body["route"] == "extractive" and body["text_output"] == answer
+    assert expected in answer
+    text, _, sources_line = answer.partition("\nSources: ")
+    assert len(text) < 400 and text.count(". ") <= 2  # one or two sentences, not three passages
+    cited = [s for s in body["sources"] if f"({s['id']})" in sources_line]
+    assert cited and any(s["id"].endswith("#" + passage) for s in cited)
+    assert all(s["title"].rsplit(" > ", 1)[-1] in sources_line for s in cited)
+    # The full passages stay in sources.
+    assert all(len(s["text"]) > 200 for s in body["sources"]) and len(body["sources"]) == 3
+    assert all(s["text"] not in answer for s in body["sources"])
+
+
+def test_sentences_rank_and_keep_document_order():
+    hits = [Hit(Passage("m#a", "Manual > Battery", "Replace it below 3.3 V. Use ER14505 cells.\n\n- Tape the poles.\n- Recycle."), 0.9, 1),
+            Hit(Passage("m#b", "Manual > Mounting", "Torque 5 N·m. Never above 8 N·m."), 0.5, 2)]
+    cands = sentences(hits)
+    assert [(c.hit, c.text) for c in cands] == [(0, "Replace it below 3.3 V."), (0, "Use ER14505 cells."),
+                                                 (0, "Tape the poles."), (0, "Recycle."), (1, "Torque 5 N·m."),
+                                                 (1, "Never above 8 N·m.")]
+    assert cands[4].embed_text(hits) == "Mounting: Torque 5 N·m."
+    vectors = np.eye(6, dtype=np.float32)
+    question = np.array([0, 0, 0, 0, 0.8, 0.75], dtype=np.float32)  # sentences 4 and 5, close together
+    chosen = choose(question, cands, vectors, max_sentences=2, margin=0.1)
+    assert [c.text for c, _ in chosen] == ["Torque 5 N·m.", "Never above 8 N·m."]
+    assert answer_text(chosen, hits) == "Torque 5 N·m. [2] Never above 8 N·m. [2]\nSources: [2] Mounting (m#b)"
+    far = choose(np.array([0, 0, 0, 0, 0.9, 0.3], dtype=np.float32), cands, vectors, margin=0.1)
+    assert [c.text for c, _ in far] == ["Torque 5 N·m."]  # the runner-up is not close enough
+    assert choose(question, [], vectors[:0]) == [] and answer_text([], hits) == ""
