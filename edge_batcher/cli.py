@@ -1,4 +1,4 @@
-"""Command line: `edge-batcher serve | infer | models | bench`.
+"""Command line: `edge-batcher serve | infer | models | config | estimate | build-engine | index | bench`.
 
 Errors the user can fix (bad config, unreachable daemon, bad input) print one line to stderr
 and exit 2 (config/usage) or 1 (request failed), never a traceback.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import load_config, parse_host_port
+from .config import load_config, parse_host_port, read_secret
 from .errors import ConfigError, EdgeBatcherError
 
 log = logging.getLogger("edge_batcher")
@@ -38,17 +38,43 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def package_version() -> str:
+    """The installed distribution's version (the source tree's when run uninstalled)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("edge-batcher")
+    except PackageNotFoundError:
+        from . import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="edge-batcher", description="Memory-aware batching inference daemon for edge devices.")
+    parser.add_argument("--version", action="version", version=f"edge-batcher {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
+    def add_settings(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--config", help="TOML config file (default: built-in defaults)")
+        p.add_argument("--unix-socket", help="path of the Unix socket to serve on")
+        p.add_argument("--http", help="also serve the API on TCP HOST:PORT (needs a token: --token-file)")
+        p.add_argument("--token-file", help="file holding the bearer token TCP clients must send")
+        p.add_argument("--models", help="model repository directory")
+        p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+
     p = sub.add_parser("serve", help="run the daemon in the foreground")
-    p.add_argument("--config", help="TOML config file (default: built-in defaults)")
-    p.add_argument("--unix-socket", help="path of the Unix socket to serve on")
-    p.add_argument("--http", help="also serve the API on TCP HOST:PORT")
-    p.add_argument("--models", help="model repository directory")
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
+    add_settings(p)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("config", help="print the settings `serve` would use with the same flags: socket path, "
+                                      "TCP address, model repository, MQTT, memory, offload")
+    add_settings(p)
+    p.add_argument("--json", action="store_true", help="print them as JSON (secrets left out)")
+    p.add_argument("--socket", action="store_true",
+                   help="print only the socket path local clients use: the systemd service's when it "
+                        "exists, else the one above (e.g. curl --unix-socket \"$(edge-batcher config --socket)\")")
+    p.set_defaults(func=cmd_config)
 
     def add_target(p: argparse.ArgumentParser) -> None:
         p.add_argument("--url", help="daemon address: unix:///path.sock or http://host:port (default: the systemd "
@@ -97,10 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from .daemon import serve
-    from .systemd import configure_logging
-
+def resolve_settings(args: argparse.Namespace):
+    """The daemon configuration: the file (or defaults), env overrides, then the flags; checked
+    here, before any model loads, as far as it can be without loading them."""
     config = load_config(args.config)
     if args.unix_socket:
         config.server.unix_socket = args.unix_socket
@@ -108,15 +133,78 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.http:
             parse_host_port(args.http, "--http")
         config.server.http = args.http
+    if args.token_file:
+        config.server.token_file = args.token_file
     if args.models:
         config.models.repository = str(Path(args.models).resolve())
     if args.log_level:
         config.server.log_level = args.log_level.upper()
+    s = config.server
+    if s.http and not read_secret(s.token, s.token_file, "[server] token"):
+        # The daemon checks this too, but only after every model has loaded and warmed.
+        raise ConfigError(
+            f"TCP ({s.http}) needs a bearer token: pass --token-file FILE "
+            f"(e.g. `openssl rand -hex 32 > token`) or set [server] token_file"
+        )
+    return config
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .daemon import serve
+    from .systemd import configure_logging
+
+    config = resolve_settings(args)
     try:
         configure_logging(config.server.log_level, config.server.log_format)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     serve(config)
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from .client import DEFAULT_URL, parse_url
+
+    config = resolve_settings(args)
+    # The systemd service's socket wins when it exists, as in client.default_url(), which
+    # `edge-batcher models/infer` and Client() use without --url.
+    service_socket = parse_url(DEFAULT_URL).socket_path or ""
+    service_running = os.path.exists(service_socket)
+    if args.socket:
+        print(service_socket if service_running else config.socket_path())
+        return 0
+    s, m, mq, o = config.server, config.models, config.mqtt, config.offload
+    repo = config.repository_path()
+    found = sorted(d.name for d in repo.iterdir() if (d / "model.toml").is_file()) if repo.is_dir() else []
+    settings = {
+        "version": package_version(),
+        "config": config.source,
+        "unix_socket": str(config.socket_path()),
+        "socket_mode": s.socket_mode,
+        "http": s.http or None,
+        "token": ("from " + s.token_file) if s.token_file else ("set" if s.token else None),
+        "tls": bool(s.tls_cert),
+        "models_repository": str(repo),
+        "models_found": found,
+        "models_load": m.load or "all",
+        "memory_probe": config.memory.probe,
+        "memory_budget_mb": config.memory.budget_mb or None,
+        "mqtt": {"broker": f"{mq.host}:{mq.port}", "client_id": mq.client_id or "auto",
+                 "device_id": mq.device_id or "auto", "topic_prefix": mq.topic_prefix or "auto"}
+                if mq.enabled else None,
+        "offload_peers": [p.name or p.url for p in o.peers] if o.enabled else [],
+        "service_socket": f"{service_socket} ({'exists' if service_running else 'absent'})",
+    }
+    if args.json:
+        print(json.dumps(settings, indent=2))
+        return 0
+    width = max(len(k) for k in settings)
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            value = ", ".join(f"{k} {v}" for k, v in value.items())
+        elif isinstance(value, list):
+            value = ", ".join(value) or "-"
+        print(f"{key:<{width}}  {'-' if value is None else value}")
     return 0
 
 
@@ -143,19 +231,39 @@ def cmd_infer(args: argparse.Namespace) -> int:
                 print("edge-batcher infer: give --input NAME=FILE.npy|JSON or --request FILE.json", file=sys.stderr)
                 return 2
             outputs = client.infer(args.model, inputs, timeout_ms=args.timeout_ms, priority=args.priority)
+            labels = client.model_metadata(args.model).get("parameters", {}).get("labels") or []
         except ClientError as exc:
-            print(f"edge-batcher infer: {exc.status}: {exc.message}", file=sys.stderr)
+            prefix = f"{exc.status}: " if exc.status else ""  # status 0: no HTTP answer at all
+            print(f"edge-batcher infer: {prefix}{exc.message}", file=sys.stderr)
             return 1
         except (OSError, EdgeBatcherError) as exc:
             print(f"edge-batcher infer: {exc}", file=sys.stderr)
             return 1
+    named = class_names(outputs, labels)
     if args.json:
-        print(json.dumps({k: _jsonable(v) for k, v in outputs.items()}))
+        doc = {k: _jsonable(v) for k, v in outputs.items()}
+        if named and "labels" not in doc:
+            doc["labels"] = named
+        print(json.dumps(doc))
     else:
         for name, value in outputs.items():
             print(f"{name} {value.dtype} {list(value.shape)}:")
             print(np.array2string(value, precision=4, threshold=64))
+            if name in named:
+                print(f"  labels: {', '.join(named[name])}")
     return 0
+
+
+def class_names(outputs: dict[str, np.ndarray], labels: list[str]) -> dict[str, list[str]]:
+    """The model's labels for integer outputs holding one class index per row (argmax-style
+    class_id): the rule MQTT stream results use."""
+    named = {}
+    for name, out in outputs.items():
+        if not labels or out.dtype.kind not in "iu" or out.ndim != 1 or out.size == 0:
+            continue
+        if out.min() >= 0 and out.max() < len(labels):
+            named[name] = [labels[int(i)] for i in out]
+    return named
 
 
 def _parse_input(spec: str) -> tuple[str, np.ndarray]:

@@ -14,6 +14,10 @@ over TCP::
 Requests use Triton's binary tensor extension by default (``binary=True``): tensors travel as
 raw bytes after a JSON header, which is far cheaper than JSON numbers for real payloads.
 ``binary=False`` sends and asks for plain JSON, handy for debugging.
+
+Errors: ``ClientError`` for any non-2xx answer (``status``, ``message``); its subclass
+``DaemonUnreachable`` (status 0) when no connection can be opened, naming the address and what
+to do. docs/client.md is the reference.
 """
 
 from __future__ import annotations
@@ -57,15 +61,57 @@ def default_url(service_url: str = DEFAULT_URL) -> str:
 
 
 class ClientError(Exception):
-    """The daemon answered with a non-2xx status (or with a body the client cannot decode).
+    """The daemon answered with a non-2xx status (or with a body the client cannot decode),
+    or could not be reached at all (``DaemonUnreachable``, status 0).
 
     ``message`` is the daemon's ``{"error": "..."}`` text when there is one.
     """
 
     def __init__(self, status: int, message: str):
-        super().__init__(f"HTTP {status}: {message}")
+        super().__init__(f"HTTP {status}: {message}" if status else message)
         self.status = status
         self.message = message
+
+
+class DaemonUnreachable(ClientError):
+    """No connection to the daemon: no socket, nothing listening, no permission, unknown host.
+
+    Status 0 (no HTTP answer); the message names the address and what to do about it.
+    ``address`` is the URL the client was given, ``reason`` the OS error behind it.
+    """
+
+    def __init__(self, address: str, reason: BaseException):
+        self.address = address
+        self.reason = reason
+        super().__init__(0, unreachable_message(address, reason))
+
+
+_START_HINT = (
+    "start it (`edge-batcher serve`, or `sudo systemctl start edge-batcher` for the service) "
+    "or give its address (--url / Client(url=...)); `edge-batcher config` prints the socket "
+    "path a daemon started with the same configuration uses"
+)
+
+
+def unreachable_message(address: str, reason: BaseException) -> str:
+    """One sentence for a failed connection: what was tried, what went wrong, what to do."""
+    if isinstance(reason, FileNotFoundError):
+        return f"no daemon at {address}: the socket does not exist; {_START_HINT}"
+    if isinstance(reason, ConnectionRefusedError):
+        if address.startswith("unix:"):
+            return (f"no daemon at {address}: the socket exists but nothing accepts on it "
+                    f"(left behind by a daemon that stopped?); {_START_HINT}")
+        return (f"no daemon at {address}: connection refused; start it with "
+                f"`edge-batcher serve --http HOST:PORT --token-file FILE`, or check the address")
+    if isinstance(reason, PermissionError):
+        return (f"cannot connect to {address}: permission denied; the service's socket is for "
+                f"the edge-batcher group: `sudo usermod -aG edge-batcher $USER`, then log in again")
+    if isinstance(reason, socket.gaierror):
+        return f"cannot connect to {address}: unknown host ({reason.strerror or reason}); check the address"
+    if isinstance(reason, (TimeoutError, socket.timeout)):
+        return f"cannot connect to {address}: timed out; is the daemon up and the address right?"
+    detail = getattr(reason, "strerror", None) or str(reason) or type(reason).__name__
+    return f"cannot connect to {address}: {detail}"
 
 
 @dataclass(frozen=True)
@@ -228,7 +274,8 @@ class Client:
         token: str | None = None,
         binary: bool = True,
     ):
-        self.endpoint = parse_url(url or default_url())
+        self.url = url or default_url()
+        self.endpoint = parse_url(self.url)
         self.timeout = timeout
         self.binary = binary
         self._headers: dict[str, str] = {}
@@ -305,7 +352,7 @@ class Client:
     def _health(self, path: str) -> bool:
         try:
             status, _, _ = self._request("GET", path)
-        except (OSError, http.client.HTTPException):
+        except (DaemonUnreachable, OSError, http.client.HTTPException):
             return False  # not reachable counts as not live / not ready
         return status == 200
 
@@ -327,6 +374,16 @@ class Client:
             )
         return http.client.HTTPConnection(ep.host, ep.port, timeout=self.timeout)
 
+    def _open(self) -> http.client.HTTPConnection:
+        """A connected connection, or DaemonUnreachable."""
+        conn = self._connect()
+        try:
+            conn.connect()
+        except OSError as exc:  # FileNotFoundError, ConnectionRefusedError, gaierror, timeout...
+            conn.close()
+            raise DaemonUnreachable(self.url, exc) from exc
+        return conn
+
     def _request(
         self,
         method: str,
@@ -337,16 +394,16 @@ class Client:
         """Send one request on the kept-alive connection; returns (status, headers, body).
 
         If a *reused* connection fails (the daemon closed it while idle, or restarted), the
-        request is retried once on a fresh connection. A fresh connection failing is a real
-        error and propagates (ConnectionRefusedError, FileNotFoundError for a missing
-        socket, TimeoutError...).
+        request is retried once on a fresh connection. A fresh connection that cannot be
+        opened raises DaemonUnreachable (naming the address and the fix); errors after that
+        (a timeout waiting for the answer, a protocol error) propagate as they are.
         """
         all_headers = {**self._headers, **(headers or {})}
         full_path = self.endpoint.base_path + path
         for attempt in (1, 2):
             reused = self._conn is not None
             if self._conn is None:
-                self._conn = self._connect()
+                self._conn = self._open()
             conn = self._conn
             try:
                 conn.request(method, full_path, body=body, headers=all_headers)
@@ -381,7 +438,8 @@ class AsyncClient:
         token: str | None = None,
         binary: bool = True,
     ):
-        self.endpoint = parse_url(url or default_url())
+        self.url = url or default_url()
+        self.endpoint = parse_url(self.url)
         self.timeout = timeout
         self.binary = binary
         self._headers: dict[str, str] = {}
@@ -466,7 +524,7 @@ class AsyncClient:
 
         try:
             status, _, _ = await self._request("GET", path)
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        except (DaemonUnreachable, aiohttp.ClientError, OSError, asyncio.TimeoutError):
             return False
         return status == 200
 
@@ -495,7 +553,8 @@ class AsyncClient:
         body: bytes | None = None,
         headers: dict[str, str] | None = None,
     ) -> tuple[int, Any, bytes]:
-        """Send one request; a pooled connection the daemon dropped is retried once."""
+        """Send one request; a pooled connection the daemon dropped is retried once. A
+        connection that cannot be opened raises DaemonUnreachable."""
         import aiohttp
 
         url = self.endpoint.base_url + path
@@ -507,4 +566,6 @@ class AsyncClient:
             except aiohttp.ServerDisconnectedError:
                 if attempt == 2:
                     raise
+            except aiohttp.ClientConnectorError as exc:
+                raise DaemonUnreachable(self.url, exc.os_error) from exc
         raise AssertionError("unreachable")

@@ -68,6 +68,7 @@ class Daemon:
         # Built here so a bad [mqtt] section stops start-up before any model loads.
         self.mqtt = MqttTransport(config.mqtt, self.runtime) if config.mqtt.enabled else None
         self.health_checks = {"mqtt": (lambda: self.mqtt.state) if self.mqtt else (lambda: "disabled")}
+        self.runtime.metrics.watch_transports(mqtt=self.mqtt, offload=self.runtime.offload)
 
     def request_stop(self) -> None:
         self._stop.set()

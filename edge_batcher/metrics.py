@@ -1,13 +1,18 @@
 """Prometheus metrics in text exposition format, without a client library.
 
-Metric names are a public contract (see docs/observability in the README): every name gets
-the prefix `edge_batcher_`. Updates happen on the event loop thread only, so no locks.
+Metric names are a public contract (docs/observability.md; deploy/ has a Grafana dashboard and
+alert rules built on them): every name gets the prefix `edge_batcher_`, except the standard
+`process_*` metrics every Prometheus client library exports (ProcessMetrics), which dashboards
+and alerts written for any exporter expect under exactly those names. Updates happen on the
+event loop thread only, so no locks.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import os
+import resource
 
 PREFIX = "edge_batcher_"
 
@@ -147,6 +152,41 @@ class Histogram(_Metric):
         return lines
 
 
+class ProcessMetrics:
+    """The standard process metrics (names as the Prometheus client libraries export them):
+    CPU seconds, resident and virtual memory, open and maximum file descriptors, start time.
+    Read from the kernel (through psutil) at each scrape: a few small /proc reads."""
+
+    def __init__(self) -> None:
+        import psutil
+
+        self._process = psutil.Process(os.getpid())
+        self._start_time = self._process.create_time()
+
+    def render(self) -> list[str]:
+        p = self._process
+        with p.oneshot():
+            cpu = p.cpu_times()
+            memory = p.memory_info()
+            fds = p.num_fds()
+        max_fds = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        rows = [
+            ("process_cpu_seconds_total", "counter", "Total user and system CPU time spent in seconds.",
+             cpu.user + cpu.system),
+            ("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", memory.rss),
+            ("process_virtual_memory_bytes", "gauge", "Virtual memory size in bytes.", memory.vms),
+            ("process_open_fds", "gauge", "Number of open file descriptors.", fds),
+            ("process_max_fds", "gauge", "Maximum number of open file descriptors.",
+             float("inf") if max_fds == resource.RLIM_INFINITY else max_fds),
+            ("process_start_time_seconds", "gauge", "Start time of the process since unix epoch in seconds.",
+             self._start_time),
+        ]
+        lines = []
+        for name, kind, help, value in rows:
+            lines += [f"# HELP {name} {help}", f"# TYPE {name} {kind}", f"{name} {_number(value)}"]
+        return lines
+
+
 class Metrics:
     """The daemon's metrics; one instance per runtime (no globals, so tests stay independent)."""
 
@@ -175,11 +215,31 @@ class Metrics:
         self.device_memory_bytes = Gauge(
             "device_memory_bytes", "Device memory as the memory probe last read it.", ("kind",)
         )
+        # Set by watch_transports() when the daemon has an MQTT transport / offload peers.
+        self.mqtt_connected = Gauge("mqtt_connected", "1 while connected and subscribed to the MQTT broker, else 0.")
+        self.offload_breaker_open = Gauge(
+            "offload_breaker_open", "1 while a peer's circuit breaker is open (no requests sent to it), else 0.",
+            ("peer",),
+        )
+        self.process = ProcessMetrics()
         # Called before each render: gauges read from elsewhere (the memory budget) update here.
         self.collectors: list = []
 
     def all(self) -> list[_Metric]:
         return [m for m in vars(self).values() if isinstance(m, _Metric)]
+
+    def watch_transports(self, mqtt=None, offload=None) -> None:
+        """Report the MQTT connection (a transport with .state) and the offload peers' breakers
+        (a PeerPool with .status()) at every scrape."""
+
+        def collect() -> None:
+            if mqtt is not None:
+                self.mqtt_connected.set(1 if mqtt.state == "connected" else 0)
+            if offload is not None:
+                for peer in offload.status():
+                    self.offload_breaker_open.set(1 if peer["state"] == "open" else 0, peer=peer["name"])
+
+        self.collectors.append(collect)
 
     def render(self) -> str:
         for collect in self.collectors:
@@ -187,4 +247,5 @@ class Metrics:
         lines: list[str] = []
         for metric in self.all():
             lines.extend(metric.render())
+        lines.extend(self.process.render())
         return "\n".join(lines) + "\n"

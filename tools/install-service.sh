@@ -3,24 +3,26 @@
 #
 #   sudo tools/install-service.sh [--extras gpu,tensorrt] [--socket-activation]
 #   tools/install-service.sh --dry-run          # show what would be done; needs no root
+#   tools/install-service.sh --root /tmp/eb     # everything under /tmp/eb, runnable from there
 #
-# Idempotent: an existing user, venv, /etc/edge-batcher/config.toml or model repository is kept
-# (the package itself is re-installed into the venv, so running it again upgrades the daemon).
+# Idempotent: an existing user, venv, /etc/edge-batcher/config.toml, model repository or
+# document index is kept (the package itself is re-installed into the venv, so running it
+# again upgrades the daemon).
 set -euo pipefail
 
 readonly SERVICE=edge-batcher
 readonly SERVICE_USER=edge-batcher
 readonly SERVICE_GROUP=edge-batcher
-readonly DEFAULT_PREFIX=/opt/edge-batcher
-readonly CONFIG_DIR=/etc/edge-batcher
-readonly STATE_DIR=/var/lib/edge-batcher
-readonly CACHE_DIR=/var/cache/edge-batcher
-readonly UNIT_DIR=/etc/systemd/system
+readonly SYSTEM_PREFIX=/opt/edge-batcher
+readonly SYSTEM_STATE_DIR=/var/lib/edge-batcher
 
 REPO_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PREFIX="$DEFAULT_PREFIX"
+ROOT=""
+PREFIX=""
 CONFIG_SRC="$REPO_DIR/configs/jetson-orin-nano.toml"
 EXTRAS=""
+PYTHON=""
+PIP_OPTIONS=()
 SOCKET_ACTIVATION=0
 DRY_RUN=0
 SYSTEM_SITE=auto # auto = yes on Jetson (/etc/nv_tegra_release), no elsewhere
@@ -33,16 +35,29 @@ Usage: $(basename "$0") [OPTIONS]
 Install edge-batcher from $REPO_DIR as the systemd service "$SERVICE". Run as root.
 
 Steps: create the system user/group $SERVICE_USER (+ groups video, render if present);
-create PREFIX/venv and pip-install this project into it; install $CONFIG_DIR/config.toml
-(never overwrites an existing one); copy the model repository (engines/) to
-$STATE_DIR/engines if absent; install the unit(s) into $UNIT_DIR; systemctl daemon-reload.
-Nothing is started; it prints the command that starts the service.
+create PREFIX/venv with the system Python and pip-install this project into it, with the
+extras the models need; check the service user can run the venv's interpreter and that every
+model's backend imports; install /etc/edge-batcher/config.toml (never overwrites an existing
+one); copy the model repository (engines/) to $SYSTEM_STATE_DIR/engines and the document index
+(state/index) to $SYSTEM_STATE_DIR/index if absent; install the unit(s) into
+/etc/systemd/system; systemctl daemon-reload. Nothing is started; it prints the command that
+starts the service.
 
 Options:
-  --prefix DIR             install root; the venv goes to DIR/venv (default $DEFAULT_PREFIX)
-  --config FILE            config to install as $CONFIG_DIR/config.toml if none exists
+  --prefix DIR             install root; the venv goes to DIR/venv (default $SYSTEM_PREFIX)
+  --config FILE            config to install as /etc/edge-batcher/config.toml if none exists
                            (default configs/jetson-orin-nano.toml)
-  --extras LIST            pip extras, comma-separated, e.g. gpu,tensorrt
+  --extras LIST            pip extras, comma-separated, e.g. gpu,tensorrt; added to the ones
+                           the models need (rag for a [tokenizer] or a rag/generator model,
+                           tensorrt for a tensorrt model unless the system Python provides it)
+  --python PY              the interpreter the venv is built from (default /usr/bin/python3,
+                           the system Python, which the service user can execute; a pyenv or
+                           conda Python under a private home directory cannot be)
+  --pip-option OPT         pass OPT to pip install (repeat), e.g. --pip-option=--index-url=URL
+  --root DIR               install everything under DIR instead of / (the installed config and
+                           unit point into DIR); no user, chown or systemctl, no root needed:
+                           to try the installer, and for its test, which starts the daemon
+                           from there
   --system-site-packages   let the venv see system Python packages. Default on Jetson (JetPack's
                            TensorRT/pycuda bindings come from apt, not pip), off elsewhere.
   --no-system-site-packages
@@ -66,6 +81,12 @@ while [[ $# -gt 0 ]]; do
         --config=*) CONFIG_SRC="${1#*=}"; shift ;;
         --extras) [[ $# -ge 2 ]] || die "--extras needs a list, e.g. gpu,tensorrt"; EXTRAS="$2"; shift 2 ;;
         --extras=*) EXTRAS="${1#*=}"; shift ;;
+        --python) [[ $# -ge 2 ]] || die "--python needs an interpreter"; PYTHON="$2"; shift 2 ;;
+        --python=*) PYTHON="${1#*=}"; shift ;;
+        --pip-option) [[ $# -ge 2 ]] || die "--pip-option needs an option"; PIP_OPTIONS+=("$2"); shift 2 ;;
+        --pip-option=*) PIP_OPTIONS+=("${1#*=}"); shift ;;
+        --root) [[ $# -ge 2 ]] || die "--root needs a directory"; ROOT="$2"; shift 2 ;;
+        --root=*) ROOT="${1#*=}"; shift ;;
         --system-site-packages) SYSTEM_SITE=yes; shift ;;
         --no-system-site-packages) SYSTEM_SITE=no; shift ;;
         --socket-activation) SOCKET_ACTIVATION=1; shift ;;
@@ -75,8 +96,27 @@ while [[ $# -gt 0 ]]; do
     esac
 done
 
+if [[ -n "$ROOT" ]]; then
+    [[ "$ROOT" == /* ]] || die "--root must be an absolute path, got '$ROOT'"
+    ROOT="${ROOT%/}"
+fi
+readonly DEFAULT_PREFIX="$ROOT$SYSTEM_PREFIX"
+readonly CONFIG_DIR="$ROOT/etc/edge-batcher"
+readonly STATE_DIR="$ROOT$SYSTEM_STATE_DIR"
+readonly CACHE_DIR="$ROOT/var/cache/edge-batcher"
+readonly UNIT_DIR="$ROOT/etc/systemd/system"
+PREFIX="${PREFIX:-$DEFAULT_PREFIX}"
 [[ "$PREFIX" == /* ]] || die "--prefix must be an absolute path, got '$PREFIX'"
 PREFIX="${PREFIX%/}"
+# Owner options for install(1): the service user owns its state; under --root, whoever runs this.
+OWN_SERVICE=(-o "$SERVICE_USER" -g "$SERVICE_GROUP")
+OWN_CONFIG=(-o root -g "$SERVICE_GROUP")
+OWN_ROOT=(-o root -g root)
+if [[ -n "$ROOT" ]]; then
+    OWN_SERVICE=()
+    OWN_CONFIG=()
+    OWN_ROOT=()
+fi
 [[ -z "$EXTRAS" || "$EXTRAS" =~ ^[A-Za-z0-9_-]+(,[A-Za-z0-9_-]+)*$ ]] ||
     die "--extras must be a comma-separated list of names, got '$EXTRAS'"
 [[ "$CONFIG_SRC" == /* ]] || CONFIG_SRC="$PWD/$CONFIG_SRC"
@@ -118,8 +158,8 @@ user_exists() { getent passwd "$1" >/dev/null 2>&1; }
 
 if [[ $DRY_RUN -eq 1 ]]; then
     echo "DRY RUN: printing the commands that would run; nothing is changed."
-elif [[ $(id -u) -ne 0 ]]; then
-    die "must run as root (try: sudo $0 ${ORIG_ARGS[*]:-}), or use --dry-run"
+elif [[ $(id -u) -ne 0 && -z "$ROOT" ]]; then
+    die "must run as root (try: sudo $0 ${ORIG_ARGS[*]:-}), or use --dry-run or --root DIR"
 fi
 
 for f in "$REPO_DIR/pyproject.toml" "$REPO_DIR/systemd/$SERVICE.service"; do
@@ -135,50 +175,83 @@ if [[ ! -f "$CONFIG_SRC" ]]; then
         die "config source $CONFIG_SRC not found (pass --config FILE)"
     fi
 fi
-if command -v python3 >/dev/null 2>&1; then
-    python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))' ||
-        die "python3 >= 3.10 required, found $(python3 -V 2>&1)"
-elif [[ $DRY_RUN -eq 0 ]]; then
-    die "python3 not found"
+# The system Python by default, not whichever python3 is first on root's PATH: a pyenv or
+# conda interpreter under /root (mode 0700) builds a venv the service user cannot execute.
+if [[ -z "$PYTHON" ]]; then
+    if [[ -x /usr/bin/python3 ]]; then PYTHON=/usr/bin/python3; else PYTHON="$(command -v python3 || true)"; fi
 fi
-if [[ $DRY_RUN -eq 0 ]] && ! command -v systemctl >/dev/null 2>&1; then
+if [[ -n "$PYTHON" ]] && command -v "$PYTHON" >/dev/null 2>&1; then
+    "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 10))' ||
+        die "Python >= 3.10 required, $PYTHON is $("$PYTHON" -V 2>&1) (pass --python PY)"
+elif [[ $DRY_RUN -eq 0 ]]; then
+    die "no Python interpreter found (${PYTHON:-python3}); pass --python PY"
+fi
+if [[ $DRY_RUN -eq 0 && -z "$ROOT" ]] && ! command -v systemctl >/dev/null 2>&1; then
     die "systemctl not found: this installer is for systemd hosts"
 fi
 if [[ "$SYSTEM_SITE" == auto ]]; then
     if [[ -f /etc/nv_tegra_release ]]; then SYSTEM_SITE=yes; else SYSTEM_SITE=no; fi
 fi
 
+# The extras the models need, from the repository the service will load: the installed one
+# when it exists (it is kept), else the engines/ this run copies. A missing extra is not
+# noticed until the daemon exits 2 at start (e.g. "the tokenizers package is not installed").
+if [[ -d "$STATE_DIR/engines" ]]; then MODELS_SRC="$STATE_DIR/engines"; else MODELS_SRC="$REPO_DIR/engines"; fi
+model_extras=()
+for toml in "$MODELS_SRC"/*/model.toml; do
+    [[ -f "$toml" ]] || continue
+    model="$(basename "$(dirname "$toml")")"
+    if grep -Eq '^[[:space:]]*\[tokenizer\]|^[[:space:]]*backend[[:space:]]*=[[:space:]]*"(rag|generator)"' "$toml"; then
+        model_extras+=("rag:$model")
+    fi
+    if grep -Eq '^[[:space:]]*backend[[:space:]]*=[[:space:]]*"tensorrt"' "$toml" && [[ "$SYSTEM_SITE" != yes ]]; then
+        model_extras+=("tensorrt:$model")  # on Jetson, TensorRT comes from JetPack (system site-packages)
+    fi
+done
+DERIVED_NOTE=""
+for entry in ${model_extras[@]+"${model_extras[@]}"}; do
+    extra="${entry%%:*}"
+    DERIVED_NOTE+="${DERIVED_NOTE:+, }$extra (model ${entry#*:})"
+    [[ ",$EXTRAS," == *",$extra,"* ]] || EXTRAS="${EXTRAS:+$EXTRAS,}$extra"
+done
+
 echo "edge-batcher installer"
 note "source tree:   $REPO_DIR"
-note "venv:          $VENV (system site-packages: $SYSTEM_SITE)"
-note "pip extras:    ${EXTRAS:-none}"
+[[ -n "$ROOT" ]] && note "root:          $ROOT (no user, chown or systemctl)"
+note "venv:          $VENV, from $PYTHON (system site-packages: $SYSTEM_SITE)"
+note "pip extras:    ${EXTRAS:-none}${DERIVED_NOTE:+ (needed by the models: $DERIVED_NOTE)}"
+note "models:        $MODELS_SRC"
 note "config source: $CONFIG_SRC"
 note "socket activation: $([[ $SOCKET_ACTIVATION -eq 1 ]] && echo yes || echo no)"
 
 # ---- 1. user and group -------------------------------------------------------------------------
 
 step "1. System user and group '$SERVICE_USER'"
-if group_exists "$SERVICE_GROUP"; then
+MISSING_GROUPS=()
+if [[ -n "$ROOT" ]]; then
+    note "--root: no user or group is created; the files belong to $(id -un)"
+elif group_exists "$SERVICE_GROUP"; then
     note "group $SERVICE_GROUP exists, kept"
 else
     run groupadd --system "$SERVICE_GROUP"
 fi
-if user_exists "$SERVICE_USER"; then
-    note "user $SERVICE_USER exists, kept"
-else
-    # Home = the StateDirectory (systemd creates it); --no-create-home because systemd owns it.
-    run useradd --system --no-create-home --home-dir "$STATE_DIR" --shell /usr/sbin/nologin \
-        --gid "$SERVICE_GROUP" --comment "edge-batcher inference daemon" "$SERVICE_USER"
-fi
-MISSING_GROUPS=()
-for g in video render; do
-    if group_exists "$g"; then
-        run usermod --append --groups "$g" "$SERVICE_USER"
+if [[ -z "$ROOT" ]]; then
+    if user_exists "$SERVICE_USER"; then
+        note "user $SERVICE_USER exists, kept"
     else
-        note "group $g does not exist on this system, skipped"
-        MISSING_GROUPS+=("$g")
+        # Home = the StateDirectory (systemd creates it); --no-create-home because systemd owns it.
+        run useradd --system --no-create-home --home-dir "$STATE_DIR" --shell /usr/sbin/nologin \
+            --gid "$SERVICE_GROUP" --comment "edge-batcher inference daemon" "$SERVICE_USER"
     fi
-done
+    for g in video render; do
+        if group_exists "$g"; then
+            run usermod --append --groups "$g" "$SERVICE_USER"
+        else
+            note "group $g does not exist on this system, skipped"
+            MISSING_GROUPS+=("$g")
+        fi
+    done
+fi
 
 # ---- 2. virtual environment --------------------------------------------------------------------
 
@@ -189,11 +262,25 @@ if [[ -x "$VENV/bin/python" ]]; then
 else
     venv_args=()
     [[ "$SYSTEM_SITE" == yes ]] && venv_args+=(--system-site-packages)
-    run python3 -m venv ${venv_args[@]+"${venv_args[@]}"} "$VENV"
+    run "$PYTHON" -m venv ${venv_args[@]+"${venv_args[@]}"} "$VENV"
+fi
+# The service runs $VENV/bin/python as $SERVICE_USER: every directory up to the real
+# interpreter (the venv's python is a symlink to it) must be searchable by that user.
+if [[ $DRY_RUN -eq 0 && -z "$ROOT" ]]; then
+    if ! runuser -u "$SERVICE_USER" -- "$VENV/bin/python" -c '' 2>/dev/null; then
+        die "user $SERVICE_USER cannot execute $VENV/bin/python (-> $(readlink -f "$VENV/bin/python")):" \
+            "the interpreter or a directory above it is not accessible to that user (a pyenv or conda" \
+            "Python under /root?). Remove $VENV and run again with --python /usr/bin/python3"
+    fi
+    note "user $SERVICE_USER can execute $VENV/bin/python (-> $(readlink -f "$VENV/bin/python"))"
+elif [[ -n "$ROOT" ]]; then
+    note "--root: not checking that $SERVICE_USER can execute the interpreter"
+else
+    note "then: check that user $SERVICE_USER can execute $VENV/bin/python"
 fi
 pkg="$REPO_DIR"
 [[ -n "$EXTRAS" ]] && pkg="$REPO_DIR[$EXTRAS]"
-run "$VENV/bin/pip" install --no-cache-dir --upgrade "$pkg"
+run "$VENV/bin/pip" install --no-cache-dir --upgrade ${PIP_OPTIONS[@]+"${PIP_OPTIONS[@]}"} "$pkg"
 if [[ $DRY_RUN -eq 0 ]]; then
     [[ -x "$BIN" ]] || die "$BIN was not installed by pip"
 fi
@@ -221,37 +308,87 @@ fi
 # ---- 3. configuration --------------------------------------------------------------------------
 
 step "3. Configuration $CONFIG_DIR/config.toml"
-run install -d -m 0755 -o root -g root "$CONFIG_DIR"
+run install -d -m 0755 ${OWN_ROOT[@]+"${OWN_ROOT[@]}"} "$CONFIG_DIR"
 if [[ -e "$CONFIG_DIR/config.toml" ]]; then
     note "$CONFIG_DIR/config.toml exists, NOT overwritten (new default: $CONFIG_SRC)"
+elif [[ -n "$ROOT" ]]; then
+    # The same file with its /etc/edge-batcher and /var/lib/edge-batcher paths moved into --root.
+    sed -e "s#/etc/edge-batcher#$CONFIG_DIR#g" -e "s#$SYSTEM_STATE_DIR#$STATE_DIR#g" "$CONFIG_SRC" |
+        write_file 0640 "$CONFIG_DIR/config.toml"
 else
     # 0640 root:edge-batcher: the daemon can read it, may hold MQTT/peer credentials.
-    run install -m 0640 -o root -g "$SERVICE_GROUP" "$CONFIG_SRC" "$CONFIG_DIR/config.toml"
+    run install -m 0640 ${OWN_CONFIG[@]+"${OWN_CONFIG[@]}"} "$CONFIG_SRC" "$CONFIG_DIR/config.toml"
 fi
 
 # ---- 4. state: model repository ----------------------------------------------------------------
 
-step "4. Model repository $STATE_DIR/engines"
+step "4. Model repository $STATE_DIR/engines and document index $STATE_DIR/index"
 # Modes match StateDirectoryMode=/CacheDirectoryMode= in the unit (systemd warns on a mismatch).
-run install -d -m 0750 -o "$SERVICE_USER" -g "$SERVICE_GROUP" "$STATE_DIR" "$CACHE_DIR"
-if [[ -e "$STATE_DIR/engines" ]]; then
-    note "$STATE_DIR/engines exists, kept"
-elif [[ -d "$REPO_DIR/engines" ]]; then
-    run cp -a "$REPO_DIR/engines" "$STATE_DIR/engines"
-    run chown -R "$SERVICE_USER:$SERVICE_GROUP" "$STATE_DIR/engines"
+run install -d -m 0750 ${OWN_SERVICE[@]+"${OWN_SERVICE[@]}"} "$STATE_DIR" "$CACHE_DIR"
+# copy_state NAME: $REPO_DIR/<src> -> $STATE_DIR/NAME, owned by the service user; kept if present.
+copy_state() {
+    local src="$1" name="$2"
+    if [[ -e "$STATE_DIR/$name" ]]; then
+        note "$STATE_DIR/$name exists, kept"
+    elif [[ -d "$src" ]]; then
+        run cp -a "$src" "$STATE_DIR/$name"
+        [[ -n "$ROOT" ]] || run chown -R "$SERVICE_USER:$SERVICE_GROUP" "$STATE_DIR/$name"
+    else
+        return 1
+    fi
+}
+copy_state "$REPO_DIR/engines" engines ||
+    run install -d -m 0750 ${OWN_SERVICE[@]+"${OWN_SERVICE[@]}"} "$STATE_DIR/engines"
+# The rag model's index ([rag] index_dir = "": $STATE_DIRECTORY/index under systemd), built
+# by `make models` into ./state/index.
+copy_state "$REPO_DIR/state/index" index ||
+    note "no $REPO_DIR/state/index to copy; a rag model needs one: edge-batcher index add FILE... --index $STATE_DIR/index"
+
+# Every model's backend must import in the venv (a missing extra, TensorRT not installed...):
+# refuse now rather than let the service exit 2 at its first start.
+if [[ $DRY_RUN -eq 0 ]]; then
+    "$VENV/bin/python" - "$STATE_DIR/engines" <<'PY' || die "the installed daemon could not load the models above: pass the --extras they need (or remove the models from $STATE_DIR/engines), then run again"
+import sys
+from pathlib import Path
+
+from edge_batcher.config import load_model_config
+from edge_batcher.engines import registry
+from edge_batcher.errors import ConfigError
+
+failed = 0
+for toml in sorted(Path(sys.argv[1]).glob("*/model.toml")):
+    try:
+        config = load_model_config(toml.parent)
+        if registry.is_service(config.backend):
+            registry.service_class(config.backend)
+        else:
+            registry.engine_class(config.backend)
+        if config.tokenizer:
+            import tokenizers  # noqa: F401
+        if config.backend == "tensorrt":  # the backend imports TensorRT only when a model loads
+            import tensorrt  # noqa: F401
+    except (ConfigError, ImportError) as exc:
+        failed += 1
+        print(f"error: model {toml.parent.name}: {exc}", file=sys.stderr)
+    else:
+        print(f"    model {config.name}: backend {config.backend} imports")
+sys.exit(1 if failed else 0)
+PY
 else
-    run install -d -m 0750 -o "$SERVICE_USER" -g "$SERVICE_GROUP" "$STATE_DIR/engines"
+    note "then: check that every model's backend imports in the venv (refuse if not)"
 fi
 
 # ---- 5. systemd units --------------------------------------------------------------------------
 
 step "5. systemd units in $UNIT_DIR"
-if [[ "$PREFIX" == "$DEFAULT_PREFIX" ]]; then
+[[ -n "$ROOT" ]] && run install -d -m 0755 "$UNIT_DIR"
+if [[ "$PREFIX" == "$SYSTEM_PREFIX" && -z "$ROOT" ]]; then
     run install -m 0644 "$REPO_DIR/systemd/$SERVICE.service" "$UNIT_DIR/$SERVICE.service"
 else
-    # Same file with ExecStart= pointing into --prefix.
+    # Same file with ExecStart= pointing into --prefix (and --root).
     unit_text="$(cat "$REPO_DIR/systemd/$SERVICE.service")"
-    unit_text="${unit_text//$DEFAULT_PREFIX\/venv\/bin\/edge-batcher/$BIN}"
+    unit_text="${unit_text//$SYSTEM_PREFIX\/venv\/bin\/edge-batcher/$BIN}"
+    [[ -n "$ROOT" ]] && unit_text="${unit_text//\/etc\/edge-batcher\/config.toml/$CONFIG_DIR/config.toml}"
     printf '    + install -m 0644 %q %q   # with ExecStart=%s\n' \
         "$REPO_DIR/systemd/$SERVICE.service" "$UNIT_DIR/$SERVICE.service" "$BIN"
     if [[ $DRY_RUN -eq 0 ]]; then
@@ -291,16 +428,25 @@ RuntimeDirectoryPreserve=yes
 EOF
 fi
 
-if command -v systemd-analyze >/dev/null 2>&1 && [[ $DRY_RUN -eq 0 ]]; then
-    units=("$UNIT_DIR/$SERVICE.service")
-    [[ $SOCKET_ACTIVATION -eq 1 ]] && units+=("$UNIT_DIR/$SERVICE.socket")
-    run systemd-analyze verify "${units[@]}" || echo "warning: systemd-analyze verify reported problems (above)" >&2
+if [[ -n "$ROOT" ]]; then
+    note "--root: systemctl daemon-reload skipped"
+else
+    if command -v systemd-analyze >/dev/null 2>&1 && [[ $DRY_RUN -eq 0 ]]; then
+        units=("$UNIT_DIR/$SERVICE.service")
+        [[ $SOCKET_ACTIVATION -eq 1 ]] && units+=("$UNIT_DIR/$SERVICE.socket")
+        run systemd-analyze verify "${units[@]}" || echo "warning: systemd-analyze verify reported problems (above)" >&2
+    fi
+    run systemctl daemon-reload
 fi
-run systemctl daemon-reload
 
 # ---- done --------------------------------------------------------------------------------------
 
 step "Done$([[ $DRY_RUN -eq 1 ]] && echo ' (dry run: nothing was changed)')"
+if [[ -n "$ROOT" ]]; then
+    note "Run the installed daemon from $ROOT as the unit would:"
+    note "  cd $STATE_DIR && STATE_DIRECTORY=$STATE_DIR $BIN serve --config $CONFIG_DIR/config.toml"
+    exit 0
+fi
 note "Edit $CONFIG_DIR/config.toml (models directory: $STATE_DIR/engines), then start it:"
 if [[ $SOCKET_ACTIVATION -eq 1 ]]; then
     note "  systemctl enable --now $SERVICE.socket    # starts the daemon on the first connection"

@@ -536,8 +536,9 @@ def build_report(
             "calibration": "factor measured/estimated at the smallest preferred size of each bucket",
         }
     for mc in configs:
-        if mc.backend != "onnxruntime":
-            report["skipped"].append({"name": mc.name, "reason": f"backend {mc.backend!r}: only onnxruntime models are estimated"})
+        if not runs_onnx_graph(mc.backend):
+            report["skipped"].append({"name": mc.name, "reason": f"backend {mc.backend!r}: only models that run "
+                                      "an ONNX graph in ONNX Runtime are estimated"})
             continue
         if mc.model_path.suffix != ".onnx":
             report["skipped"].append({"name": mc.name, "reason": f"{mc.model_file} is not an .onnx file"})
@@ -577,6 +578,23 @@ def build_report(
             "rows": rows,
         })
     return report
+
+
+def runs_onnx_graph(backend: str) -> bool:
+    """onnxruntime itself, or an engine built on it (the text-embedding model: tokenizer in
+    front, the same ONNX graph behind, so the graph's footprint is the model's)."""
+    if backend == "onnxruntime":
+        return True
+    if ":" not in backend:
+        return False  # tensorrt, remote, services (rag, generator)
+    from ..engines.onnxruntime import OnnxRuntimeEngine
+    from ..engines.registry import engine_class
+
+    try:
+        cls = engine_class(backend)
+    except ConfigError:
+        return False
+    return isinstance(cls, type) and issubclass(cls, OnnxRuntimeEngine)
 
 
 def _add_calibrated_errors(rows: list[dict[str, Any]], buckets: list[int | None]) -> None:
@@ -648,10 +666,10 @@ def format_report(report: dict[str, Any]) -> str:
                     notes.append(f"{model['name']} batch {r['batch']}: {r.get('measure_error')}")
             table.append(cells)
             if r["unknown_shapes"]:
-                notes.append(
-                    f"* {model['name']} batch {r['batch']}: {r['unknown_shapes']} tensor shape(s) guessed "
-                    f"({', '.join(r.get('unknown_tensors', [])[:5])})"
-                )
+                note = (f"* {model['name']}: {r['unknown_shapes']} tensor shape(s) guessed "
+                        f"({', '.join(r.get('unknown_tensors', [])[:5])})")
+                if note not in notes:  # the same tensors at every size: say it once
+                    notes.append(note)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())

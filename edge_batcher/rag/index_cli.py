@@ -55,10 +55,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     common(p)
 
 
+class _NotThere(Exception):
+    """A file or index the command needs does not exist: a usage error (exit 2) that says
+    so plainly, not a "configuration error"."""
+
+
 def run(args: argparse.Namespace) -> int:
+    command = args.index_command
     try:
+        if command == "add":
+            missing = [str(f) for f in args.files if not f.is_file()]
+            if missing:
+                raise _NotThere(f"no such file: {', '.join(missing)} (nothing was indexed)")
         index_dir, embedding_model, repo = _locate(args)
-        command = args.index_command
         if command == "add":
             return _add(args, index_dir, embedding_model, repo)
         if command == "remove":
@@ -68,6 +77,9 @@ def run(args: argparse.Namespace) -> int:
         return _info(index_dir)
     except ConfigError:
         raise  # the CLI prints it as a configuration error (exit 2)
+    except _NotThere as exc:
+        print(f"edge-batcher index {command}: {exc}", file=sys.stderr)
+        return 2
     except EdgeBatcherError as exc:
         print(f"edge-batcher index: {exc}", file=sys.stderr)
         return 1
@@ -111,7 +123,7 @@ def _add(args, index_dir: Path, embedding_model: str, repo: Path) -> int:
     sources = dict(meta.get("sources", {}))
     for path in args.files:
         if not path.is_file():
-            raise ConfigError(f"{path}: no such file")
+            raise _NotThere(f"no such file: {path} (nothing was indexed)")
         parts = split_file(path, args.max_chars)
         if not parts:
             print(f"{path}: no text to index", file=sys.stderr)
@@ -124,6 +136,9 @@ def _add(args, index_dir: Path, embedding_model: str, repo: Path) -> int:
     if not (config_dir / "model.toml").is_file():
         raise ConfigError(f"embedding model {embedding_model!r} not found in {repo} (build it with "
                           "tools/build_embedding_model.py --out <repo>)")
+    # Embedding is the long part (seconds per hundred passages on a small CPU): say it starts.
+    print(f"embedding {len(new)} passages from {len(args.files)} file(s) with {embedding_model} ...",
+          file=sys.stderr, flush=True)
     engine = TextEmbeddingEngine(load_model_config(config_dir))
     engine.load()
     try:
@@ -152,7 +167,7 @@ def _add(args, index_dir: Path, embedding_model: str, repo: Path) -> int:
 def _remove(args, index_dir: Path) -> int:
     passages, embeddings, meta = _current(index_dir)
     if not meta:
-        raise ConfigError(f"no index in {index_dir}")
+        raise _NotThere(f"no index in {index_dir}: build one with `edge-batcher index add FILE...`")
     gone = {str(p.resolve()) for p in args.files}
     keep = [i for i, p in enumerate(passages) if p.source not in gone]
     sources = {k: v for k, v in meta.get("sources", {}).items() if k not in gone}
@@ -166,7 +181,7 @@ def _remove(args, index_dir: Path) -> int:
 def _list(args, index_dir: Path) -> int:
     index = load_index(index_dir)
     if index is None:
-        raise ConfigError(f"no index in {index_dir}")
+        raise _NotThere(f"no index in {index_dir}: build one with `edge-batcher index add FILE...`")
     if args.json:
         print(json.dumps([{"id": p.id, "title": p.title, "chars": len(p.text), "source": p.source}
                           for p in index.passages], indent=2))
@@ -179,7 +194,7 @@ def _list(args, index_dir: Path) -> int:
 def _info(index_dir: Path) -> int:
     meta = read_meta(index_dir)
     if meta is None:
-        raise ConfigError(f"no index in {index_dir}")
+        raise _NotThere(f"no index in {index_dir}: build one with `edge-batcher index add FILE...`")
     meta = {"dir": str(index_dir), **meta}
     print(json.dumps(meta, indent=2))
     return 0

