@@ -27,13 +27,15 @@ import json
 import os
 import socket
 import ssl
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-from urllib.parse import quote, urlsplit
+from urllib.parse import quote
 
 import numpy as np
 
 from .errors import InvalidInput
+from .protocol.endpoint import Endpoint as Endpoint  # re-exported: part of the client API
+from .protocol.endpoint import parse_url
+from .protocol.error_body import error_message
 from .protocol.v2 import (
     BINARY_CONTENT_TYPE,
     HEADER_LENGTH,
@@ -114,66 +116,6 @@ def unreachable_message(address: str, reason: BaseException) -> str:
     return f"cannot connect to {address}: {detail}"
 
 
-@dataclass(frozen=True)
-class Endpoint:
-    """Where a client connects, parsed from its URL."""
-
-    scheme: str  # "unix", "http" or "https"
-    host: str  # "localhost" for unix sockets (only used for the Host header)
-    port: int | None  # None for unix sockets
-    socket_path: str | None  # set for unix sockets only
-    base_path: str = ""  # URL path prefix without trailing slash, e.g. "/edge"
-
-    @property
-    def base_url(self) -> str:
-        """An http(s) URL that the request paths are appended to (aiohttp needs one)."""
-        if self.scheme == "unix":
-            return "http://localhost"
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{self.scheme}://{host}:{self.port}{self.base_path}"
-
-
-def parse_url(url: str) -> Endpoint:
-    """Parse ``unix:///path/to.sock``, ``http://host[:port][/prefix]`` or ``https://...``.
-
-    Raises ValueError with the reason, so a typo in a URL fails at construction time rather
-    than on the first request.
-    """
-    if not isinstance(url, str) or not url:
-        raise ValueError("client URL must be a non-empty string")
-    if url.startswith("unix:"):
-        path = url[len("unix://") :] if url.startswith("unix://") else url[len("unix:") :]
-        if not path:
-            raise ValueError(f"client URL {url!r} names no socket path")
-        return Endpoint(scheme="unix", host="localhost", port=None, socket_path=path)
-
-    parts = urlsplit(url)
-    if parts.scheme not in ("http", "https"):
-        raise ValueError(
-            f"client URL {url!r}: unsupported scheme {parts.scheme!r}; use unix:///path, "
-            f"http://host:port or https://host:port"
-        )
-    if parts.query or parts.fragment:
-        raise ValueError(f"client URL {url!r} must not have a query or fragment")
-    if parts.username is not None or parts.password is not None:
-        raise ValueError(f"client URL {url!r}: put credentials in token=, not in the URL")
-    if not parts.hostname:
-        raise ValueError(f"client URL {url!r} names no host")
-    try:
-        port = parts.port
-    except ValueError:
-        raise ValueError(f"client URL {url!r} has an invalid port") from None
-    if port is None:
-        port = 443 if parts.scheme == "https" else 80
-    return Endpoint(
-        scheme=parts.scheme,
-        host=parts.hostname,
-        port=port,
-        socket_path=None,
-        base_path=parts.path.rstrip("/"),
-    )
-
-
 # --------------------------------------------------------------------------- shared helpers
 
 
@@ -210,19 +152,9 @@ def _infer_body(
     return body, {"Content-Type": BINARY_CONTENT_TYPE, HEADER_LENGTH: str(header_length)}
 
 
-def _error_message(body: bytes) -> str:
-    try:
-        doc = json.loads(body)
-    except ValueError:
-        return body.decode("utf-8", "replace").strip() or "(empty body)"
-    if isinstance(doc, dict) and isinstance(doc.get("error"), str):
-        return doc["error"]
-    return body.decode("utf-8", "replace").strip()
-
-
 def _check(status: int, body: bytes) -> None:
     if not 200 <= status < 300:
-        raise ClientError(status, _error_message(body))
+        raise ClientError(status, error_message(body))
 
 
 def _json(status: int, body: bytes) -> Any:

@@ -9,8 +9,8 @@ import json
 import pytest
 
 from edge_batcher.errors import InvalidInput
+from edge_batcher.protocol.parameters import to_infer_request
 from edge_batcher.protocol.v2 import HEADER_LENGTH, MAX_DIMS, decode_request
-from edge_batcher.transports.http import to_infer_request
 from tests.support import rawhttp
 from tests.support.signals import windows
 

@@ -43,10 +43,11 @@ from urllib.parse import quote
 import numpy as np
 
 from .. import __version__
-from ..client import _error_message, parse_url
 from ..config import PeerSettings, read_secret
 from ..errors import ConfigError, DeadlineExceeded, EdgeBatcherError, InvalidInput, ModelNotFound
 from ..protocol import v2
+from ..protocol.endpoint import parse_url
+from ..protocol.error_body import error_message
 
 if TYPE_CHECKING:
     import aiohttp
@@ -250,7 +251,7 @@ class PeerClient:
             self.last_error = exc.message
             return False
         if status != 200:
-            self.last_error = f"peer {self.name}: GET {path}: HTTP {status}: {_error_message(data)}"
+            self.last_error = f"peer {self.name}: GET {path}: HTTP {status}: {error_message(data)}"
             return False
         return True
 
@@ -314,19 +315,19 @@ class PeerClient:
         return PeerError(message, peer=self.name, breaker_failure=breaker_failure)
 
     def _status_error(self, status: int, data: bytes, what: str) -> EdgeBatcherError:
-        message = f"peer {self.name}: {_error_message(data)}"
+        message = f"peer {self.name}: {error_message(data)}"
         if status == 404:
             exc: EdgeBatcherError = ModelNotFound(message)
         elif status in (401, 403):
             return self._fail(
-                f"peer {self.name} refused our credentials for {what} (HTTP {status}: {_error_message(data)}); "
+                f"peer {self.name} refused our credentials for {what} (HTTP {status}: {error_message(data)}); "
                 f"check its token / token_file"
             )
         elif status == 413:
-            return self._fail(f"peer {self.name}: batch too large for the peer (HTTP 413): {_error_message(data)}",
+            return self._fail(f"peer {self.name}: batch too large for the peer (HTTP 413): {error_message(data)}",
                               breaker_failure=False)
         elif status in (408, 429) or status >= 500 or status < 400:
-            return self._fail(f"peer {self.name}: HTTP {status} for {what}: {_error_message(data)}")
+            return self._fail(f"peer {self.name}: HTTP {status} for {what}: {error_message(data)}")
         else:
             exc = InvalidInput(message)
         exc.peer = self.name  # type: ignore[attr-defined]

@@ -3,34 +3,30 @@
 This is the HTTP edge of the error tree: EdgeBatcherError subclasses become their status code
 and `{"error": "..."}`; aiohttp's own HTTP errors (unknown route, body too large) get the same
 shape; anything unexpected is logged and answered 500 while the daemon keeps serving.
-Connection limits and framing errors live in `http_connections.py`, body limits in `http_body.py`.
+Connection limits and framing errors live in `http_connections.py`, body limits in `http_body.py`,
+Triton's generate extension in `http_generate.py`; request parameters are read by
+`protocol/parameters.py`, as for every transport.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
-import reprlib
 
 from aiohttp import web
 
 from .. import __version__
-from ..errors import EdgeBatcherError, InvalidInput
+from ..errors import EdgeBatcherError
 from ..protocol import v2
+from ..protocol.parameters import to_infer_request
 from ..runtime import Runtime
-from ..types import InferRequest
 from .http_body import BodyBudget, ClientGone
 from .http_connections import connection_state_middleware
+from .http_generate import add_generate_routes
+from .http_keys import BODY_BUDGET, HEALTH_CHECKS, RUNTIME
+from .v2_decode import decode_request
 
 log = logging.getLogger(__name__)
-
-RUNTIME = web.AppKey("runtime", Runtime)
-# name -> callable giving a component's state for GET /v2/health/ready, e.g. {"mqtt": lambda: "connected"}.
-HEALTH_CHECKS = web.AppKey("health_checks", dict)
-BODY_BUDGET = web.AppKey("body_budget", BodyBudget)
-# Decoding a body this large would hold the event loop for milliseconds: do it on a thread.
-DECODE_OFF_LOOP_BYTES = 256 * 1024
 
 
 def error_response(status: int, message: str) -> web.Response:
@@ -85,8 +81,6 @@ def create_app(
         web.post("/v2/models/{model}/infer", infer),
         web.get("/metrics", metrics),
     ])  # fmt: skip
-    from .http_generate import add_generate_routes  # imports RUNTIME from this module
-
     add_generate_routes(app)
     return app
 
@@ -171,10 +165,7 @@ async def infer(request: web.Request) -> web.Response:
     runtime.runner(model).refuse_if_full()  # 404 / 429 before reading and decoding the body
     header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH))
     async with request.app[BODY_BUDGET].read(request) as body:  # 413/503/408 before holding it
-        if len(body) > DECODE_OFF_LOOP_BYTES:
-            decoded = await asyncio.get_running_loop().run_in_executor(None, v2.decode_request, body, header_length)
-        else:
-            decoded = v2.decode_request(body, header_length)
+        decoded = await decode_request(body, header_length)
         infer_request = to_infer_request(model, decoded)
         response = await runtime.infer(infer_request)
     binary = v2.binary_outputs_for(decoded, list(response.outputs))
@@ -185,51 +176,3 @@ async def infer(request: web.Request) -> web.Response:
     return web.Response(
         body=payload, content_type=v2.BINARY_CONTENT_TYPE, headers={v2.HEADER_LENGTH: str(json_length)}
     )
-
-
-def to_infer_request(model: str, decoded: v2.DecodedRequest) -> InferRequest:
-    """Map v2 request parameters onto the core's request: priority, and a timeout given as
-    `timeout_ms` or, as Triton's clients send it, `timeout` in microseconds."""
-    params = decoded.parameters or {}
-    priority = priority_parameter(params)
-    timeout_s = None
-    if "timeout_ms" in params:
-        timeout_s = timeout_parameter(params, "timeout_ms", 1000.0)
-    elif "timeout" in params:
-        timeout_s = timeout_parameter(params, "timeout", 1e6)
-    return InferRequest(
-        model=model,
-        inputs=decoded.inputs,
-        id=decoded.id,
-        priority=priority,
-        timeout_s=timeout_s,
-        outputs=[o.name for o in decoded.outputs] if decoded.outputs else None,
-        parameters=params,
-    )
-
-
-def priority_parameter(params: dict) -> int | None:
-    """`parameters.priority`: an integer (its range is the model's to check), None when absent."""
-    priority = params.get("priority")
-    if priority is not None and (isinstance(priority, bool) or not isinstance(priority, int)):
-        raise InvalidInput(f"parameters.priority must be an integer, got {reprlib.repr(priority)}")
-    return priority
-
-
-def timeout_parameter(params: dict, name: str, units_per_second: float) -> float:
-    """`parameters[name]` converted to seconds. Only a finite number >= 0 is a timeout: NaN
-    would otherwise expire at once (a misleading 504) and Infinity or an integer beyond float
-    range mean nothing, so they are the client's mistake (400). 0 is a deadline that has
-    already passed, which the model answers 504."""
-    value = params[name]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidInput(f"parameters.{name} must be a number, got {reprlib.repr(value)}")
-    try:
-        seconds = float(value) / units_per_second
-    except OverflowError:  # an integer too large for a float
-        seconds = math.inf
-    if not math.isfinite(seconds) or seconds < 0:
-        raise InvalidInput(f"parameters.{name} must be a finite number >= 0, got {reprlib.repr(value)}")
-    return seconds
-
-

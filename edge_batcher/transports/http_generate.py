@@ -8,6 +8,8 @@
 The body's keys: `text_input` (the model's text input, whatever its name: `question` for a
 rag model, `text_input` for a generator) or the input's own name; `parameters` (an object);
 `id`; any other key is taken as a parameter too (as Triton does), e.g. "max_new_tokens": 64.
+`priority` and the deadline (`timeout_ms`, or Triton's `timeout` in microseconds) are read by
+protocol/parameters.py, as for /infer and MQTT.
 
 Responses carry every output by name (BYTES as strings; `sources` as the JSON list it holds),
 `text_output` (the text output, for clients written for Triton), and the service's parameters
@@ -28,8 +30,9 @@ import numpy as np
 from aiohttp import web
 
 from ..errors import EdgeBatcherError, InvalidInput
+from ..protocol.parameters import priority_parameter, timeout_parameter
 from ..types import InferRequest, InferResponse
-from .http import RUNTIME, priority_parameter, timeout_parameter
+from .http_keys import RUNTIME
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +81,7 @@ async def _to_request(request: web.Request, model: str, runner) -> InferRequest:
     request_id = body.get("id")
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidInput("'id' must be a string")
-    timeout_s = timeout_parameter(parameters, "timeout_ms", 1000.0) if "timeout_ms" in parameters else None
+    timeout_s = timeout_parameter(parameters)  # timeout_ms, or Triton's timeout in microseconds
     priority = priority_parameter(parameters)
     array = np.empty(1, dtype=object)
     try:

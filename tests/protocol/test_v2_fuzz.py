@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 from edge_batcher.errors import EdgeBatcherError
 from edge_batcher.protocol import v2
-from edge_batcher.transports.http import to_infer_request
+from edge_batcher.protocol.parameters import to_infer_request
 from edge_batcher.types import DATATYPE_TO_NUMPY
 
 DATATYPES = list(DATATYPE_TO_NUMPY)

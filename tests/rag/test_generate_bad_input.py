@@ -23,6 +23,13 @@ def test_bad_timeouts_and_bodies_answer_400_and_the_daemon_keeps_serving(start_d
             (False, "parameters.timeout_ms must be a number, got False"),
         ]
     ] + [
+        # Triton's clients send the deadline as `timeout`, in microseconds: read (and checked) as in /infer.
+        (json.dumps({"text_input": "hi", "parameters": {"timeout": value}}).encode(), words)
+        for value, words in [
+            (-1, "parameters.timeout must be a finite number >= 0, got -1"),
+            ("5", "parameters.timeout must be a number, got '5'"),
+        ]
+    ] + [
         (b'{"text_input": "hi", "timeout_ms": NaN}', "parameters.timeout_ms must be a finite number"),
         (b'{"text_input": "hi", "parameters": {"priority": 0.5}}', "parameters.priority must be an integer"),
         (b'{"text_input": "\\ud800"}', "'text_input' is not valid unicode"),
@@ -36,6 +43,13 @@ def test_bad_timeouts_and_bodies_answer_400_and_the_daemon_keeps_serving(start_d
     status, got = rawhttp.request(daemon.socket, "POST", GENERATE,
                                   json.dumps({"text_input": "hi", "parameters": {"max_new_tokens": 2,
                                                                                   "timeout_ms": 20000}}))
+    assert status == 200 and isinstance(got["text_output"], str), got
+    # A Triton `timeout` of 0 us is a deadline already passed: the service answers 504, not 200.
+    status, got = rawhttp.request(daemon.socket, "POST", GENERATE,
+                                  json.dumps({"text_input": "hi", "parameters": {"max_new_tokens": 2, "timeout": 0}}))
+    assert status == 504 and "has already passed" in got["error"], got
+    status, got = rawhttp.request(daemon.socket, "POST", GENERATE,
+                                  json.dumps({"text_input": "hi", "max_new_tokens": 2, "timeout": 20_000_000}))
     assert status == 200 and isinstance(got["text_output"], str), got
     log = daemon.log_text()
     assert "unhandled error" not in log and "Traceback" not in log, log[-3000:]

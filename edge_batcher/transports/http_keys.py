@@ -1,0 +1,14 @@
+"""The keys of the HTTP application's shared state (aiohttp AppKeys), in a module of their own so
+that the route modules (http.py, http_generate.py) read them without importing each other."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from ..runtime import Runtime
+from .http_body import BodyBudget
+
+RUNTIME = web.AppKey("runtime", Runtime)
+# name -> callable giving a component's state for GET /v2/health/ready, e.g. {"mqtt": lambda: "connected"}.
+HEALTH_CHECKS = web.AppKey("health_checks", dict)
+BODY_BUDGET = web.AppKey("body_budget", BodyBudget)

@@ -1,0 +1,430 @@
+"""The paho-mqtt 2.x adapter (MQTT 5): one paho Client and its network thread behind a small
+interface. Every paho callback runs on paho's thread and none blocks it; an incoming MQTTMessage
+becomes the package's own frozen Message at this edge (as aiomqtt does), stamped with the
+connection it arrived on. Connecting (``connect``: DNS, TCP, TLS) and stopping paho's thread
+(``loop_stop``: a join) run in the event loop's executor; a publish is tracked until paho reports
+it sent (QoS 1: the broker's PUBACK), retried while paho's outgoing queue is full, and an ack goes
+back only on the connection its message came from. docs/mqtt.md describes the whole flow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from paho.mqtt.client import Client, MQTTMessage, MQTTMessageInfo
+from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from ...config import MqttSettings
+from ...errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+STATUS_PROPERTY = "status"
+PUBLISH_RECHECK_S = 5.0  # a reply not reported sent by then is checked against paho's own flag
+QUEUE_RETRY_S = 0.01  # a reply paho cannot queue yet (max_queued) is tried again after this long
+LOG_INTERVAL_S = 10.0  # repeated warnings (outgoing queue full, session taken over) are logged at most this often
+SESSION_TAKEN_OVER = 0x8E  # MQTT 5 DISCONNECT reason: another connection took our client id
+
+
+@dataclass(frozen=True)
+class Message:
+    """A message from the broker, copied out of paho's MQTTMessage on paho's thread."""
+
+    topic: str
+    payload: bytes
+    qos: int
+    mid: int
+    dup: bool
+    connection: int  # the connection (counted by CONNACKs) it arrived on: its ack goes back only there
+    response_topic: str | None = None
+    correlation_data: bytes | None = None
+    content_type: str | None = None
+    user_properties: tuple[tuple[str, str], ...] = ()
+    expiry_s: int | None = None  # the MQTT 5 Message Expiry Interval left when it arrived
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A message to publish: the status travels in the user property "status", before any other."""
+
+    topic: str
+    payload: bytes
+    status: int
+    content_type: str
+    correlation_data: bytes | None = None
+    user_properties: tuple[tuple[str, str], ...] = ()
+
+
+def message_from_paho(msg: MQTTMessage, connection: int) -> Message:
+    props = msg.properties
+    return Message(
+        topic=msg.topic,
+        payload=msg.payload,
+        qos=msg.qos,
+        mid=msg.mid,
+        dup=bool(msg.dup),
+        connection=connection,
+        response_topic=getattr(props, "ResponseTopic", None),
+        correlation_data=getattr(props, "CorrelationData", None),
+        content_type=getattr(props, "ContentType", None),
+        user_properties=tuple((name, value) for name, value in getattr(props, "UserProperty", None) or ()),
+        expiry_s=getattr(props, "MessageExpiryInterval", None),
+    )
+
+
+def _publish_properties(reply: Reply) -> Properties:
+    properties = Properties(PacketTypes.PUBLISH)
+    if reply.correlation_data is not None:
+        properties.CorrelationData = reply.correlation_data
+    properties.ContentType = reply.content_type
+    properties.UserProperty = [(STATUS_PROPERTY, str(reply.status)), *reply.user_properties]
+    return properties
+
+
+def tcp_no_delay(client: Client, userdata: Any, sock: Any) -> None:
+    """paho leaves Nagle's algorithm on: a reply written while the previous packet waits for its TCP
+    ACK would then sit out the peer's delayed ACK (40 ms on Linux). Small packets go out at once."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except (OSError, AttributeError):  # not a TCP socket (e.g. a websocket wrapper)
+        pass
+
+
+class _QuietRetries(logging.Filter):
+    """paho logs an ERROR "Client is not connected" on every retry while the broker is away; the
+    adapter reports that itself (once, then every tenth attempt)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Client is not connected")
+
+
+class PahoClient:
+    """A paho Client for one MqttTransport: ``await connect()`` ... ``await close()``.
+
+    ``on_message(Message)`` and ``on_session_resumed()`` are called on paho's thread and must not
+    block. ``state`` is "connected" once CONNACK and SUBACK came, else "disconnected"."""
+
+    def __init__(
+        self, settings: MqttSettings, *, client_id: str, password: str | None, where: str, subscriptions: list[str],
+        on_message: Callable[[Message], None], on_session_resumed: Callable[[], None],
+    ):
+        self.settings = settings
+        self.client_id = client_id
+        self._where = where
+        self._subscriptions = subscriptions
+        self._deliver = on_message
+        self._session_resumed = on_session_resumed
+        self._tracker = _PublishTracker()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._connected: asyncio.Event | None = None
+        self._connect_properties: Properties | None = None
+        self.state = "disconnected"
+        self.connection = 0  # bumped on every successful CONNACK (paho's thread)
+        self.stopping = False  # set when the daemon drains: a disconnect is then expected, not a warning
+        self._reconnecting = False
+        self._closed = False
+        self._subscribe_mid: int | None = None
+        self._connect_failures = 0
+        self._last_queue_warning = 0.0
+        self._last_takeover_log = -LOG_INTERVAL_S
+        self._client = self._make_client(password)
+
+    # ------------------------------------------------------------------ connection
+
+    async def connect(self) -> None:
+        """Connect (on a worker thread) and start paho's network thread; a broker that is away is
+        retried in the background with backoff."""
+        s, client = self.settings, self._client
+        self._loop = loop = asyncio.get_running_loop()
+        self._connected = asyncio.Event()
+        properties = Properties(PacketTypes.CONNECT)
+        properties.SessionExpiryInterval = s.session_expiry_s
+        # MQTT 5 flow control: the broker sends at most max_pending unacked QoS 1/2 messages and
+        # keeps the rest queued for us (a backlog after a restart drains at our pace instead of
+        # being answered 429). QoS 0 has no such bound: the transport's 429 hand-off covers it.
+        properties.ReceiveMaximum = min(s.max_pending, 65535)
+        self._connect_properties = properties
+        connect = functools.partial(
+            client.connect, s.host, s.port, keepalive=s.keepalive_s, clean_start=False, properties=properties
+        )
+        try:
+            # connect() resolves the host name and opens the TCP (and TLS) connection: it can block
+            # for seconds, so it runs on a worker thread instead of stalling the event loop.
+            await loop.run_in_executor(None, connect)
+        except (OSError, ValueError) as exc:  # refused, unreachable, DNS, TLS handshake
+            log.warning("MQTT: broker %s:%d not reachable (%s); retrying every %g-%g s in the background, "
+                        "the Unix socket serves meanwhile", s.host, s.port, exc, s.reconnect_min_s, s.reconnect_max_s)
+            self._connect_failures = 1
+            client.connect_async(s.host, s.port, keepalive=s.keepalive_s, clean_start=False, properties=properties)
+        client.loop_start()  # paho's own network thread: reads, writes, keepalive, reconnects
+
+    async def reconnect(self) -> None:
+        """Disconnect and connect again, resuming the session: the broker then sends every message
+        we left unacked (MQTT redelivers only on a new connection)."""
+        client, s = self._client, self.settings
+        self._reconnecting = True
+        try:
+            client.disconnect()  # queued after every reply and ack already written
+            await asyncio.get_running_loop().run_in_executor(None, client.loop_stop)
+            if not self._closed and not self.stopping:
+                client.connect_async(s.host, s.port, keepalive=s.keepalive_s, clean_start=False,
+                                     properties=self._connect_properties)
+                client.loop_start()
+        finally:
+            self._reconnecting = False
+
+    async def close(self) -> None:
+        """Disconnect and stop paho's thread. Subscriptions stay in the persistent session."""
+        self._closed = True
+        self._client.disconnect()
+        # loop_stop() joins paho's thread (which exits once the DISCONNECT is out): a blocking wait.
+        await asyncio.get_running_loop().run_in_executor(None, self._client.loop_stop)
+        self.state = "disconnected"
+
+    async def wait_connected(self, timeout: float | None = None) -> bool:
+        """Wait until connected and subscribed; False when `timeout` passes first."""
+        if self._connected is None:
+            return False
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    # ------------------------------------------------------------------ publishing and acks
+
+    async def publish(self, reply: Reply) -> bool:
+        """Publish and wait until paho reports it sent (QoS 1: the broker's PUBACK). False when
+        the reply could not be queued: its request is then left unacked for redelivery."""
+        qos = self.settings.qos
+        properties = _publish_properties(reply)
+        while True:
+            if self._closed:
+                return False
+            try:
+                info: MQTTMessageInfo = self._client.publish(reply.topic, reply.payload, qos=qos, properties=properties)
+            except ValueError as exc:  # e.g. a response topic with wildcards: resending will not help
+                log.warning("MQTT: cannot publish the reply to %r: %s; dropping it", reply.topic, exc)
+                return True
+            if info.rc != MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
+                break
+            # paho holds max_queued replies already: wait for the broker to take some, then retry.
+            self._tracker.forget(info.mid, pending=False)
+            now = time.monotonic()
+            if now - self._last_queue_warning >= LOG_INTERVAL_S:
+                self._last_queue_warning = now
+                log.warning("MQTT: outgoing queue full (max_queued %d): replies wait for the broker to take "
+                            "earlier ones", self.settings.max_queued)
+            await asyncio.sleep(QUEUE_RETRY_S)
+        if info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN and qos == 0:
+            self._tracker.forget(info.mid, pending=False)
+            return False  # QoS 0 is not kept across a reconnect
+        # Success, or NO_CONN with QoS > 0: paho keeps it and sends it after the reconnect.
+        sent = self._tracker.wait(asyncio.get_running_loop(), info.mid)
+        try:
+            while True:
+                try:
+                    return await asyncio.wait_for(asyncio.shield(sent), PUBLISH_RECHECK_S)
+                except asyncio.TimeoutError:
+                    # Slow (a reconnect), or a missed on_publish for a reused mid: paho's own flag says.
+                    if _is_published(info):
+                        self._tracker.forget(info.mid, pending=False)
+                        return True
+        except asyncio.CancelledError:
+            self._tracker.forget(info.mid)
+            raise
+
+    def publish_nowait(self, reply: Reply) -> bool:
+        """Queue a reply without waiting (safe on paho's thread); False when paho refused it."""
+        qos = self.settings.qos
+        info = self._client.publish(reply.topic, reply.payload, qos=qos, properties=_publish_properties(reply))
+        # Not waited for; on_publish is still coming unless the publish was refused outright.
+        pending = info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS or (info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN and qos > 0)
+        self._tracker.forget(info.mid, pending)
+        return pending
+
+    def ack(self, message: Message) -> None:
+        if message.qos == 0 or self._closed:
+            return
+        if message.connection != self.connection:
+            return  # it arrived on an earlier connection: the broker redelivers it on this one
+        self._client.ack(message.mid, message.qos)
+
+    # ------------------------------------------------------------------ setup
+
+    def _make_client(self, password: str | None) -> Client:
+        s = self.settings
+        client = Client(
+            CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=MQTTProtocolVersion.MQTTv5, manual_ack=True
+        )
+        paho_log = logging.getLogger(f"{__package__}.paho")
+        if not any(isinstance(f, _QuietRetries) for f in paho_log.filters):
+            paho_log.addFilter(_QuietRetries())
+        client.enable_logger(paho_log)
+        client.suppress_exceptions = True  # a bug in a callback is logged, never kills paho's thread
+        client.max_inflight_messages_set(s.max_inflight)
+        client.max_queued_messages_set(s.max_queued)  # bounded: 0 would be unbounded
+        client.reconnect_delay_set(s.reconnect_min_s, s.reconnect_max_s)
+        if s.username:
+            client.username_pw_set(s.username, password)
+        if s.tls:
+            try:
+                client.tls_set(
+                    ca_certs=s.ca_file or None, certfile=s.cert_file or None, keyfile=s.key_file or None,
+                    cert_reqs=ssl.CERT_REQUIRED,  # the broker's certificate is always verified
+                )
+            except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError: unreadable or mismatched PEM files
+                raise ConfigError(f"{self._where} tls: cannot load ca_file/cert_file/key_file: {exc}") from None
+            if s.tls_insecure:
+                log.warning("MQTT: tls_insecure = true: the broker's host name is not verified (testing only)")
+                client.tls_insecure_set(True)
+        client.on_socket_open = tcp_no_delay
+        client.on_connect = self._on_connect
+        client.on_connect_fail = self._on_connect_fail
+        client.on_disconnect = self._on_disconnect
+        client.on_subscribe = self._on_subscribe
+        client.on_message = self._on_message
+        client.on_publish = self._on_publish
+        return client
+
+    # ------------------------------------------------------------------ paho callbacks (paho's thread: never block)
+
+    def _on_connect(self, client: Client, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+        s = self.settings
+        if reason_code.is_failure:
+            log.error("MQTT: broker %s:%d refused the connection: %s (reason code %d)", s.host, s.port,
+                      reason_code, reason_code.value)
+            return
+        self.connection += 1
+        self._connect_failures = 0
+        log.info("MQTT: connected to %s:%d (%s session)", s.host, s.port,
+                 "resumed" if flags.session_present else "new")
+        if flags.session_present:  # what waits from the last connection is on its way again
+            self._session_resumed()
+        # Subscribing again is harmless when the session was resumed, and needed when it was not.
+        _, self._subscribe_mid = client.subscribe([(f, s.qos) for f in self._subscriptions])
+
+    def _on_subscribe(self, client: Client, userdata: Any, mid: int, reason_codes: list, properties: Any) -> None:
+        if mid != self._subscribe_mid:
+            return
+        failed = [f"{f} ({rc})" for f, rc in zip(self._subscriptions, reason_codes, strict=False) if rc.is_failure]
+        if failed:
+            log.error("MQTT: the broker refused subscriptions: %s", ", ".join(failed))
+        log.info("MQTT: subscribed to %s", ", ".join(self._subscriptions))
+        self.state = "connected"
+        self._signal(True)
+
+    def _on_connect_fail(self, client: Client, userdata: Any) -> None:
+        s = self.settings
+        self._connect_failures += 1
+        n = self._connect_failures
+        if n == 1 or n % 10 == 0:
+            log.warning("MQTT: cannot reach broker %s:%d (%d attempt(s)); retrying with backoff %g-%g s",
+                        s.host, s.port, n, s.reconnect_min_s, s.reconnect_max_s)
+
+    def _on_disconnect(self, client: Client, userdata: Any, flags: Any, reason_code: Any, properties: Any) -> None:
+        was = self.state
+        self.state = "disconnected"
+        self._signal(False)
+        if self.stopping or self._reconnecting:
+            log.info("MQTT: disconnected (%s)", reason_code)
+        elif reason_code.value == SESSION_TAKEN_OVER:
+            now = time.monotonic()
+            if now - self._last_takeover_log >= LOG_INTERVAL_S:
+                self._last_takeover_log = now
+                log.error("MQTT: session taken over: another client connected to %s:%d with our client id %r "
+                          "(reason code 0x8E); give each daemon its own [mqtt] client_id", self.settings.host,
+                          self.settings.port, self.client_id)
+        elif was == "connected" or reason_code.is_failure:
+            log.warning("MQTT: connection to %s:%d lost: %s (reason code %d, client id %r); reconnecting with "
+                        "backoff. If this repeats every second or so, another client uses the same client id",
+                        self.settings.host, self.settings.port, reason_code, reason_code.value, self.client_id)
+
+    def _on_message(self, client: Client, userdata: Any, msg: MQTTMessage) -> None:
+        self._deliver(message_from_paho(msg, self.connection))
+
+    def _on_publish(self, client: Client, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
+        if reason_code.is_failure:
+            log.warning("MQTT: the broker refused a reply (mid %d): %s", mid, reason_code)
+        self._tracker.done(mid, True)
+
+    def _signal(self, connected: bool) -> None:
+        event, loop = self._connected, self._loop
+        if event is None or loop is None:
+            return
+        try:
+            loop.call_soon_threadsafe(event.set if connected else event.clear)
+        except RuntimeError:
+            pass
+
+
+def _is_published(info: MQTTMessageInfo) -> bool:
+    try:
+        return info.is_published()
+    except (ValueError, RuntimeError):  # rc records a failure (or NO_CONN: queued for the reconnect)
+        return False
+
+
+class _PublishTracker:
+    """Futures that resolve when paho reports a publish as sent (on_publish).
+
+    on_publish may run on paho's thread before publish() has even returned our mid, so a mid that
+    completes before anyone waits on it is remembered in `early` and consumed by the waiter. Every
+    mid is either waited on or forgotten, so neither table grows.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._early: dict[int, bool] = {}
+        self._ignored: set[int] = set()
+
+    def wait(self, loop: asyncio.AbstractEventLoop, mid: int) -> asyncio.Future:
+        future = loop.create_future()
+        with self._lock:
+            self._ignored.discard(mid)  # a new publish reuses the mid of one that never completed
+            ok = self._early.pop(mid, None)
+            if ok is None:
+                self._waiters[mid] = (loop, future)
+                return future
+        future.set_result(ok)
+        return future
+
+    def done(self, mid: int, ok: bool) -> None:
+        """Called on paho's thread."""
+        with self._lock:
+            if mid in self._ignored:
+                self._ignored.discard(mid)
+                return
+            entry = self._waiters.pop(mid, None)
+            if entry is None:
+                self._early[mid] = ok
+                return
+        loop, future = entry
+        try:
+            loop.call_soon_threadsafe(_resolve, future, ok)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    def forget(self, mid: int, pending: bool = True) -> None:
+        """Nobody will wait for `mid`; `pending`: its on_publish may still come (ignore it then)."""
+        with self._lock:
+            self._waiters.pop(mid, None)
+            if self._early.pop(mid, None) is None and pending:
+                self._ignored.add(mid)
+
+
+def _resolve(future: asyncio.Future, value: Any) -> None:
+    if not future.done():
+        future.set_result(value)
