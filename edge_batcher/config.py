@@ -408,6 +408,22 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     return config
 
 
+def discover_models(repository: Path, only: list[str] | None = None) -> list[ModelConfig]:
+    """Every <repository>/<name>/model.toml, validated (only the named ones when `only` is set)."""
+    if not repository.is_dir():
+        raise ConfigError(f"model repository {repository} is not a directory")
+    found = {d.name: d for d in sorted(repository.iterdir()) if (d / "model.toml").is_file()}
+    if only:
+        missing = [n for n in only if n not in found]
+        if missing:
+            raise ConfigError(
+                f"[models] load names {', '.join(map(repr, missing))}, not found in {repository} "
+                f"(it has {', '.join(found) or 'no models'})"
+            )
+        found = {n: found[n] for n in only}
+    return [load_model_config(d) for d in found.values()]
+
+
 def _validate_model(c: ModelConfig, where: str) -> None:
     if not c.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
         raise ConfigError(f"{where}: model name {c.name!r} must use letters, digits, '-', '_' or '.'")

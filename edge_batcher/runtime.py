@@ -11,81 +11,20 @@ import logging
 from pathlib import Path
 from typing import Callable
 
-from .config import DaemonConfig, MemorySettings, ModelConfig, load_model_config
+from .config import DaemonConfig, ModelConfig, discover_models
 from .cpu_affinity import full_affinity
 from .engines.registry import create_engine, is_service, service_class
 from .errors import ConfigError, ModelNotFound
-from .memory.admission import Admission
 from .memory.budget import MemoryBudget
-from .memory.estimator import Footprint
-from .memory.probe import detect_probe
+from .memory.wiring import MiB, build_budget, model_admission, release_resident
 from .metrics import Metrics
 from .scheduler.runner import ModelRunner
+from .servable import Servable
 from .types import InferRequest, InferResponse
 
+__all__ = ["Runtime", "discover_models", "load_runner", "model_fingerprint"]
+
 log = logging.getLogger(__name__)
-
-
-def discover_models(repository: Path, only: list[str] | None = None) -> list[ModelConfig]:
-    """Every <repository>/<name>/model.toml, validated (only the named ones when `only` is set)."""
-    if not repository.is_dir():
-        raise ConfigError(f"model repository {repository} is not a directory")
-    found = {d.name: d for d in sorted(repository.iterdir()) if (d / "model.toml").is_file()}
-    if only:
-        missing = [n for n in only if n not in found]
-        if missing:
-            raise ConfigError(
-                f"[models] load names {', '.join(map(repr, missing))}, not found in {repository} "
-                f"(it has {', '.join(found) or 'no models'})"
-            )
-        found = {n: found[n] for n in only}
-    return [load_model_config(d) for d in found.values()]
-
-
-MiB = 1 << 20
-
-
-def build_budget(settings: MemorySettings) -> MemoryBudget:
-    """The memory budget from [memory]: a probe of the device's free memory, with margins.
-    probe = "fixed" measures nothing: budget_mb is then the whole budget, without margins."""
-    fixed = int(settings.budget_mb * MiB) if settings.budget_mb > 0 else None
-    if settings.probe == "fixed":
-        if fixed is None:
-            raise ConfigError("[memory] probe = \"fixed\" needs budget_mb > 0")
-        return MemoryBudget(detect_probe("fixed", free_bytes=fixed), reserve_fraction=0.0, headroom_bytes=0,
-                            fixed_bytes=fixed, refresh_interval_s=settings.refresh_interval_s)
-    return MemoryBudget(
-        detect_probe(settings.probe),
-        reserve_fraction=settings.reserve_fraction,
-        headroom_bytes=int(settings.headroom_mb * MiB),
-        fixed_bytes=fixed,
-        refresh_interval_s=settings.refresh_interval_s,
-    )
-
-
-def footprint_source(config: ModelConfig, engine):
-    """Where a model's memory figures come from: the engine itself when it knows them exactly
-    (TensorRT), else the ONNX liveness estimator, else nothing (no admission control, and
-    none needed for a model that runs on peers only)."""
-    if not getattr(engine, "runs_locally", True):
-        return None, None
-    if hasattr(engine, "memory_footprint"):
-        # TensorRT allocates weights, activations and I/O buffers once at load: all of it is
-        # resident, and a batch itself allocates nothing more (per_batch, normally 0).
-        def from_engine(batch: int, seq_len: int | None) -> Footprint:
-            f = engine.memory_footprint(batch, seq_len)
-            return Footprint(weights=f["resident"], activations=f["per_batch"], kv_cache=0)
-
-        return from_engine, None
-    if config.model_path.suffix == ".onnx":
-        from .memory.estimator import OnnxFootprintEstimator
-
-        seq = config.sequence
-        estimator = OnnxFootprintEstimator(
-            config.model_path, sequence_axes={name: seq.axis for name in seq.inputs} if seq else None
-        )
-        return estimator.estimate, estimator
-    return None, None
 
 
 def load_runner(config: ModelConfig, metrics: Metrics, warmup: bool = True,
@@ -105,17 +44,9 @@ def _load_runner(config: ModelConfig, metrics: Metrics, warmup: bool, budget: Me
             engine = create_engine(config)
             engine.load()
             engines.append(engine)
-        admission = None
-        resident = 0
-        if budget is not None:
-            footprint, estimator = footprint_source(config, engines[0])
-            if footprint is not None:
-                if calibrate and estimator is not None:
-                    _calibrate(config, estimator)
-                admission = Admission(config.name, budget, footprint, estimator)
-                resident = _publish_estimates(config, admission, metrics, budget)
-        runner = ModelRunner(config, engines, metrics, admission=admission, offload=offload)
-        runner.resident_bytes = resident  # given back to the budget when the model is unloaded
+        admission, resident = model_admission(config, engines[0], metrics, budget, calibrate)
+        runner = ModelRunner(config, engines, metrics, admission=admission, offload=offload,
+                             resident_bytes=resident)  # given back to the budget when unloaded
         _check_batching(config, runner)
         if warmup:
             runner.warm_up()
@@ -124,48 +55,6 @@ def _load_runner(config: ModelConfig, metrics: Metrics, warmup: bool, budget: Me
             engine.close()
         raise
     return runner
-
-
-def _calibrate(config: ModelConfig, estimator) -> None:
-    """Scale the liveness estimate to measured batches at the largest preferred size: at the
-    largest bucket for the default factor (its activations are the easiest to measure), then
-    at each shorter bucket for a factor of its own, since ONNX Runtime's excess over liveness
-    grows with the length. A bucket too small to measure keeps the default, which is then
-    on the safe side. One measurement (a subprocess with its own copy of the weights) each."""
-    from .memory.report import calibrate
-
-    size = config.batching.preferred_batch_sizes[-1]
-    buckets = config.sequence.buckets if config.sequence else [None]
-    for i, seq_len in enumerate(reversed(buckets)):
-        result = calibrate(estimator, config, size, seq_len, for_length=i > 0)
-        log.info("model %s: activation estimate calibration %.2f%s (%s)", config.name, result.factor,
-                 "" if i == 0 else f" at length {seq_len}",
-                 "measured" if result.applied else f"not applied: {result.reason}")
-        if i == 0 and not result.applied:
-            break  # the longest bucket could not be measured: the shorter ones cannot either
-
-
-def _publish_estimates(config: ModelConfig, admission: Admission, metrics: Metrics, budget: MemoryBudget) -> int:
-    """Compute (and cache) the footprint of every preferred size and bucket now, at load,
-    count the weights as resident, and publish the figures as metrics. Returns the resident bytes."""
-    buckets = config.sequence.buckets if config.sequence else [0]
-    weights = 0
-    for size in config.batching.preferred_batch_sizes:
-        for bucket in buckets:
-            f = admission.footprint(size, bucket)
-            weights = f.weights
-            label = str(size) if not bucket else f"{size}x{bucket}"
-            for part, value in (("weights", f.weights), ("activations", f.activations), ("kv_cache", f.kv_cache)):
-                metrics.memory_estimate_bytes.set(value, model=config.name, batch=label, part=part)
-    resident = weights * config.instances
-    budget.resident += resident
-    budget.refresh()
-    log.info(
-        "model %s: weights %.1f MiB x %d instance(s); largest batch needs %.1f MiB; budget available %.1f MiB",
-        config.name, weights / MiB, config.instances,
-        admission.batch_bytes(config.batching.preferred_batch_sizes[-1], buckets[-1]) / MiB, budget.available() / MiB,
-    )
-    return resident
 
 
 def _check_batching(config: ModelConfig, runner: ModelRunner) -> None:
@@ -196,7 +85,7 @@ class Runtime:
     def __init__(self, config: DaemonConfig, metrics: Metrics | None = None):
         self.config = config
         self.metrics = metrics or Metrics()
-        self.runners: dict[str, ModelRunner] = {}
+        self.runners: dict[str, Servable] = {}
         self.budget = build_budget(config.memory)
         self.metrics.collectors.append(self._collect_memory)
         self.ready = False
@@ -247,46 +136,46 @@ class Runtime:
             await self.offload.check_now()  # compare remote models' declarations with the peers now
         self.ready = True
 
-    async def _load(self, mc: ModelConfig):
+    async def _load(self, mc: ModelConfig) -> Servable:
         loop = asyncio.get_running_loop()
         if self.on_model_loading is not None:
             self.on_model_loading(mc.name)
+        runner: Servable
+        placement = f"{mc.instances} instance(s)"
         if is_service(mc.backend):
             runner = service_class(mc.backend)(mc, self)
         else:
-            runner = await loop.run_in_executor(
+            runner = model = await loop.run_in_executor(
                 None, load_runner, mc, self.metrics, self.config.models.warmup, self.budget,
                 self.config.memory.calibrate_at_warmup, self.offload,
             )
-            if not runner.runs_locally:
+            if not model.runs_locally:
+                placement = "runs on offload peers only"
                 if self.offload is None:
-                    await runner.close()
+                    await model.close()
                     raise ConfigError(
                         f"model {mc.name!r} has backend {mc.backend!r}: it runs on offload peers only, "
                         f"so [offload] must be enabled with at least one [[offload.peers]]"
                     )
-                self.offload.add_remote_model(mc.name, runner.inputs, runner.outputs)
+                self.offload.add_remote_model(mc.name, model.inputs, model.outputs)
             elif self.offload is not None and mc.name in self.config.offload.remote_only:
-                self.offload.add_remote_model(mc.name, runner.inputs, runner.outputs)  # checked against the peers too
+                self.offload.add_remote_model(mc.name, model.inputs, model.outputs)  # checked against the peers too
             elif self.offload is not None:
                 self.offload.remove_remote_model(mc.name)  # in case it was reloaded from backend "remote"
         await runner.start()
         self._fingerprints[mc.name] = await loop.run_in_executor(None, model_fingerprint, mc)
         log.info(
             "model %s loaded: %s, sizes %s, inputs %s", mc.name,
-            f"{mc.instances} instance(s)" if getattr(runner, "runs_locally", True) else "runs on offload peers only",
+            placement,
             mc.batching.preferred_batch_sizes, ", ".join(f"{s.name}{list(s.shape)}:{s.datatype}" for s in runner.inputs),
         )
         return runner
 
-    async def _unload(self, runner, timeout: float) -> None:
+    async def _unload(self, runner: Servable, timeout: float) -> None:
         """Answer what the runner has queued and in flight, then free it."""
         await runner.drain(timeout)
         await runner.close()
-        resident = getattr(runner, "resident_bytes", 0)
-        if resident:
-            self.budget.resident -= resident
-            self.budget.refresh()
+        release_resident(self.budget, runner.resident_bytes)
 
     async def reload(self) -> dict[str, list[str]]:
         """Re-read the model repository (SIGHUP): load added models, reload changed ones, unload
@@ -326,7 +215,7 @@ class Runtime:
             log.info("reload: %s", ", ".join(f"{k} {v}" for k, v in changes.items() if v) or "no changes")
             return changes
 
-    def runner(self, name: str) -> ModelRunner:
+    def runner(self, name: str) -> Servable:
         try:
             return self.runners[name]
         except KeyError:

@@ -4,11 +4,17 @@ An engine is one loaded instance of a model (one ONNX Runtime session, one Tenso
 context). It is created with its settings, loaded once, then `infer` is called from exactly one
 dedicated worker thread with whole batches (batch dimension first, already padded to one of
 the preferred sizes). It never sees the event loop.
+
+Besides the four required members, `Engine` declares the optional hooks with their defaults
+(`runs_locally`, `batch_inputs`, `prepare`, `memory_footprint`, `tokenizer`): an engine that
+subclasses it inherits them; `with_hook_defaults` gives an engine that only duck-types the
+protocol (a user's backend, a test's fake) the same defaults once, at creation, so callers read
+the hooks directly instead of probing with getattr.
 """
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -16,10 +22,25 @@ from ..config import ModelConfig
 from ..types import TensorSpec
 
 
+# prepare(inputs as clients send them) -> (inputs as the model runs on them, sequence length)
+PrepareHook = Callable[[dict[str, np.ndarray]], "tuple[dict[str, np.ndarray], int]"]
+# memory_footprint(batch, seq_len) -> {"resident": bytes, "per_batch": bytes}
+FootprintHook = Callable[[int, "int | None"], "dict[str, int]"]
+
+
 @runtime_checkable
 class Engine(Protocol):
     inputs: list[TensorSpec]  # after load(): names, datatypes, shapes (-1 = dynamic)
     outputs: list[TensorSpec]
+
+    # Optional hooks, with their defaults.
+    runs_locally: bool = True  # False: nothing runs here, every batch goes to an offload peer
+    # What batches are built from when prepare changes the inputs (text -> token ids); None: inputs.
+    batch_inputs: list[TensorSpec] | None = None
+    prepare: PrepareHook | None = None  # None: requests run as clients send them
+    # Exact memory figures (TensorRT allocates everything at load); None: estimate from the model file.
+    memory_footprint: FootprintHook | None = None
+    tokenizer: Any = None  # the text tokenizer of an engine that takes text (RAG reads it)
 
     def __init__(self, config: ModelConfig) -> None: ...
 
@@ -31,6 +52,25 @@ class Engine(Protocol):
 
     def close(self) -> None:
         """Release the model's memory."""
+
+
+HOOK_DEFAULTS: dict[str, Any] = {
+    "runs_locally": True, "batch_inputs": None, "prepare": None, "memory_footprint": None, "tokenizer": None,
+}
+
+
+def with_hook_defaults(engine: Any) -> Engine:
+    """`engine` with every optional hook it does not define set to the protocol's default (a
+    subclass of Engine has them all already)."""
+    if not isinstance(engine, type) and not _subclasses_engine(engine):
+        for name, default in HOOK_DEFAULTS.items():
+            if not hasattr(engine, name):
+                setattr(engine, name, default)
+    return engine
+
+
+def _subclasses_engine(engine: Any) -> bool:
+    return Engine in type(engine).__mro__
 
 
 def apply_overrides(specs: list[TensorSpec], overrides, kind: str, model: str) -> list[TensorSpec]:

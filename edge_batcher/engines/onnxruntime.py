@@ -16,7 +16,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ConfigError, EngineError, OutOfMemory
 from ..types import TensorSpec
-from .base import apply_overrides
+from .base import Engine, apply_overrides
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def shadowed_build() -> tuple[str, Path] | None:
     return None
 
 
-class OnnxRuntimeEngine:
+class OnnxRuntimeEngine(Engine):
     def __init__(self, config: ModelConfig):
         self.config = config
         self.session = None

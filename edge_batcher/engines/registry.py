@@ -10,7 +10,7 @@ import importlib
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .base import Engine
+from .base import Engine, with_hook_defaults
 
 BACKENDS = {
     "onnxruntime": "edge_batcher.engines.onnxruntime:OnnxRuntimeEngine",
@@ -21,8 +21,7 @@ BACKENDS = {
 
 # Services are models that are not one engine: pipelines over other models (RAG) and
 # schedulers of their own (iteration-level generation). Built as cls(config, runtime) after
-# every engine model is loaded; they implement the runner interface the transports use
-# (name, config, inputs, outputs, queue, start, infer, statistics, drain, close).
+# every engine model is loaded; they implement servable.Servable, as runners do.
 SERVICES = {
     "rag": "edge_batcher.rag.pipeline:RagService",
     "generator": "edge_batcher.rag.generate:GenerationService",
@@ -58,4 +57,5 @@ def _import(target: str, backend: str):
 
 
 def create_engine(config: ModelConfig) -> Engine:
-    return engine_class(config.backend)(config)
+    """An engine instance for `config`, with the optional hooks it does not define defaulted."""
+    return with_hook_defaults(engine_class(config.backend)(config))

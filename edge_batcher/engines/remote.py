@@ -16,9 +16,10 @@ import numpy as np
 from ..config import ModelConfig, TensorOverride
 from ..errors import ConfigError, EngineError
 from ..types import DATATYPE_TO_NUMPY, TensorSpec
+from .base import Engine
 
 
-class RemoteEngine:
+class RemoteEngine(Engine):
     runs_locally = False  # the runner starts no worker, warms nothing up, plans only peer batches
 
     def __init__(self, config: ModelConfig) -> None:

@@ -32,7 +32,7 @@ from ..scheduler.policy import OffloadView
 from .breaker import Breaker
 from ..types import TensorSpec
 from .client import PeerClient, PeerError
-from .conform import spec_mismatches
+from .conform import conform_outputs, spec_mismatches
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +169,12 @@ class PeerPool:
     # -- inference
 
     async def infer(
-        self, model: str, inputs: dict[str, np.ndarray], timeout_s: float
+        self, model: str, inputs: dict[str, np.ndarray], timeout_s: float, *,
+        conform_to: list[TensorSpec] | None = None,
     ) -> tuple[dict[str, np.ndarray], str]:
         """Run `inputs` (a batch) on the first peer that can serve it; (outputs, peer name).
+        With `conform_to` (the local model's outputs) the outputs are shaped and typed as the
+        local model would answer (conform.py); a real mismatch raises PeerError.
 
         Peers are tried in order until one answers; a peer that fails (down, 5xx, timeout)
         counts against its breaker and the next one is tried while time is left. A peer's 404
@@ -181,8 +184,12 @@ class PeerPool:
         """
         rows = _rows(inputs)
         if rows is not None and rows > self.settings.max_rows:
-            return await self._infer_sliced(model, inputs, rows, timeout_s)
-        return await self._infer_one(model, inputs, timeout_s)
+            outputs, peer = await self._infer_sliced(model, inputs, rows, timeout_s)
+        else:
+            outputs, peer = await self._infer_one(model, inputs, timeout_s)
+        if conform_to is not None and rows is not None:
+            outputs = conform_outputs(outputs, conform_to, rows, peer, model)
+        return outputs, peer
 
     async def _infer_sliced(
         self, model: str, inputs: dict[str, np.ndarray], rows: int, timeout_s: float

@@ -120,6 +120,8 @@ class ServiceAccounting:
     """Counting answered requests, shared by the services: needs self.name, self.stats
     (ServiceStats) and self.runtime (for its metrics)."""
 
+    resident_bytes = 0  # budget bytes its own weights hold: none, unless it loads some (the generator)
+
     def _ok(self, started: float, rows: int) -> None:
         self.stats.ok(started, rows)
         self.runtime.metrics.requests_total.inc(model=self.name, status="200")

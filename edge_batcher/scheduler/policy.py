@@ -1,46 +1,61 @@
-"""The batching policy: pure and synchronous. Queue state and a clock reading in, a plan out.
+"""The batching policy: every scheduling rule, as pure synchronous functions of plain data.
 
-Rules (docs/architecture.md explains them with examples):
-
-* Strict sizes. A batch is always one of the allowed sizes: the preferred sizes that are
-  <= max_batch_size and that the admission hook `fits(size, seq_len)` accepts. When fewer rows
-  wait than a size, the batch is padded up to it, so engines only see sizes they were built
-  and warmed for.
-* Dispatch at once when the largest allowed size is full ("full").
-* Otherwise wait, but no longer than the oldest request's arrival + max_queue_delay ("delay"),
-  and no longer than the earliest deadline minus the estimated execution time at the size it
-  would run at ("deadline"). While draining, dispatch everything now ("drain").
-* Which size, when fewer rows than the largest size wait: the cover of the waiting rows by
-  allowed sizes with the least estimated execution time (learned per size). 12 rows with
-  sizes 2/4/8 become 8 + 4; 3 rows become one 4 (one padding row) rather than 2 + 2.
-  The largest chunk of that cover is dispatched first; the rest is planned again next call.
-* Buckets: requests only batch with their own length bucket. Among buckets that are due,
-  the one holding the highest priority goes first, then the one waiting longest.
-* No allowed size at all: while batches are in flight (`busy`), their memory will come back,
-  so wait; with nothing in flight, the requests go to a peer ("does_not_fit") or, without
-  one, are rejected, never left to hang.
-* Offload (docs/offload.md): remote-only models always go to a peer; a bucket goes to the
-  peer when its head would miss its deadline locally (no slot soon enough) while the peer's
-  measured round trip would meet it ("backlog"); requests too large for the local engine go
-  to a peer at submit (`oversized_target`). Requests whose offload failed stay local.
-
-The runner owns the clock, the engines and the futures; this module never awaits.
+`decide()` takes a model's queue, a clock reading and a frozen `PlanState` (what the runner
+knows right now: draining, batches in flight, a free local slot, the peer's state) and returns
+one of `Dispatch`, `Wait` or `Reject`. It is deterministic and never awaits; it takes the
+requests it plans out of the queue. The other rules the runner applies are here too: whether an
+arrival can change the plan (`decision_may_change`), how a batch splits after running out of
+memory (`oom_split`), whether a request whose offload failed retries locally
+(`retries_locally`), and the size cap after warm-up runs out of memory (`capped_after_oom`).
+docs/architecture.md ("The batching policy") states the rules with examples.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Sequence, Union
 
 from .queues import BucketQueue, ModelQueue, QueuedRequest
 from .timing import ExecTimeModel
 
 FitsHook = Callable[[int, int], bool]  # (batch_size, seq_len) -> bool
 
-FULL, DELAY, DEADLINE, DRAIN = "full", "delay", "deadline", "drain"
-# Why a batch goes to a peer (the `reason` of a peer plan and of offloaded_requests_total).
-DOES_NOT_FIT, TOO_LARGE, BACKLOG, REMOTE_ONLY = "does_not_fit", "too_large", "backlog", "remote_only"
-NO_PEER = "no_peer"
+
+class Reason(str, Enum):
+    """Why a batch was dispatched (metrics label `reason`, stats `dispatch_reasons` and
+    `offloaded`), or why requests were rejected (NO_PEER, DOES_NOT_FIT)."""
+
+    FULL = "full"
+    DELAY = "delay"
+    DEADLINE = "deadline"
+    DRAIN = "drain"
+    OOM_SPLIT = "oom_split"
+    # Why a batch goes to a peer (also the `reason` of offloaded_requests_total).
+    DOES_NOT_FIT = "does_not_fit"
+    TOO_LARGE = "too_large"
+    BACKLOG = "backlog"
+    REMOTE_ONLY = "remote_only"
+    NO_PEER = "no_peer"  # rejected: the model runs on peers only and none is available
+
+    def __str__(self) -> str:  # the plain value in metric labels, logs and f-strings
+        return self.value
+
+
+class Target(str, Enum):
+    """Where a batch runs (metrics label `target`)."""
+
+    LOCAL = "local"
+    PEER = "peer"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+# The names tests and callers have used since the reasons were strings.
+FULL, DELAY, DEADLINE, DRAIN, OOM_SPLIT = Reason.FULL, Reason.DELAY, Reason.DEADLINE, Reason.DRAIN, Reason.OOM_SPLIT
+DOES_NOT_FIT, TOO_LARGE, BACKLOG, REMOTE_ONLY = Reason.DOES_NOT_FIT, Reason.TOO_LARGE, Reason.BACKLOG, Reason.REMOTE_ONLY
+NO_PEER = Reason.NO_PEER
 
 
 @dataclass(frozen=True)
@@ -56,21 +71,65 @@ class BatchPlan:
     rows: int  # real rows in the batch
     size: int  # the batch size the engine runs (rows + padding)
     bucket: int
-    reason: str  # full | delay | deadline | drain | oom_split, or an offload reason
-    target: str = "local"  # or "peer"
+    reason: Reason
+    target: Target = Target.LOCAL
 
     @property
     def padding(self) -> int:
         return self.size - self.rows
 
 
-@dataclass
-class Decision:
-    plan: BatchPlan | None = None
-    wake_at: float | None = None  # when to call decide() again if nothing else happens
-    rejected: list[QueuedRequest] | None = None  # requests that cannot run anywhere
-    reject_kind: str = ""  # DOES_NOT_FIT or NO_PEER
-    reject_reason: str = ""
+@dataclass(frozen=True)
+class OffloadView:
+    """What the policy knows about offloading at this instant (plain data from the runner)."""
+
+    peer_available: bool  # a peer is healthy and its breaker lets requests through
+    peer_latency_s: float | None = None  # measured round trip; None: not measured yet
+    remote_only: bool = False  # this model always runs on a peer
+    on_backlog: bool = True  # offload when the local backlog would miss deadlines
+    max_rows: int = 64  # rows per request sent to a peer
+
+
+NO_OFFLOAD = OffloadView(peer_available=False, on_backlog=False)
+
+
+@dataclass(frozen=True)
+class PlanState:
+    """The runner's state that `decide` plans with, at one instant."""
+
+    draining: bool = False  # dispatch everything now
+    busy: bool = False  # batches are in flight locally (their memory comes back)
+    local_free: bool = True  # a local batch slot is free now; without one only peer plans are made
+    busy_s: float = 0.0  # estimated seconds until a batch dispatched now would start locally
+    offload: OffloadView = NO_OFFLOAD
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Run `plan` now; call `decide` again at `wake_at` (now: another batch may be due)."""
+
+    plan: BatchPlan
+    wake_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing to dispatch now; call `decide` again at `wake_at` (None: when something changes)."""
+
+    wake_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Reject:
+    """These requests cannot run anywhere: answer them with an error of `kind`."""
+
+    requests: list[QueuedRequest] = field(default_factory=list)
+    kind: Reason = Reason.DOES_NOT_FIT  # DOES_NOT_FIT or NO_PEER
+    reason: str = ""
+    wake_at: float | None = None  # always None: the runner plans again after answering them
+
+
+Decision = Union[Dispatch, Wait, Reject]
 
 
 def allowed_sizes(settings: PolicySettings, bucket: int, fits: FitsHook) -> list[int]:
@@ -96,25 +155,10 @@ def cheapest_cover(rows: int, sizes: list[int], exec_time: ExecTimeModel) -> lis
     return sorted(cover, reverse=True)
 
 
-@dataclass(frozen=True)
-class OffloadView:
-    """What the policy knows about offloading at this instant (plain data from the runner)."""
-
-    peer_available: bool  # a peer is healthy and its breaker lets requests through
-    peer_latency_s: float | None = None  # measured round trip; None: not measured yet
-    remote_only: bool = False  # this model always runs on a peer
-    on_backlog: bool = True  # offload when the local backlog would miss deadlines
-    max_rows: int = 64  # rows per request sent to a peer
-
-
-NO_OFFLOAD = OffloadView(peer_available=False, on_backlog=False)
-
-
-def oversized_target(rows: int, settings: PolicySettings, offload: OffloadView) -> str:
-    """A request with more rows than the local engine takes: "peer" or "reject"."""
-    if rows > settings.max_batch_size and offload.peer_available and rows <= offload.max_rows:
-        return "peer"
-    return "reject"
+def sends_oversized_to_peer(rows: int, settings: PolicySettings, offload: OffloadView) -> bool:
+    """A request with more rows than the local engine takes goes to a peer when one can take
+    it in one request; otherwise it is refused at submit."""
+    return rows > settings.max_batch_size and offload.peer_available and rows <= offload.max_rows
 
 
 def decide(
@@ -123,67 +167,60 @@ def decide(
     settings: PolicySettings,
     exec_time: ExecTimeModel,
     fits: FitsHook,
-    draining: bool = False,
-    busy: bool = False,
-    *,
-    local_free: bool = True,
-    busy_s: float = 0.0,
-    offload: OffloadView = NO_OFFLOAD,
+    state: PlanState = PlanState(),
 ) -> Decision:
-    """Plan the next batch to dispatch, or say when to look again. Takes planned requests out
-    of the queue (expired ones must be removed by the caller with queue.expire(now) first).
-
-    busy: batches are in flight locally (their memory comes back). local_free: a local batch
-    slot is free now; without one only peer plans are made. busy_s: estimated seconds until
-    a batch dispatched now would start locally. offload: the peer's state, see OffloadView.
-    """
-    due: list[tuple[int, float, BucketQueue, str, list[int]]] = []
+    """Plan the next batch to dispatch, say when to look again, or reject what cannot run.
+    Takes planned and rejected requests out of the queue (expired ones must be removed by the
+    caller with queue.expire(now) first). Synchronous and deterministic."""
+    due: list[tuple[int, float, BucketQueue, Reason, list[int]]] = []
     wake_at: float | None = None
+    offload = state.offload
     peer = offload.peer_available
     for bq in queue.nonempty_buckets():
         if offload.remote_only:
             if peer:
-                return _peer_plan(queue, bq, offload, REMOTE_ONLY)
-            return Decision(rejected=queue.take(bq.bucket, bq.rows), reject_kind=NO_PEER,
-                            reject_reason="the model is remote-only and no peer is available")
+                return _peer_plan(queue, bq, offload, Reason.REMOTE_ONLY)
+            return Reject(queue.take(bq.bucket, bq.rows), Reason.NO_PEER,
+                          "the model is remote-only and no peer is available")
         sizes = allowed_sizes(settings, bq.bucket, fits)
-        if not sizes and busy:
+        if not sizes and state.busy:
             continue  # memory held by batches in flight comes back when they finish
         if not sizes:
             if peer and not _head_is_local_only(bq):
-                return _peer_plan(queue, bq, offload, DOES_NOT_FIT)
+                return _peer_plan(queue, bq, offload, Reason.DOES_NOT_FIT)
             rejected = queue.take(bq.bucket, bq.rows)
-            return Decision(rejected=rejected, reject_kind=DOES_NOT_FIT,
-                            reject_reason=f"no batch size of {list(settings.preferred_batch_sizes)} fits (bucket {bq.bucket})")
-        if draining:
-            reason, at = DRAIN, now
+            return Reject(rejected, Reason.DOES_NOT_FIT,
+                          f"no batch size of {list(settings.preferred_batch_sizes)} fits (bucket {bq.bucket})")
+        if state.draining:
+            reason, at = Reason.DRAIN, now
         elif bq.rows >= sizes[-1]:
-            reason, at = FULL, now
+            reason, at = Reason.FULL, now
         else:
             reason, at = _due_time(bq, sizes, settings, exec_time)
-        if peer and offload.on_backlog and not draining and not _head_is_local_only(bq):
+        if peer and offload.on_backlog and not state.draining and not _head_is_local_only(bq):
             # Backlog: would the requests at the head miss their deadline locally (no slot
             # soon enough), while the peer's measured round trip would meet it?
             run_size = sizes[-1] if bq.rows >= sizes[-1] else _smallest_at_least(bq.rows, sizes)
             deadline = min(r.deadline for r in bq.in_order())
-            local_done = now + busy_s + exec_time.estimate(run_size)
+            local_done = now + state.busy_s + exec_time.estimate(run_size)
             peer_done = now + (offload.peer_latency_s or 0.0)
-            if local_done > deadline and peer_done <= deadline and (at <= now or not local_free):
-                return _peer_plan(queue, bq, offload, BACKLOG)
-            if not local_free:
+            if local_done > deadline and peer_done <= deadline and (at <= now or not state.local_free):
+                return _peer_plan(queue, bq, offload, Reason.BACKLOG)
+            if not state.local_free:
                 # Look again when waiting for a local slot would start to miss the deadline,
                 # and at half the time left at the latest: a stuck engine's wait keeps growing.
-                at = min(deadline - exec_time.estimate(run_size) - busy_s, now + max((deadline - now) / 2, 0.001))
+                at = min(deadline - exec_time.estimate(run_size) - state.busy_s,
+                         now + max((deadline - now) / 2, 0.001))
                 wake_at = at if wake_at is None else min(wake_at, at)
                 continue
-        if not local_free:
+        if not state.local_free:
             continue  # the runner wakes us when a slot frees
         if at <= now:
             due.append((-bq.top_priority(), bq.oldest_arrival(), bq, reason, sizes))
         elif wake_at is None or at < wake_at:
             wake_at = at
     if not due:
-        return Decision(wake_at=wake_at)
+        return Wait(wake_at)
     due.sort(key=lambda d: (d[0], d[1]))
     _, _, bq, reason, sizes = due[0]
     size = sizes[-1] if bq.rows >= sizes[-1] else cheapest_cover(bq.rows, sizes, exec_time)[0]
@@ -193,15 +230,83 @@ def decide(
     rows = sum(r.rows for r in taken)
     plan = BatchPlan(requests=taken, rows=rows, size=_smallest_at_least(rows, sizes), bucket=bq.bucket, reason=reason)
     # Another bucket (or the rest of this one) may be due now too: the caller decides again.
-    return Decision(plan=plan, wake_at=now if len(due) > 1 or bq.count else wake_at)
+    return Dispatch(plan, now if len(due) > 1 or bq.count else wake_at)
 
 
-def _peer_plan(queue: ModelQueue, bq: BucketQueue, offload: OffloadView, reason: str) -> Decision:
+def decision_may_change(
+    arrival: QueuedRequest,
+    bucket_rows: int,
+    settings: PolicySettings,
+    exec_time: ExecTimeModel,
+    *,
+    slot_free: bool,
+    has_peer: bool,
+    timer_at: float | None,
+) -> bool:
+    """Whether this arrival can change `decide`'s answer before the timer set for `timer_at`
+    fires: it filled its bucket (`bucket_rows`, with it) while a slot is free, no timer is
+    set, or it falls due (queue delay, or deadline minus the longest batch's time) before the
+    timer. Skipping the other calls keeps the policy off the per-request hot path; a timer
+    that fires early only plans again."""
+    full = min(settings.preferred_batch_sizes[-1], settings.max_batch_size)
+    if slot_free and bucket_rows >= full:
+        return True
+    if timer_at is None:
+        return True
+    if not slot_free and not has_peer:
+        due = arrival.deadline  # until a batch finishes, only its expiry can change anything
+    else:
+        due = min(arrival.arrival + settings.max_queue_delay_s,
+                  arrival.deadline - exec_time.estimate(settings.max_batch_size))
+    return due < timer_at
+
+
+def oom_split(
+    requests: Sequence[QueuedRequest], size: int, preferred_sizes: Sequence[int]
+) -> tuple[list[tuple[list[QueuedRequest], int, int]], list[QueuedRequest]]:
+    """A batch of `size` ran out of memory: split its requests in two halves, each to run at
+    the smallest preferred size that holds it. Returns ([(part, rows, size)], failed): a part
+    that cannot get smaller than `size` (multi-row requests) would fail the same way, so its
+    requests are given up; so is a batch of one request, which cannot be split."""
+    if len(requests) < 2:
+        return [], list(requests)
+    half = (len(requests) + 1) // 2
+    parts: list[tuple[list[QueuedRequest], int, int]] = []
+    failed: list[QueuedRequest] = []
+    for part in (list(requests[:half]), list(requests[half:])):
+        rows = sum(r.rows for r in part)
+        part_size = next(s for s in (*preferred_sizes, size) if s >= rows)
+        if part_size >= size:
+            failed.extend(part)
+        else:
+            parts.append((part, rows, part_size))
+    return parts, failed
+
+
+def retries_locally(reason: Reason, time_left_s: float, exec_time: ExecTimeModel, settings: PolicySettings) -> bool:
+    """A request whose offload failed runs locally when it was offloaded for a reason that
+    allows local execution (not remote-only, not too large) and its deadline leaves time for
+    the smallest batch."""
+    if reason in (Reason.REMOTE_ONLY, Reason.TOO_LARGE):
+        return False
+    return time_left_s > exec_time.estimate(settings.preferred_batch_sizes[0])
+
+
+def capped_after_oom(settings: PolicySettings, size: int) -> PolicySettings | None:
+    """Warm-up ran out of memory at `size`: the settings that serve only the smaller sizes, or
+    None when there is no smaller size (the model cannot run here)."""
+    smaller = [s for s in settings.preferred_batch_sizes if s < size]
+    if not smaller:
+        return None
+    return PolicySettings(settings.preferred_batch_sizes, smaller[-1], settings.max_queue_delay_s)
+
+
+def _peer_plan(queue: ModelQueue, bq: BucketQueue, offload: OffloadView, reason: Reason) -> Dispatch:
     """Send the head of the bucket to the peer, unpadded: the peer batches it itself."""
     taken = queue.take(bq.bucket, offload.max_rows)
     rows = sum(r.rows for r in taken)
-    plan = BatchPlan(requests=taken, rows=rows, size=rows, bucket=bq.bucket, reason=reason, target="peer")
-    return Decision(plan=plan, wake_at=None)
+    plan = BatchPlan(requests=taken, rows=rows, size=rows, bucket=bq.bucket, reason=reason, target=Target.PEER)
+    return Dispatch(plan, None)
 
 
 def _head_is_local_only(bq: BucketQueue) -> bool:
@@ -212,12 +317,12 @@ def _head_is_local_only(bq: BucketQueue) -> bool:
 
 def _due_time(
     bq: BucketQueue, sizes: list[int], settings: PolicySettings, exec_time: ExecTimeModel
-) -> tuple[str, float]:
+) -> tuple[Reason, float]:
     by_delay = bq.oldest_arrival() + settings.max_queue_delay_s
     run_size = _smallest_at_least(bq.rows, sizes)
     earliest_deadline = min(r.deadline for r in bq.in_order())
     by_deadline = earliest_deadline - exec_time.estimate(run_size)
-    return (DEADLINE, by_deadline) if by_deadline < by_delay else (DELAY, by_delay)
+    return (Reason.DEADLINE, by_deadline) if by_deadline < by_delay else (Reason.DELAY, by_delay)
 
 
 def _smallest_at_least(rows: int, sizes: list[int]) -> int:

@@ -2,15 +2,12 @@
 
 Threads: everything here runs on the event loop except `_execute`, which runs on the engine
 instance's own worker thread (one thread per instance: inference never blocks the loop, and
-an engine object is only ever touched by one thread). One future per request; a failed batch
-sets the error on every future in it; a caller that went away (cancelled future) does not
-disturb the rest of its batch.
-
-The hot path is plain callbacks, no task per batch: `submit` queues a request and calls
-`_schedule` when the policy's answer may have changed; `_schedule` runs the (pure) policy
-and hands each planned batch to its instance's worker; the worker's completion callback
-answers the batch's futures and calls `_schedule` again; a timer calls it when the policy
-said to look again later (queue delay, deadlines).
+an engine object is only ever touched by one thread). The hot path is plain callbacks, no task
+per batch: `submit` queues a request and calls `_schedule` when the policy says the arrival may
+change its answer; `_schedule` runs the (pure) policy and hands each planned batch to its
+instance's worker; the worker's completion callback answers the batch's futures and calls
+`_schedule` again; a timer calls it when the policy said to look again later. Input checks
+live in validate.py, batch assembly in batch.py, counters and metrics in stats.py.
 """
 
 from __future__ import annotations
@@ -21,21 +18,26 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from ..config import ModelConfig
 from ..cpu_affinity import thread_is_pinned
+from ..engines.base import Engine, with_hook_defaults
 from ..errors import (
     DeadlineExceeded, DoesNotFit, EdgeBatcherError, EngineError, InvalidInput, OutOfMemory, Overloaded,
     Unavailable,
 )  # fmt: skip
 from ..metrics import Metrics
-from ..offload.conform import conform_outputs
-from ..types import DATATYPE_TO_NUMPY, InferRequest, InferResponse, TensorSpec
+from ..types import InferRequest, InferResponse, TensorSpec
+from . import batch as batching
 from . import policy
+from .policy import Dispatch, Reason, Reject, Target
 from .queues import ModelQueue, QueuedRequest
+from .stats import RunnerStats
 from .timing import ExecTimeModel
+from .validate import RequestValidator
 from .worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -48,6 +50,17 @@ BATCHES_IN_FLIGHT_PER_INSTANCE = 2
 # Below it, sharing one CPU wins: the GIL changes hands several times per batch, cheaply on
 # one core. Where the two cross: tools/bench_engine_cost.py, docs/benchmarks.md.
 WORKER_ON_EVERY_CPU_FROM_S = 0.5e-3
+
+
+class OffloadPort(Protocol):
+    """What the runner needs of the offload peers (offload/peers.py's PeerPool)."""
+
+    def view(self, model: str) -> policy.OffloadView: ...
+
+    async def infer(self, model: str, inputs: dict[str, np.ndarray], timeout_s: float, *,
+                    conform_to: list[TensorSpec] | None = None) -> tuple[dict[str, np.ndarray], str]:
+        """(outputs shaped and typed as `conform_to` says, peer name)."""
+        ...
 
 
 @dataclass(eq=False, slots=True)
@@ -70,46 +83,26 @@ class LocalBatch:
     holds_slot: bool  # False for the parts of a batch split after running out of memory
 
 
-@dataclass
-class ModelStats:
-    """Counters behind GET /v2/models/{m}/stats (Triton's statistics extension)."""
-
-    inference_count: int = 0  # rows answered successfully
-    execution_count: int = 0  # engine runs
-    success_count: int = 0
-    success_ns: int = 0
-    fail_count: int = 0
-    fail_ns: int = 0
-    queue_ns: int = 0
-    compute_ns: int = 0  # whole batch on the worker: assemble + engine + split
-    engine_ns: int = 0  # the engine's infer() alone
-    last_inference_ms: int = 0
-    batch_stats: dict[int, list[int]] = field(default_factory=dict)  # size -> [count, ns]
-    reasons: dict[str, int] = field(default_factory=dict)
-    padding_rows: int = 0
-    batch_rows: int = 0
-    expired: int = 0
-    rejected: int = 0
-    offloaded: dict[str, int] = field(default_factory=dict)  # "reason/outcome" -> requests
-
-
 class ModelRunner:
-    def __init__(self, config: ModelConfig, engines: list, metrics: Metrics, *, admission=None, offload=None):
+    def __init__(self, config: ModelConfig, engines: list, metrics: Metrics, *, admission=None,
+                 offload: OffloadPort | None = None, resident_bytes: int = 0):
         if not engines:
             raise ValueError("a model runner needs at least one engine instance")
         self.config = config
         self.name = config.name
-        self.engines = engines
+        self.engines: list[Engine] = [with_hook_defaults(e) for e in engines]
+        first = self.engines[0]
         # False for a model served by offload peers only (engines/remote.py): no worker
         # threads, no warm-up, no local batch slots; the policy plans every batch for a peer.
-        self.runs_locally: bool = getattr(engines[0], "runs_locally", True)
-        self.inputs: list[TensorSpec] = engines[0].inputs
-        # An engine may turn what clients send into what the model runs on (text -> token ids)
-        # with prepare(inputs) -> (inputs, seq_len); batches are then built from batch_inputs.
-        self._prepare = getattr(engines[0], "prepare", None)
-        self.batch_inputs: list[TensorSpec] = getattr(engines[0], "batch_inputs", None) or self.inputs
-        self.outputs: list[TensorSpec] = engines[0].outputs
+        self.runs_locally: bool = first.runs_locally
+        self.inputs: list[TensorSpec] = first.inputs
+        # An engine may turn what clients send into what the model runs on (text -> token ids);
+        # batches are then built from its batch_inputs.
+        self._prepare = first.prepare
+        self.batch_inputs: list[TensorSpec] = first.batch_inputs or self.inputs
+        self.outputs: list[TensorSpec] = first.outputs
         self.metrics = metrics
+        self.resident_bytes = resident_bytes  # weights counted as resident in the memory budget
         b = config.batching
         self.settings = policy.PolicySettings(
             preferred_batch_sizes=tuple(b.preferred_batch_sizes),
@@ -118,29 +111,13 @@ class ModelRunner:
         )
         self.admission = admission  # memory.admission.Admission, or None: no memory limit
         self.fits = admission.fits if admission is not None else (lambda size, seq_len: True)
-        # offload.view(model) -> policy.OffloadView; await offload.infer(model, inputs, timeout_s)
-        # -> (outputs, peer name). None: this daemon has no peers.
+        # None: this daemon has no peers.
         self.offload = offload
         self.exec_time = ExecTimeModel()
         self.queue = ModelQueue(capacity=b.queue_capacity, priority_levels=b.priority_levels)
-        self.stats = ModelStats()
-        self._input_by_name = {spec.name: spec for spec in self.inputs}
-        # Per input: (name, numpy dtype, rank, sequence axis, [(axis, size) that must match]).
-        self._checks = [
-            (spec.name, DATATYPE_TO_NUMPY[spec.datatype], len(spec.shape), self._seq_axis(spec.name),
-             [(axis, d) for axis, d in enumerate(spec.shape) if axis > 0 and d != -1 and axis != self._seq_axis(spec.name)])
-            for spec in self.inputs
-        ]
-        # Metric children bound once: the hot path updates them without building label keys.
-        m = metrics
-        self._m_ok = m.requests_total.labels(model=self.name, status="200")
-        self._m_status: dict[int, object] = {200: self._m_ok}  # requests_total children, see _count_status
-        self._m_depth = m.queue_depth.labels(model=self.name)
-        self._m_size = m.batch_size.labels(model=self.name)
-        self._m_padding = m.padding_ratio.labels(model=self.name)
-        self._m_queue_s = m.queue_seconds.labels(model=self.name)
-        self._m_request_s = m.request_seconds.labels(model=self.name)
-        self._m_batches: dict[tuple, object] = {}  # (size, reason, target) -> batches_total child
+        self.validator = RequestValidator(self.name, self.inputs, self.outputs, config.sequence)
+        self._stats = RunnerStats(self.name, metrics)
+        self.stats = self._stats.counts
         self._output_names = [spec.name for spec in self.outputs]
         self._default_priority = b.default_priority
         self._priority_levels = b.priority_levels
@@ -172,7 +149,8 @@ class ModelRunner:
         buckets = self.config.sequence.buckets if self.config.sequence else [0]
         for bucket in buckets:
             for size in policy.allowed_sizes(self.settings, bucket, self.fits):
-                batch = {spec.name: _zeros(spec, size, self._seq_axis(spec.name), bucket) for spec in self.batch_inputs}
+                batch = {spec.name: batching.zeros(spec, size, self.validator.seq_axis(spec.name), bucket)
+                         for spec in self.batch_inputs}
                 try:
                     for engine in self.engines:
                         timings = []
@@ -191,17 +169,15 @@ class ModelRunner:
 
     def _cap_batch_size(self, size: int, bucket: int, error: OutOfMemory) -> None:
         """Warm-up ran out of memory at `size`: serve only the smaller sizes from now on."""
-        smaller = [s for s in self.settings.preferred_batch_sizes if s < size]
-        if not smaller:
+        capped = policy.capped_after_oom(self.settings, size)
+        if capped is None:
             raise error
-        self.settings = policy.PolicySettings(
-            self.settings.preferred_batch_sizes, smaller[-1], self.settings.max_queue_delay_s
-        )
+        self.settings = capped
         if self.admission is not None:
             self.admission.raise_calibration()
         log.warning(
             "model %s: warm-up ran out of memory at batch %d%s; serving batch sizes up to %d (%s)",
-            self.name, size, f" (bucket {bucket})" if bucket else "", smaller[-1], error,
+            self.name, size, f" (bucket {bucket})" if bucket else "", capped.max_batch_size, error,
         )
 
     async def start(self) -> None:
@@ -259,10 +235,11 @@ class ModelRunner:
         loop = self._loop
         if loop is None:
             raise Unavailable(f"model {self.name!r} is not serving yet")
-        inputs, rows, seq_len = self._validate(request)
+        validator = self.validator
+        inputs, rows, seq_len = validator.validate(request, check_length=self._prepare is None)
         if self._prepare is not None:
             inputs, seq_len = self._prepare(inputs)
-            self._check_seq_len(seq_len)
+            validator.check_seq_len(seq_len)
         priority = self._default_priority if request.priority is None else request.priority
         if not 0 <= priority < self._priority_levels:
             raise InvalidInput(
@@ -275,20 +252,23 @@ class ModelRunner:
             timeout_s = self._max_timeout_s
         now = loop.time()
         future = loop.create_future()
-        pending = Pending(priority, now, now + timeout_s, rows, self._bucket(seq_len),
+        pending = Pending(priority, now, now + timeout_s, rows, validator.bucket(seq_len),
                           request=request, inputs=inputs, future=future)
         if rows > self.settings.max_batch_size:
             self._submit_oversized(pending)
             return future
         self.queue.push(pending)
-        if self._decision_may_change(pending):
+        if policy.decision_may_change(
+            pending, self.queue.buckets[pending.bucket].rows, self.settings, self.exec_time,
+            slot_free=bool(self._free_slots), has_peer=self.offload is not None, timer_at=self._timer_at,
+        ):
             self._schedule()
         return future
 
     def _submit_oversized(self, queued: Pending) -> None:
         """More rows than the local engine takes: straight to a peer, or a clear error."""
         view = self._offload_view()
-        if policy.oversized_target(queued.rows, self.settings, view) != "peer":
+        if not policy.sends_oversized_to_peer(queued.rows, self.settings, view):
             if view.remote_only and not view.peer_available:
                 raise Unavailable(f"model {self.name!r} is remote-only and no peer is available")
             peer_note = "" if self.offload is None else " and no peer can take it now"
@@ -297,28 +277,9 @@ class ModelRunner:
                 f"{self.settings.max_batch_size}{peer_note}; split it into smaller requests"
             )
         queued.taken = True
-        reason = policy.REMOTE_ONLY if view.remote_only else policy.TOO_LARGE  # why it is not local
-        plan = policy.BatchPlan([queued], queued.rows, queued.rows, queued.bucket, reason, target="peer")
+        reason = Reason.REMOTE_ONLY if view.remote_only else Reason.TOO_LARGE  # why it is not local
+        plan = policy.BatchPlan([queued], queued.rows, queued.rows, queued.bucket, reason, target=Target.PEER)
         self._start_offload(plan)
-
-    def _decision_may_change(self, queued: Pending) -> bool:
-        """Whether this arrival can change the policy's answer before its timer fires: it
-        filled a bucket, no timer is set, or it falls due (queue delay, or deadline minus the
-        longest batch's time) before the timer. Skipping the other calls keeps the policy off
-        the per-request hot path; a timer that fires early only plans again."""
-        settings = self.settings
-        slot_free = bool(self._free_slots)
-        full = min(settings.preferred_batch_sizes[-1], settings.max_batch_size)
-        if slot_free and self.queue.buckets[queued.bucket].rows >= full:
-            return True
-        if self._timer_at is None:
-            return True
-        if not slot_free and self.offload is None:
-            due = queued.deadline  # until a batch finishes, only its expiry can change anything
-        else:
-            due = min(queued.arrival + settings.max_queue_delay_s,
-                      queued.deadline - self.exec_time.estimate(settings.max_batch_size))
-        return due < self._timer_at
 
     def infer(self, request: InferRequest) -> asyncio.Future:
         """`await runner.infer(request)` -> InferResponse. Returns the request's future itself,
@@ -340,85 +301,7 @@ class ModelRunner:
             raise Overloaded(f"queue full: {len(self.queue)} requests waiting (queue_capacity {self.queue.capacity})")
 
     def _count_status(self, status: int) -> None:
-        child = self._m_status.get(status)
-        if child is None:
-            child = self._m_status[status] = self.metrics.requests_total.labels(model=self.name, status=str(status))
-        child.inc()
-
-    def _validate(self, request: InferRequest) -> tuple[dict[str, np.ndarray], int, int]:
-        given = request.inputs
-        if request.outputs is not None:
-            for name in request.outputs:
-                if name not in self._output_names:
-                    raise InvalidInput(
-                        f"model {self.name!r} has no output {name!r}; its outputs are {', '.join(self._output_names)}"
-                    )
-        rows = None
-        seq_len = 0
-        inputs = {}
-        for name, dtype, rank, seq_axis, fixed in self._checks:
-            array = given.get(name)
-            if array is None:
-                self._check_input_names(given)  # a misspelt name explains a missing input best
-                raise InvalidInput(f"missing input {name!r} for model {self.name!r}")
-            spec = self._input_by_name[name]
-            if array.dtype != dtype and not (dtype == object and array.dtype.kind in "OSU"):
-                got = "BYTES" if array.dtype.kind in "OSU" else _v2_name(array.dtype)
-                raise InvalidInput(f"input {name!r}: datatype {got}, model {self.name!r} expects {spec.datatype}")
-            shape = array.shape
-            if len(shape) != rank:
-                raise InvalidInput(
-                    f"input {name!r}: shape {list(shape)} has {len(shape)} dimensions, "
-                    f"model {self.name!r} expects {rank} like {_shape_text(spec.shape)}"
-                )
-            for axis, want in fixed:
-                if shape[axis] != want:
-                    raise InvalidInput(
-                        f"input {name!r}: shape {list(shape)} does not match {_shape_text(spec.shape)} "
-                        f"(dimension {axis} must be {want})"
-                    )
-            if rows is None:
-                rows = shape[0]
-            elif shape[0] != rows:
-                raise InvalidInput(f"inputs disagree on the batch dimension: {name!r} has {shape[0]} rows, others {rows}")
-            if seq_axis is not None:
-                length = shape[seq_axis]
-                if seq_len and length != seq_len:
-                    raise InvalidInput(f"sequence inputs disagree on length: {name!r} has {length}, others {seq_len}")
-                seq_len = length
-            inputs[name] = array
-        if len(given) != len(inputs):
-            self._check_input_names(given)
-        if not rows:
-            raise InvalidInput("inputs have 0 rows: nothing to infer")
-        if self._prepare is None:
-            self._check_seq_len(seq_len)
-        return inputs, rows, seq_len
-
-    def _check_input_names(self, given: dict) -> None:
-        for given_name in given:
-            if given_name not in self._input_by_name:
-                raise InvalidInput(
-                    f"model {self.name!r} has no input {given_name!r}; its inputs are {', '.join(self._input_by_name)}"
-                )
-
-    def _check_seq_len(self, seq_len: int) -> None:
-        if self.config.sequence is not None:
-            longest = self.config.sequence.buckets[-1]
-            if seq_len == 0 or seq_len > longest:
-                raise InvalidInput(f"sequence length {seq_len} is outside 1..{longest} (the largest bucket) of model {self.name!r}")
-
-    def _seq_axis(self, name: str) -> int | None:
-        seq = self.config.sequence
-        return seq.axis if seq is not None and name in seq.inputs else None
-
-    def _bucket(self, seq_len: int) -> int:
-        if self.config.sequence is None:
-            return 0
-        for boundary in self.config.sequence.buckets:
-            if seq_len <= boundary:
-                return boundary
-        raise AssertionError("validated above")
+        self._stats.count_status(status)
 
     # ------------------------------------------------------------------ scheduling
 
@@ -428,7 +311,7 @@ class ModelRunner:
         if self._closed or self._loop is None:
             return
         if not self.queue.count:
-            self._m_depth.set(0)
+            self._stats.depth.set(0)
             return  # nothing to plan or expire; a timer still set fires and finds nothing
         loop = self._loop
         while True:
@@ -439,17 +322,17 @@ class ModelRunner:
                 self._fail(req, DeadlineExceeded(
                     f"deadline passed after {waited:.1f} ms in the queue of model {self.name!r}, before it could run"))
             offload = self._offload_view()
-            decision = policy.decide(
-                self.queue, now, self.settings, self.exec_time, self.fits, self._draining,
-                busy=self._local_batches > 0, local_free=bool(self._free_slots),
+            state = policy.PlanState(
+                draining=self._draining, busy=self._local_batches > 0, local_free=bool(self._free_slots),
                 # only the offload decision reads busy_s: not worth computing without a peer
                 busy_s=self._busy_seconds(now) if offload.peer_available else 0.0, offload=offload,
             )
-            if decision.rejected:
+            decision = policy.decide(self.queue, now, self.settings, self.exec_time, self.fits, state)
+            if isinstance(decision, Reject):
                 self._reject(decision)
                 self._progress.set()
             wake_at = decision.wake_at
-            if decision.plan is None:
+            if not isinstance(decision, Dispatch):
                 break
             self._dispatch(decision.plan, now)
             if wake_at is None or wake_at > now:
@@ -459,7 +342,7 @@ class ModelRunner:
                 # batch to finish plans again (it would only say so, at the cost of a call).
                 wake_at = None
                 break
-        self._m_depth.set(len(self.queue))
+        self._stats.depth.set(len(self.queue))
         # Also wake at the next deadline: a request must get its timeout error on time even
         # while every engine instance is busy (or stuck) and the policy has nothing to plan.
         expiry = self.queue.next_deadline()
@@ -487,7 +370,7 @@ class ModelRunner:
         self._schedule()
 
     def _dispatch(self, plan: policy.BatchPlan, now: float) -> None:
-        if plan.target == "peer":
+        if plan.target is Target.PEER:
             self._start_offload(plan)
             return
         instance = min(self._free_slots, key=lambda i: self._busy_until[i])
@@ -510,17 +393,18 @@ class ModelRunner:
 
         return min(wait(i) for i in (self._free_slots or range(len(self.engines))))
 
-    def _reject(self, decision: policy.Decision) -> None:
-        if decision.reject_kind == policy.NO_PEER:
-            error = Unavailable(f"model {self.name!r}: {decision.reject_reason}")
+    def _reject(self, decision: Reject) -> None:
+        error: EdgeBatcherError
+        if decision.kind is Reason.NO_PEER:
+            error = Unavailable(f"model {self.name!r}: {decision.reason}")
         else:
-            reason = decision.reject_reason
+            reason = decision.reason
             if self.admission is not None:
                 smallest = self.settings.preferred_batch_sizes[0]
-                reason = "does not fit in device memory: " + self.admission.explain(smallest, decision.rejected[0].bucket)
+                reason = "does not fit in device memory: " + self.admission.explain(smallest, decision.requests[0].bucket)
             error = DoesNotFit(f"model {self.name!r}: {reason}")
-        log.warning("model %s: rejecting %d request(s): %s", self.name, len(decision.rejected), error)
-        for req in decision.rejected:
+        log.warning("model %s: rejecting %d request(s): %s", self.name, len(decision.requests), error)
+        for req in decision.requests:
             self.stats.rejected += 1
             self._fail(req, error)
 
@@ -589,25 +473,19 @@ class ModelRunner:
         that still fails gets the error."""
         self.metrics.oom_retries_total.inc(model=self.name)
         factor = self.admission.raise_calibration() if self.admission is not None else None
-        requests = plan.requests
-        if len(requests) < 2:
+        parts, failed = policy.oom_split(plan.requests, plan.size, self.settings.preferred_batch_sizes)
+        if parts:
+            log.warning(
+                "model %s: out of memory on a batch of %d; splitting it and retrying (estimate calibration now %s)",
+                self.name, plan.size, f"{factor:.2f}" if factor else "n/a",
+            )
+        else:
             log.error("model %s: out of memory on a batch of %d that cannot be split: %s", self.name, plan.size, error)
-            self._fail(requests[0], error)
-            return
-        log.warning(
-            "model %s: out of memory on a batch of %d; splitting it and retrying (estimate calibration now %s)",
-            self.name, plan.size, f"{factor:.2f}" if factor else "n/a",
-        )
-        half = (len(requests) + 1) // 2
+        for req in failed:
+            self._fail(req, error)
         now = self._loop.time()
-        for part in (requests[:half], requests[half:]):
-            rows = sum(r.rows for r in part)
-            size = next(s for s in (*self.settings.preferred_batch_sizes, plan.size) if s >= rows)
-            if size >= plan.size:  # multi-row requests that cannot get smaller: the same size would fail again
-                for r in part:
-                    self._fail(r, error)
-                continue
-            part_plan = policy.BatchPlan(part, rows, size, plan.bucket, reason="oom_split")
+        for part, rows, size in parts:
+            part_plan = policy.BatchPlan(part, rows, size, plan.bucket, reason=Reason.OOM_SPLIT)
             self._start_batch(part_plan, instance, now, holds_slot=False)
 
     def _execute(self, batch: LocalBatch):
@@ -625,78 +503,22 @@ class ModelRunner:
         if not live:
             return [None] * len(requests), 0.0, 0.0
         pad = self.config.sequence.pad_value if self.config.sequence else 0
+        seq_axis = self.validator.seq_axis
         inputs = {
-            spec.name: _stack([r.inputs[spec.name] for r in live], plan.size, self._seq_axis(spec.name), plan.bucket, pad)
+            spec.name: batching.stack([r.inputs[spec.name] for r in live], plan.size, seq_axis(spec.name), plan.bucket, pad)
             for spec in self.batch_inputs
         }
         t1 = time.perf_counter()
         outputs = self.engines[batch.instance].infer(inputs)
         engine_seconds = time.perf_counter() - t1
-        self._check_outputs(outputs, sum(r.rows for r in live))
-        named = list(outputs.items())
-        results = []
-        offset = 0
-        for r in requests:
-            if r.deadline > now:
-                end = offset + r.rows
-                results.append({name: value[offset:end] for name, value in named})
-                offset = end
-            else:
-                results.append(None)
+        batching.check_outputs(outputs, self._output_names, sum(r.rows for r in live), self.name)
+        results = batching.split_rows(outputs, [r.rows if r.deadline > now else None for r in requests])
         return results, time.perf_counter() - t0, engine_seconds
 
-    def _check_outputs(self, outputs: dict, rows: int) -> None:
-        """An engine (a user's own backend, say) that returns too little must fail its batch
-        with a clear error, not hand out empty slices or leave requests unanswered."""
-        for name in self._output_names:
-            value = outputs.get(name)
-            if value is None:
-                raise EngineError(
-                    f"model {self.name!r}: the engine returned no output {name!r} (it returned {', '.join(map(repr, outputs)) or 'none'})"
-                )
-            if getattr(value, "ndim", 0) == 0 or value.shape[0] < rows:
-                raise EngineError(
-                    f"model {self.name!r}: the engine's output {name!r} has shape {list(getattr(value, 'shape', ()))}, "
-                    f"fewer than the batch's {rows} rows"
-                )
-
     def _record(self, batch: LocalBatch, answered: list[Pending], seconds: float, engine_seconds: float) -> None:
-        plan = batch.plan
-        now = self._loop.time()
-        self.exec_time.observe(plan.size, seconds)
-        s = self.stats
-        s.execution_count += 1
-        s.inference_count += plan.rows
-        s.compute_ns += int(seconds * 1e9)
-        engine_ns = int(engine_seconds * 1e9)
-        s.engine_ns += engine_ns
-        s.last_inference_ms = int(time.time() * 1000)
-        entry = s.batch_stats.get(plan.size)
-        if entry is None:
-            entry = s.batch_stats[plan.size] = [0, 0]
-        entry[0] += 1
-        entry[1] += engine_ns
-        s.reasons[plan.reason] = s.reasons.get(plan.reason, 0) + 1
-        s.padding_rows += plan.padding
-        s.batch_rows += plan.size
-        key = (plan.size, plan.reason, plan.target)
-        counter = self._m_batches.get(key)
-        if counter is None:
-            counter = self._m_batches[key] = self.metrics.batches_total.labels(
-                model=self.name, size=str(plan.size), reason=plan.reason, target=plan.target)
-        counter.inc()
-        self._m_size.observe(plan.size)
-        self._m_padding.set(s.padding_rows / s.batch_rows)
-        n = len(answered)
-        self._m_ok.inc(n)
-        s.success_count += n
-        arrivals = [r.arrival for r in answered]
-        queued = [batch.dispatched - a for a in arrivals]
-        total = [now - a for a in arrivals]
-        s.queue_ns += int(sum(queued) * 1e9)
-        s.success_ns += int(sum(total) * 1e9)
-        self._m_queue_s.observe_all(queued)
-        self._m_request_s.observe_all(total)
+        self.exec_time.observe(batch.plan.size, seconds)
+        self._stats.record_batch(batch.plan, [r.arrival for r in answered], batch.dispatched, self._loop.time(),
+                                 seconds, engine_seconds)
 
     def _fail(self, req: Pending, error: EdgeBatcherError) -> None:
         if not req.future.done():
@@ -724,14 +546,14 @@ class ModelRunner:
         loop = self._loop
 
         async def send(r: Pending) -> None:
-            outputs, peer = await self.offload.infer(self.name, r.request.inputs, r.deadline - loop.time())
-            outputs = conform_outputs(outputs, self.outputs, r.rows, peer, self.name)
+            outputs, _ = await self.offload.infer(self.name, r.request.inputs, r.deadline - loop.time(),
+                                                  conform_to=self.outputs)
             self._count_offload(plan.reason, "ok", [r])
             if r.request.outputs is not None:
                 outputs = {name: outputs[name] for name in r.request.outputs if name in outputs}
             if not r.future.done():
                 r.future.set_result(InferResponse(self.name, r.request.id, outputs))
-                self._m_ok.inc()
+                self._stats.ok.inc()
 
         results = await asyncio.gather(*(send(r) for r in plan.requests), return_exceptions=True)
         for r, outcome in zip(plan.requests, results):
@@ -739,10 +561,9 @@ class ModelRunner:
                 self._offload_failed(plan.reason, r, outcome)
         self._schedule()
 
-    def _offload_failed(self, reason: str, r: Pending, error: BaseException) -> None:
+    def _offload_failed(self, reason: Reason, r: Pending, error: BaseException) -> None:
         now = self._loop.time()
-        local_ok = reason not in (policy.REMOTE_ONLY, policy.TOO_LARGE)
-        if local_ok and r.deadline - now > self.exec_time.estimate(self.settings.preferred_batch_sizes[0]):
+        if policy.retries_locally(reason, r.deadline - now, self.exec_time, self.settings):
             retry = dataclasses.replace(r, taken=False, local_only=True)
             try:
                 self.queue.push(retry)
@@ -755,92 +576,18 @@ class ModelRunner:
         if isinstance(error, EdgeBatcherError) and error.status < 500:
             answer = error  # the peer's verdict on this request's input (400, 404): pass it on
         else:
-            why_not_local = {policy.REMOTE_ONLY: "the model is remote-only",
-                             policy.TOO_LARGE: "the request is larger than the local engine takes"}
+            why_not_local = {Reason.REMOTE_ONLY: "the model is remote-only",
+                             Reason.TOO_LARGE: "the request is larger than the local engine takes"}
             answer = Unavailable(f"model {self.name!r}: offload to the peer failed ({error}) and "
                                  f"{why_not_local.get(reason, 'it cannot run locally in time')}")
         log.warning("model %s: offload failed: %s", self.name, answer)
         self._fail(r, answer)
 
-    def _count_offload(self, reason: str, outcome: str, group: list[Pending]) -> None:
-        n = len(group)
-        self.metrics.offloaded_requests_total.inc(n, model=self.name, reason=reason, outcome=outcome)
-        key = f"{reason}/{outcome}"
-        self.stats.offloaded[key] = self.stats.offloaded.get(key, 0) + n
+    def _count_offload(self, reason: Reason, outcome: str, group: list[Pending]) -> None:
+        self._stats.count_offload(reason, outcome, len(group))
 
     # ------------------------------------------------------------------ introspection
 
     def statistics(self) -> dict:
         """Triton's statistics-extension shape, plus edge-batcher's dispatch reasons and padding."""
-        s = self.stats
-        return {
-            "name": self.name,
-            "version": "1",
-            "last_inference": s.last_inference_ms,
-            "inference_count": s.inference_count,
-            "execution_count": s.execution_count,
-            "inference_stats": {
-                "success": {"count": s.success_count, "ns": s.success_ns},
-                "fail": {"count": s.fail_count + s.expired + s.rejected, "ns": s.fail_ns},
-                "queue": {"count": s.success_count, "ns": s.queue_ns},
-                "compute_infer": {"count": s.execution_count, "ns": s.engine_ns},
-                # assembling padded batches and splitting outputs, on the engine's worker thread
-                "compute_input_output": {"count": s.execution_count, "ns": s.compute_ns - s.engine_ns},
-            },
-            "batch_stats": [
-                {"batch_size": size, "compute_infer": {"count": c, "ns": ns}}
-                for size, (c, ns) in sorted(s.batch_stats.items())
-            ],
-            "dispatch_reasons": dict(s.reasons),
-            "padding_rows": s.padding_rows,
-            "padding_ratio": s.padding_rows / s.batch_rows if s.batch_rows else 0.0,
-            "expired": s.expired,
-            "offloaded": dict(s.offloaded),
-            "queue_depth": len(self.queue),
-            "exec_time_ms": {str(k): round(v * 1e3, 4) for k, v in sorted(self.exec_time.measured().items())},
-        }
-
-
-def _stack(parts: list[np.ndarray], size: int, seq_axis: int | None, bucket: int, pad_value: float) -> np.ndarray:
-    """One batch tensor of `size` rows: the parts, padded on the sequence axis to the bucket,
-    then padding rows (copies of the last real row: always a valid input) up to size."""
-    if seq_axis is None:
-        rows = sum(part.shape[0] for part in parts)
-        if rows < size:
-            parts = [*parts, np.repeat(parts[-1][-1:], size - rows, axis=0)]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-    first = parts[0]
-    shape = list(first.shape)
-    shape[seq_axis] = bucket
-    shape[0] = size
-    out = np.empty(shape, dtype=first.dtype)
-    out.fill(pad_value if first.dtype != object else b"")
-    row = 0
-    for part in parts:
-        n = part.shape[0]
-        index = [slice(row, row + n)] + [slice(None)] * (part.ndim - 1)
-        index[seq_axis] = slice(0, part.shape[seq_axis])
-        out[tuple(index)] = part
-        row += n
-    if row < size:
-        out[row:] = out[row - 1]
-    return out
-
-
-def _zeros(spec: TensorSpec, size: int, seq_axis: int | None, bucket: int) -> np.ndarray:
-    shape = [size] + [(bucket if axis == seq_axis else (d if d > 0 else 1)) for axis, d in enumerate(spec.shape) if axis > 0]
-    dtype = DATATYPE_TO_NUMPY[spec.datatype]
-    if dtype == object:
-        return np.full(shape, b"", dtype=object)
-    return np.zeros(shape, dtype=dtype)
-
-
-def _v2_name(dtype: np.dtype) -> str:
-    for name, d in DATATYPE_TO_NUMPY.items():
-        if d == dtype:
-            return name
-    return str(dtype)
-
-
-def _shape_text(shape: tuple[int, ...]) -> str:
-    return "[" + ", ".join("batch" if i == 0 else ("-1" if d < 0 else str(d)) for i, d in enumerate(shape)) + "]"
+        return self._stats.to_json(len(self.queue), self.exec_time.measured().items())

@@ -1,4 +1,5 @@
-"""`edge-batcher estimate` (edge_batcher.memory.report), its measurement and calibration, and
+"""`edge-batcher estimate` (edge_batcher.memory.report), its measurement (measure.py) and
+calibration (calibration.py), and
 the encoder demo model built by tools/build_encoder_model.py.
 
 The repository is built once for the module in a temporary directory: the vibration demo
@@ -24,7 +25,7 @@ from onnx import TensorProto, helper
 
 from edge_batcher.config import load_model_config
 from edge_batcher.errors import EdgeBatcherError
-from edge_batcher.memory import report
+from edge_batcher.memory import calibration, measure, report
 from edge_batcher.memory.estimator import OnnxFootprintEstimator
 from tests.support.models import ROOT, build_demo
 
@@ -140,7 +141,7 @@ def test_measure_one_size_of_the_vibration_model(config_file, capsys):
     code, out = run_estimate(capsys, "--config", str(config_file), "--model", "vib4", "--measure", "--json")
     assert code == 0
     data = json.loads(out)
-    assert data["measurement"]["resolution_bytes"] == report.RESOLUTION_BYTES
+    assert data["measurement"]["resolution_bytes"] == measure.RESOLUTION_BYTES
     (row,) = data["models"][0]["rows"]
     m = row["measured"]
     assert m["batch"] == 4 and m["seq_len"] is None
@@ -167,7 +168,7 @@ def test_calibration_on_the_encoder(repo):
     mc = load_model_config(repo / "encoder")
     est = estimator_for(repo, "encoder")
     raw = est.activation_peak(2, 64)
-    cal = report.calibrate(est, mc, 2, 64)
+    cal = calibration.calibrate(est, mc, 2, 64)
     assert cal.applied, cal.reason
     assert cal.raw_estimate == raw
     assert cal.factor == pytest.approx(cal.measurement.activation_peak / raw)
@@ -175,14 +176,14 @@ def test_calibration_on_the_encoder(repo):
     # ONNX Runtime keeps one buffer per tensor size for the whole run: more than liveness.
     assert 1.2 < cal.factor < 2.5
 
-    measured = report.measure_activation_peak(mc, 4, 64)
+    measured = measure.measure_activation_peak(mc, 4, 64)
     calibrated = est.estimate(4, 64).activations
     assert math.isclose(calibrated, measured.activation_peak, rel_tol=0.15)
 
 
 def test_calibration_refuses_a_measurement_below_resolution(repo):
     est = estimator_for(repo, "vibration")
-    cal = report.calibrate(est, repo / "vibration", 2)
+    cal = calibration.calibrate(est, repo / "vibration", 2)
     assert not cal.applied
     assert "below" in cal.reason
     assert est.calibration == 1.0
@@ -199,9 +200,9 @@ def test_measure_needs_sizes_for_every_dynamic_dimension(tmp_path):
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8), d / "model.onnx")
     (d / "model.toml").write_text('backend = "onnxruntime"\n')
     with pytest.raises(EdgeBatcherError, match="no size for dynamic dimension 1"):
-        report.measure_activation_peak(d, 2)
+        measure.measure_activation_peak(d, 2)
     with pytest.raises(ValueError, match="batch must be"):
-        report.measure_activation_peak(d, 0)
+        measure.measure_activation_peak(d, 0)
 
 
 # ------------------------------------------------------------------------------- encoder model
@@ -244,11 +245,9 @@ def test_encoder_builder_makes_a_runnable_model_with_the_declared_io(repo):
 def test_warm_up_calibration_measures_every_length_bucket(repo):
     """[memory] calibrate_at_warmup: the longest bucket sets the default factor, each shorter
     bucket gets its own (ONNX Runtime's excess over liveness grows with the length)."""
-    from edge_batcher.runtime import _calibrate
-
     mc = load_model_config(repo / "encoder")
     est = estimator_for(repo, "encoder")
-    _calibrate(mc, est)
+    calibration.calibrate_model(mc, est)
     size = mc.batching.preferred_batch_sizes[-1]
     factors = {seq_len: est.calibration_for(seq_len) for seq_len in mc.sequence.buckets}
     assert est.calibration == factors[128]

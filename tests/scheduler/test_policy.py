@@ -6,7 +6,7 @@ import pytest
 
 from edge_batcher.errors import Overloaded
 from edge_batcher.scheduler.policy import (
-    DEADLINE, DELAY, DRAIN, FULL, PolicySettings, cheapest_cover, decide,
+    DEADLINE, DELAY, DRAIN, FULL, Dispatch, PlanState, PolicySettings, Reject, Wait, cheapest_cover, decide,
 )  # fmt: skip
 from edge_batcher.scheduler.queues import ModelQueue, QueuedRequest
 from edge_batcher.scheduler.timing import ExecTimeModel
@@ -53,8 +53,8 @@ def drain_plans(queue, clock, settings=SETTINGS, times=None, fits=always_fits, d
     plans = []
     times = times or linear_times()
     while True:
-        d = decide(queue, clock.now, settings, times, fits, draining)
-        if d.plan is None:
+        d = decide(queue, clock.now, settings, times, fits, PlanState(draining=draining))
+        if not isinstance(d, Dispatch):
             return plans, d
         plans.append(d.plan)
 
@@ -66,7 +66,7 @@ def test_full_largest_size_dispatches_at_once():
     clock, q = FakeClock(), make_queue()
     push(q, clock, 8)
     d = decide(q, clock.now, SETTINGS, linear_times(), always_fits)
-    assert d.plan is not None
+    assert isinstance(d, Dispatch)
     assert (d.plan.size, d.plan.rows, d.plan.reason, d.plan.padding) == (8, 8, FULL, 0)
     assert len(q) == 0
 
@@ -135,13 +135,13 @@ def test_waits_for_the_queue_delay_then_dispatches():
     clock, q = FakeClock(), make_queue()
     push(q, clock, 3)
     d = decide(q, clock.now, SETTINGS, linear_times(), always_fits)
-    assert d.plan is None
+    assert isinstance(d, Wait)
     assert d.wake_at == pytest.approx(clock.now + 0.002)
     clock.advance(0.001)
-    assert decide(q, clock.now, SETTINGS, linear_times(), always_fits).plan is None
+    assert isinstance(decide(q, clock.now, SETTINGS, linear_times(), always_fits), Wait)
     clock.advance(0.001)
     d = decide(q, clock.now, SETTINGS, linear_times(), always_fits)
-    assert d.plan is not None and d.plan.reason == DELAY and d.plan.size == 4
+    assert isinstance(d, Dispatch) and d.plan.reason == DELAY and d.plan.size == 4
 
 
 def test_delay_counts_from_the_oldest_request():
@@ -150,10 +150,10 @@ def test_delay_counts_from_the_oldest_request():
     clock.advance(0.0015)
     push(q, clock, 1)
     d = decide(q, clock.now, SETTINGS, linear_times(), always_fits)
-    assert d.plan is None and d.wake_at == pytest.approx(100.002)
+    assert isinstance(d, Wait) and d.wake_at == pytest.approx(100.002)
     clock.advance(0.0005)
     d = decide(q, clock.now, SETTINGS, linear_times(), always_fits)
-    assert d.plan is not None and d.plan.rows == 2
+    assert isinstance(d, Dispatch) and d.plan.rows == 2
 
 
 def test_deadline_minus_execution_time_cuts_the_wait_short():
@@ -162,10 +162,10 @@ def test_deadline_minus_execution_time_cuts_the_wait_short():
     clock, q = FakeClock(), make_queue()
     push(q, clock, 1, timeout=0.010)  # deadline in 10 ms, run takes 4 ms: must go by +6 ms
     d = decide(q, clock.now, settings, times, always_fits)
-    assert d.plan is None and d.wake_at == pytest.approx(clock.now + 0.006)
+    assert isinstance(d, Wait) and d.wake_at == pytest.approx(clock.now + 0.006)
     clock.advance(0.006)
     d = decide(q, clock.now, settings, times, always_fits)
-    assert d.plan is not None and d.plan.reason == DEADLINE
+    assert isinstance(d, Dispatch) and d.plan.reason == DEADLINE
 
 
 def test_a_later_urgent_request_moves_the_wake_time_earlier():
@@ -290,8 +290,8 @@ def test_nothing_fits_rejects_instead_of_hanging():
     clock, q = FakeClock(), make_queue()
     reqs = push(q, clock, 2)
     d = decide(q, clock.now, SETTINGS, linear_times(), lambda size, seq: False)
-    assert d.plan is None and d.rejected == reqs
-    assert "no batch size" in d.reject_reason
+    assert isinstance(d, Reject) and d.requests == reqs
+    assert "no batch size" in d.reason
     assert len(q) == 0
 
 
@@ -306,7 +306,7 @@ def test_max_batch_size_caps_preferred_sizes():
 # ------------------------------------------------------------------ offload to a peer
 
 from edge_batcher.scheduler.policy import (  # noqa: E402
-    BACKLOG, DOES_NOT_FIT, NO_PEER, REMOTE_ONLY, OffloadView, oversized_target,
+    BACKLOG, DOES_NOT_FIT, NO_PEER, REMOTE_ONLY, OffloadView, sends_oversized_to_peer,
 )  # fmt: skip
 
 PEER = OffloadView(peer_available=True, peer_latency_s=0.005)
@@ -316,8 +316,8 @@ def test_remote_only_models_go_to_the_peer_at_once_unpadded():
     clock, q = FakeClock(), make_queue()
     push(q, clock, 3)
     d = decide(q, clock.now, SETTINGS, linear_times(), always_fits,
-               offload=OffloadView(peer_available=True, remote_only=True))
-    assert d.plan is not None
+               PlanState(offload=OffloadView(peer_available=True, remote_only=True)))
+    assert isinstance(d, Dispatch)
     assert (d.plan.target, d.plan.reason, d.plan.rows, d.plan.size) == ("peer", REMOTE_ONLY, 3, 3)
 
 
@@ -325,63 +325,63 @@ def test_remote_only_without_a_peer_is_rejected_with_its_reason():
     clock, q = FakeClock(), make_queue()
     reqs = push(q, clock, 2)
     d = decide(q, clock.now, SETTINGS, linear_times(), always_fits,
-               offload=OffloadView(peer_available=False, remote_only=True))
-    assert d.rejected == reqs and d.reject_kind == NO_PEER
+               PlanState(offload=OffloadView(peer_available=False, remote_only=True)))
+    assert isinstance(d, Reject) and d.requests == reqs and d.kind == NO_PEER
 
 
 def test_what_fits_nowhere_locally_goes_to_the_peer():
     clock, q = FakeClock(), make_queue()
     push(q, clock, 5)
-    d = decide(q, clock.now, SETTINGS, linear_times(), lambda size, seq: False, offload=PEER)
-    assert d.plan is not None and (d.plan.target, d.plan.reason, d.plan.rows) == ("peer", DOES_NOT_FIT, 5)
+    d = decide(q, clock.now, SETTINGS, linear_times(), lambda size, seq: False, PlanState(offload=PEER))
+    assert isinstance(d, Dispatch) and (d.plan.target, d.plan.reason, d.plan.rows) == ("peer", DOES_NOT_FIT, 5)
     # While local batches are in flight their memory comes back: wait instead.
     push(q, clock, 1)
-    d = decide(q, clock.now, SETTINGS, linear_times(), lambda size, seq: False, busy=True, offload=PEER)
-    assert d.plan is None and d.rejected is None
+    d = decide(q, clock.now, SETTINGS, linear_times(), lambda size, seq: False, PlanState(busy=True, offload=PEER))
+    assert isinstance(d, Wait)
 
 
 def test_a_backlog_that_would_miss_its_deadline_goes_to_the_peer():
     clock, q = FakeClock(), make_queue()
     push(q, clock, 8, timeout=0.050)
     # Local would start in 200 ms: too late for a 50 ms deadline; the peer answers in 5 ms.
-    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, busy=True, busy_s=0.200, offload=PEER)
-    assert d.plan is not None and (d.plan.target, d.plan.reason) == ("peer", BACKLOG)
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, PlanState(busy=True, busy_s=0.200, offload=PEER))
+    assert isinstance(d, Dispatch) and (d.plan.target, d.plan.reason) == ("peer", BACKLOG)
     # Same backlog, but the peer is slower than the deadline: stay local.
     push(q, clock, 8, timeout=0.050)
     slow_peer = OffloadView(peer_available=True, peer_latency_s=0.100)
-    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, busy=True, busy_s=0.200, offload=slow_peer)
-    assert d.plan is not None and d.plan.target == "local"
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, PlanState(busy=True, busy_s=0.200, offload=slow_peer))
+    assert isinstance(d, Dispatch) and d.plan.target == "local"
 
 
 def test_without_a_free_local_slot_only_peer_plans_are_made():
     clock, q = FakeClock(), make_queue()
     push(q, clock, 8, timeout=1.0)  # full, but no local slot and the deadline is far
-    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, busy=True, local_free=False,
-               busy_s=0.010, offload=PEER)
-    assert d.plan is None
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, PlanState(busy=True, local_free=False, busy_s=0.010, offload=PEER))
+    assert isinstance(d, Wait)
     # It looks again at half the time left (a busy engine's wait can grow), or earlier when
     # waiting any longer for a local slot would miss the deadline.
     assert d.wake_at == pytest.approx(clock.now + 0.5)
     push(q, clock, 1, timeout=0.012)
-    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, busy=True, local_free=False,
-               busy_s=0.010, offload=OffloadView(peer_available=True, peer_latency_s=0.5))
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits,
+               PlanState(busy=True, local_free=False, busy_s=0.010,
+                         offload=OffloadView(peer_available=True, peer_latency_s=0.5)))
     assert d.wake_at == pytest.approx(clock.now + 0.012 - linear_times().estimate(8) - 0.010)
-    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, busy=True, local_free=False)
-    assert d.plan is None and d.wake_at is None  # no peer: the runner wakes it when a slot frees
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, PlanState(busy=True, local_free=False))
+    assert isinstance(d, Wait) and d.wake_at is None  # no peer: the runner wakes it when a slot frees
 
 
 def test_requests_whose_offload_failed_are_retried_locally_not_sent_back():
     clock, q = FakeClock(), make_queue()
     for r in push(q, clock, 8, timeout=0.050):
         r.local_only = True
-    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, busy=True, busy_s=0.200, offload=PEER)
-    assert d.plan is not None and d.plan.target == "local"
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, PlanState(busy=True, busy_s=0.200, offload=PEER))
+    assert isinstance(d, Dispatch) and d.plan.target == "local"
 
 
 def test_requests_larger_than_the_local_engine():
-    assert oversized_target(12, SETTINGS, PEER) == "peer"
-    assert oversized_target(12, SETTINGS, OffloadView(peer_available=False)) == "reject"
-    assert oversized_target(100, SETTINGS, PEER) == "reject"  # beyond what one peer request carries
+    assert sends_oversized_to_peer(12, SETTINGS, PEER)
+    assert not sends_oversized_to_peer(12, SETTINGS, OffloadView(peer_available=False))
+    assert not sends_oversized_to_peer(100, SETTINGS, PEER)  # beyond what one peer request carries
 
 
 def test_a_multi_row_head_request_is_never_left_behind_by_a_smaller_cover():
@@ -400,3 +400,63 @@ def test_extrapolated_times_stay_positive_and_ordered():
     times = ExecTimeModel()
     times.observe(4, 0.0001)
     assert 0 < times.estimate(2) < times.estimate(4) < times.estimate(8)
+
+
+# ------------------------------------------------------------------ the runner's rules, as pure functions
+
+from edge_batcher.scheduler.policy import (  # noqa: E402
+    OOM_SPLIT, TOO_LARGE, Reason, Target, capped_after_oom, decision_may_change, oom_split, retries_locally,
+)
+
+
+def test_reasons_and_targets_keep_their_string_values():
+    assert [str(r) for r in (FULL, DELAY, DEADLINE, DRAIN, OOM_SPLIT)] == ["full", "delay", "deadline", "drain", "oom_split"]
+    assert f"{Reason.REMOTE_ONLY}/ok" == "remote_only/ok" and Target.PEER == "peer"
+
+
+def test_an_arrival_that_fills_its_bucket_or_falls_due_first_changes_the_plan():
+    clock = FakeClock()
+    (r,) = push(make_queue(), clock, timeout=1.0)
+    times = linear_times()
+    rule = dict(slot_free=True, has_peer=False)
+    assert decision_may_change(r, 8, SETTINGS, times, timer_at=clock.now + 0.5, **rule)  # full
+    assert decision_may_change(r, 1, SETTINGS, times, timer_at=None, **rule)  # no timer set
+    # Due by its queue delay (2 ms) before a timer at 5 ms, not before one at 1 ms.
+    assert decision_may_change(r, 1, SETTINGS, times, timer_at=clock.now + 0.005, **rule)
+    assert not decision_may_change(r, 1, SETTINGS, times, timer_at=clock.now + 0.001, **rule)
+    # No free slot and no peer: only its expiry can matter.
+    assert not decision_may_change(r, 8, SETTINGS, times, slot_free=False, has_peer=False, timer_at=clock.now + 0.5)
+    assert decision_may_change(r, 8, SETTINGS, times, slot_free=False, has_peer=False, timer_at=clock.now + 2.0)
+
+
+def test_a_batch_out_of_memory_splits_in_halves_at_smaller_sizes():
+    clock = FakeClock()
+    reqs = push(make_queue(), clock, 8)
+    parts, failed = oom_split(reqs, 8, (2, 4, 8))
+    assert failed == [] and [(p, rows, size) for p, rows, size in parts] == [(reqs[:4], 4, 4), (reqs[4:], 4, 4)]
+    # Five rows: halves of 3 and 2 rows run at 4 and 2.
+    parts, _ = oom_split(reqs[:5], 8, (2, 4, 8))
+    assert [(rows, size) for _, rows, size in parts] == [(3, 4), (2, 2)]
+
+
+def test_what_cannot_get_smaller_after_out_of_memory_fails():
+    clock = FakeClock()
+    (one,) = push(make_queue(), clock, rows=4)
+    assert oom_split([one], 4, (2, 4)) == ([], [one])
+    big = push(make_queue(), clock, 2, rows=4)  # two 4-row requests: each half still needs 4
+    parts, failed = oom_split(big, 4, (2, 4))
+    assert parts == [] and failed == big
+
+
+def test_a_failed_offload_retries_locally_only_when_it_may_and_has_time():
+    times = linear_times()
+    assert retries_locally(BACKLOG, 0.5, times, SETTINGS)
+    assert not retries_locally(BACKLOG, times.estimate(2) / 2, times, SETTINGS)  # no time left
+    assert not retries_locally(REMOTE_ONLY, 0.5, times, SETTINGS)
+    assert not retries_locally(TOO_LARGE, 0.5, times, SETTINGS)
+
+
+def test_warm_up_out_of_memory_caps_the_sizes_below_it():
+    capped = capped_after_oom(SETTINGS, 8)
+    assert capped is not None and (capped.max_batch_size, capped.preferred_batch_sizes) == (4, (2, 4, 8))
+    assert capped_after_oom(SETTINGS, 2) is None

@@ -57,7 +57,7 @@ class PeerPort:
         return policy.OffloadView(peer_available=self.available, peer_latency_s=self.latency_s,
                                   remote_only=self.remote_only)
 
-    async def infer(self, model, inputs, timeout_s):
+    async def infer(self, model, inputs, timeout_s, *, conform_to=None):
         self.calls.append(inputs["x"].shape[0])
         if self.fail:
             raise Unavailable("peer is down")
@@ -248,7 +248,7 @@ async def test_a_failure_while_answering_a_batch_answers_its_requests_with_an_er
 
 async def test_drain_returns_as_soon_as_the_offloads_in_flight_are_answered():
     class SlowPeer(PeerPort):
-        async def infer(self, model, inputs, timeout_s):
+        async def infer(self, model, inputs, timeout_s, *, conform_to=None):
             await asyncio.sleep(0.2)
             return await super().infer(model, inputs, timeout_s)
 

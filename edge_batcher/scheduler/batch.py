@@ -1,0 +1,85 @@
+"""Batch assembly and slicing as pure numpy functions: requests' tensors into one padded batch,
+the engine's outputs back into one slice per request.
+
+Runs on an engine instance's worker thread (scheduler/worker.py); nothing here touches the
+event loop, the queue or the engine. Strict sizes (scheduler/policy.py) mean a batch is padded
+up to the size the engine was built and warmed for: padding rows copy the last real row,
+always a valid input; a sequence input is padded on its sequence axis to the bucket length.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from ..errors import EngineError
+from ..types import DATATYPE_TO_NUMPY, TensorSpec
+
+
+def stack(parts: Sequence[np.ndarray], size: int, seq_axis: int | None, bucket: int, pad_value: float) -> np.ndarray:
+    """One batch tensor of `size` rows: the parts, padded on the sequence axis to the bucket,
+    then padding rows (copies of the last real row: always a valid input) up to size."""
+    if seq_axis is None:
+        rows = sum(part.shape[0] for part in parts)
+        if rows < size:
+            parts = [*parts, np.repeat(parts[-1][-1:], size - rows, axis=0)]
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+    first = parts[0]
+    shape = list(first.shape)
+    shape[seq_axis] = bucket
+    shape[0] = size
+    out = np.empty(shape, dtype=first.dtype)
+    out.fill(pad_value if first.dtype != object else b"")
+    row = 0
+    for part in parts:
+        n = part.shape[0]
+        index = [slice(row, row + n)] + [slice(None)] * (part.ndim - 1)
+        index[seq_axis] = slice(0, part.shape[seq_axis])
+        out[tuple(index)] = part
+        row += n
+    if row < size:
+        out[row:] = out[row - 1]
+    return out
+
+
+def zeros(spec: TensorSpec, size: int, seq_axis: int | None, bucket: int) -> np.ndarray:
+    """A batch of `size` zero rows for `spec` (warm-up): dynamic dimensions of 1, the sequence
+    axis at the bucket length."""
+    shape = [size] + [(bucket if axis == seq_axis else (d if d > 0 else 1)) for axis, d in enumerate(spec.shape) if axis > 0]
+    dtype = DATATYPE_TO_NUMPY[spec.datatype]
+    if dtype == object:
+        return np.full(shape, b"", dtype=object)
+    return np.zeros(shape, dtype=dtype)
+
+
+def split_rows(outputs: Mapping[str, np.ndarray], rows: Sequence[int | None]) -> list[dict[str, np.ndarray] | None]:
+    """The outputs of one batch cut into one dict per request, in batch order. A request with
+    None rows took no place in the batch (it expired before the run) and gets None."""
+    named = list(outputs.items())
+    results: list[dict[str, np.ndarray] | None] = []
+    offset = 0
+    for n in rows:
+        if n is None:
+            results.append(None)
+            continue
+        end = offset + n
+        results.append({name: value[offset:end] for name, value in named})
+        offset = end
+    return results
+
+
+def check_outputs(outputs: Mapping[str, object], names: Sequence[str], rows: int, model: str) -> None:
+    """An engine (a user's own backend, say) that returns too little must fail its batch with a
+    clear error, not hand out empty slices or leave requests unanswered."""
+    for name in names:
+        value = outputs.get(name)
+        if value is None:
+            raise EngineError(
+                f"model {model!r}: the engine returned no output {name!r} (it returned {', '.join(map(repr, outputs)) or 'none'})"
+            )
+        if getattr(value, "ndim", 0) == 0 or value.shape[0] < rows:  # type: ignore[attr-defined]
+            raise EngineError(
+                f"model {model!r}: the engine's output {name!r} has shape {list(getattr(value, 'shape', ()))}, "
+                f"fewer than the batch's {rows} rows"
+            )

@@ -1,0 +1,137 @@
+"""Input checks of one model: a request's tensors against the model's inputs, before it queues.
+
+`RequestValidator` is built once per model from its input specs and [sequence] settings; on the
+event loop it checks each request's names, datatypes, ranks, fixed dimensions, batch dimension
+and sequence length, and maps a length to its bucket. Every failure is an InvalidInput naming
+the input and what the model expects (the transports answer it as a 400).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..config import SequenceSettings
+from ..errors import InvalidInput
+from ..types import DATATYPE_TO_NUMPY, InferRequest, TensorSpec
+
+
+@dataclass(frozen=True, slots=True)
+class InputCheck:
+    """What one model input requires of a request's tensor."""
+
+    spec: TensorSpec
+    dtype: np.dtype
+    rank: int
+    seq_axis: int | None  # the sequence axis of a [sequence] input, else None
+    fixed: tuple[tuple[int, int], ...]  # (axis, size) that must match exactly
+
+
+class RequestValidator:
+    def __init__(self, model: str, inputs: list[TensorSpec], outputs: list[TensorSpec],
+                 sequence: SequenceSettings | None) -> None:
+        self.model = model
+        self.sequence = sequence
+        self._input_names = [spec.name for spec in inputs]
+        self._output_names = [spec.name for spec in outputs]
+        self.checks = [self._check_of(spec) for spec in inputs]
+
+    def seq_axis(self, name: str) -> int | None:
+        seq = self.sequence
+        return seq.axis if seq is not None and name in seq.inputs else None
+
+    def _check_of(self, spec: TensorSpec) -> InputCheck:
+        seq_axis = self.seq_axis(spec.name)
+        fixed = tuple((axis, d) for axis, d in enumerate(spec.shape) if axis > 0 and d != -1 and axis != seq_axis)
+        return InputCheck(spec, DATATYPE_TO_NUMPY[spec.datatype], len(spec.shape), seq_axis, fixed)
+
+    def validate(self, request: InferRequest, *, check_length: bool = True) -> tuple[dict[str, np.ndarray], int, int]:
+        """(inputs, rows, sequence length) of a valid request; raises InvalidInput otherwise.
+        check_length=False leaves the length to be checked after the engine's prepare hook."""
+        given = request.inputs
+        model = self.model
+        if request.outputs is not None:
+            for name in request.outputs:
+                if name not in self._output_names:
+                    raise InvalidInput(
+                        f"model {model!r} has no output {name!r}; its outputs are {', '.join(self._output_names)}"
+                    )
+        rows = None
+        seq_len = 0
+        inputs = {}
+        for check in self.checks:
+            spec = check.spec
+            name = spec.name
+            array = given.get(name)
+            if array is None:
+                self._check_input_names(given)  # a misspelt name explains a missing input best
+                raise InvalidInput(f"missing input {name!r} for model {model!r}")
+            dtype = check.dtype
+            if array.dtype != dtype and not (dtype == object and array.dtype.kind in "OSU"):
+                got = "BYTES" if array.dtype.kind in "OSU" else v2_name(array.dtype)
+                raise InvalidInput(f"input {name!r}: datatype {got}, model {model!r} expects {spec.datatype}")
+            shape = array.shape
+            if len(shape) != check.rank:
+                raise InvalidInput(
+                    f"input {name!r}: shape {list(shape)} has {len(shape)} dimensions, "
+                    f"model {model!r} expects {check.rank} like {shape_text(spec.shape)}"
+                )
+            for axis, want in check.fixed:
+                if shape[axis] != want:
+                    raise InvalidInput(
+                        f"input {name!r}: shape {list(shape)} does not match {shape_text(spec.shape)} "
+                        f"(dimension {axis} must be {want})"
+                    )
+            if rows is None:
+                rows = shape[0]
+            elif shape[0] != rows:
+                raise InvalidInput(f"inputs disagree on the batch dimension: {name!r} has {shape[0]} rows, others {rows}")
+            if check.seq_axis is not None:
+                length = shape[check.seq_axis]
+                if seq_len and length != seq_len:
+                    raise InvalidInput(f"sequence inputs disagree on length: {name!r} has {length}, others {seq_len}")
+                seq_len = length
+            inputs[name] = array
+        if len(given) != len(inputs):
+            self._check_input_names(given)
+        if not rows:
+            raise InvalidInput("inputs have 0 rows: nothing to infer")
+        if check_length:
+            self.check_seq_len(seq_len)
+        return inputs, rows, seq_len
+
+    def _check_input_names(self, given: dict) -> None:
+        for given_name in given:
+            if given_name not in self._input_names:
+                raise InvalidInput(
+                    f"model {self.model!r} has no input {given_name!r}; its inputs are {', '.join(self._input_names)}"
+                )
+
+    def check_seq_len(self, seq_len: int) -> None:
+        if self.sequence is not None:
+            longest = self.sequence.buckets[-1]
+            if seq_len == 0 or seq_len > longest:
+                raise InvalidInput(
+                    f"sequence length {seq_len} is outside 1..{longest} (the largest bucket) of model {self.model!r}"
+                )
+
+    def bucket(self, seq_len: int) -> int:
+        """The length bucket a (checked) sequence length batches in; 0 without [sequence]."""
+        if self.sequence is None:
+            return 0
+        for boundary in self.sequence.buckets:
+            if seq_len <= boundary:
+                return boundary
+        raise AssertionError("check_seq_len rejects lengths beyond the largest bucket")
+
+
+def v2_name(dtype: np.dtype) -> str:
+    for name, d in DATATYPE_TO_NUMPY.items():
+        if d == dtype:
+            return name
+    return str(dtype)
+
+
+def shape_text(shape: tuple[int, ...]) -> str:
+    return "[" + ", ".join("batch" if i == 0 else ("-1" if d < 0 else str(d)) for i, d in enumerate(shape)) + "]"

@@ -1,0 +1,43 @@
+"""The interface of everything the runtime's model table holds and the transports call.
+
+A servable is a model as the transports see it: a ModelRunner (scheduler/runner.py, one engine
+model with its queue and batches), a service (rag/pipeline.py's RagService, rag/generate.py's
+GenerationService: models that are not one engine). All run on the event loop. Services that
+stream also have `stream(request)` (an async iterator of InferResponse chunks).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Protocol
+
+from .config import ModelConfig
+from .types import InferRequest, InferResponse, TensorSpec
+
+
+class Servable(Protocol):
+    name: str
+    config: ModelConfig
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    # Bytes of the memory budget its weights hold while loaded (given back when unloaded).
+    resident_bytes: int
+
+    async def start(self) -> None:
+        """Start serving (on the event loop, after a blocking load)."""
+
+    def infer(self, request: InferRequest) -> Awaitable[InferResponse]:
+        """`await servable.infer(request)` -> InferResponse, or an EdgeBatcherError."""
+        ...
+
+    def refuse_if_full(self) -> None:
+        """Raise Overloaded before a transport reads a request's body, when it would be refused."""
+
+    def statistics(self) -> dict[str, Any]:
+        """Triton's statistics-extension shape for GET /v2/models/{m}/stats."""
+        ...
+
+    async def drain(self, timeout: float) -> None:
+        """Stop taking requests; answer what is queued and in flight within `timeout` seconds."""
+
+    async def close(self) -> None:
+        """Answer what is left with an error and free the model."""
