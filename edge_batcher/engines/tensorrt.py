@@ -1,321 +1,30 @@
-"""TensorRT backend: runs a serialized plan (model.plan) built for this device's GPU or DLA.
-
-Why it looks the way it does:
-
-* A plan only loads with the exact TensorRT version and GPU it was built with. Deserialization
-  failure is therefore a configuration problem with a known fix (rebuild on the device), and
-  the error says so, with the rebuild command and both versions where they are known.
-* One execution context per engine object; the runner creates one engine object per instance
-  and calls infer() from that instance's single worker thread, so nothing here is shared
-  between threads. load() and close() run on other threads than infer(): every method that
-  touches CUDA makes the device's primary context current for its duration (the context the
-  CUDA runtime and TensorRT use), instead of relying on whatever thread state is left over.
-* All memory is allocated once in load(): TensorRT's activation memory (USER_MANAGED, sized
-  by the largest get_device_memory_size_for_profile_v2), and one device + one page-locked host
-  buffer per I/O tensor, sized for the largest profile and shared by all profiles (one context
-  runs one batch at a time). A batch allocates nothing, so a loaded engine cannot run out of
-  memory halfway through serving, and memory_footprint() is exact rather than estimated.
-* The batcher pads batches to the preferred sizes, and the plan has an optimization profile
-  per preferred size (tools/build_engine.py), so each batch runs with kernels tuned for its
-  exact shape. FP16/INT8 plans need nothing here: the I/O datatypes come from the engine.
-* TensorRT 10.x (what JetPack ships) and 11.x (pip on desktop GPUs) both load: the runtime
-  calls used here exist in both, and where they differ (the v1/v2 device-memory queries,
-  context.device_memory vs set_device_memory) the code asks the object what it has instead of
-  comparing version numbers. tensorrt_capabilities() does the same for the builder's side.
-* CUDA goes through engines/cuda_api.py: cuda-python when installed, else pycuda.
-
-`tensorrt` and the CUDA binding are imported in load(), never at import time, so a device
-without them can still import this module (the registry's lazy backends). Tests pass
-tests/fakes/fake_tensorrt.py's FakeTensorRT and a fake binding (FakeCuda for pycuda,
-FakeCudaDriver for cuda-python) through the constructor.
+"""TensorRT backend: TensorRTEngine runs a serialized plan (model.plan) built on this device for
+its GPU or DLA, one execution context per instance, all device memory allocated at load so a
+batch allocates nothing. load() and close() run on other threads than infer(), so every call
+makes the device's primary CUDA context current for its duration. `tensorrt` and the CUDA
+binding are imported in load() (trt_api.py), never at import time; tests pass FakeTensorRT and a
+fake binding (tests/fakes/) through the constructor. docs/tensorrt.md explains the design.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import shlex
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..config import ModelConfig, build_dataclass
+from ..config import ModelConfig
 from ..errors import ConfigError, EngineError, OutOfMemory
 from ..types import DATATYPE_TO_NUMPY, TensorSpec
 from . import trt_profiles as tp
 from .base import apply_overrides
-from .cuda_api import CudaApi, DeviceBuffer, HostBuffer, cuda_api_from, load_cuda_api
+from .cuda_api import CudaApi, DeviceBuffer, HostBuffer
+from .trt_api import TensorRTCapabilities, import_tensorrt, make_logger
+from .trt_api import tensorrt_capabilities  # noqa: F401 - re-exported: tools/jetson_selftest.py imports it here
+from .trt_settings import TensorRTSettings, plan_info_path, read_plan_info, rebuild_command, tensorrt_settings
 
 log = logging.getLogger(__name__)
-
-PRECISIONS = ("fp32", "fp16", "int8")
-INSTALL_HINT = (
-    "on a Jetson, TensorRT and its Python bindings come with JetPack (apt install nvidia-jetpack / "
-    "python3-libnvinfer): use a venv made with --system-site-packages and pip install 'edge-batcher[jetpack6]' "
-    "(or [jetpack7]) for cuda-python; on a desktop GPU: pip install 'edge-batcher[tensorrt]' (TensorRT 10, CUDA 12) "
-    "or 'edge-batcher[tensorrt-cu13]' (newest TensorRT, CUDA 13 driver); docs/tensorrt.md"
-)
-# The TensorRT generations this code was written and tested (against fakes) for.
-KNOWN_MAJORS = (10, 11)
-
-
-# --------------------------------------------------------------------------- settings
-
-
-@dataclass
-class TensorRTSettings:
-    """[tensorrt] in model.toml: how the TensorRT backend runs the plan, and how it was built.
-
-    build-engine writes the build fields, so a plan from another TensorRT version can be rebuilt
-    with the same options (the load error prints that command).
-    """
-
-    device: int = 0  # CUDA device index (Jetsons have one: 0)
-    dla_core: int = -1  # >= 0: run on this DLA core (plan built for DLA; Orin NX / AGX Orin only)
-    # How model.plan was built (written by build-engine, used for the rebuild command):
-    onnx: str = ""  # source ONNX model, relative to the model directory or absolute
-    precision: str = "fp32"  # fp32 | fp16 | int8
-    profiles: str = "per_size"  # per_size (one profile per preferred size) | range (one 1..max profile)
-    workspace_mb: int = 0  # builder workspace limit; 0: TensorRT's default
-    calibration_cache: str = ""  # INT8 calibration cache file (int8 without Q/DQ nodes)
-    timing_cache: str = ""  # timing cache file loaded and saved by the builder
-    gpu_fallback: bool = True  # with dla_core: layers DLA cannot run go to the GPU
-
-
-def validate_tensorrt_settings(s: Any, where: str) -> None:
-    """Checks for [tensorrt]; config.py's _validate_model can call this (errors name the key)."""
-    if s.device < 0:
-        raise ConfigError(f"{where}: [tensorrt] device: expected >= 0, got {s.device}")
-    if s.dla_core < -1:
-        raise ConfigError(f"{where}: [tensorrt] dla_core: expected -1 (GPU) or a DLA core >= 0, got {s.dla_core}")
-    if s.precision not in PRECISIONS:
-        raise ConfigError(f"{where}: [tensorrt] precision: expected one of {', '.join(PRECISIONS)}, got {s.precision!r}")
-    if s.profiles not in tp.PROFILE_MODES:
-        raise ConfigError(
-            f"{where}: [tensorrt] profiles: expected one of {', '.join(tp.PROFILE_MODES)}, got {s.profiles!r}"
-        )
-    if s.dla_core >= 0 and s.precision == "fp32":
-        raise ConfigError(f"{where}: [tensorrt] dla_core {s.dla_core} needs precision fp16 or int8 (DLA has no FP32)")
-    if s.dla_core >= 0 and s.profiles != "per_size":
-        raise ConfigError(f"{where}: [tensorrt] dla_core needs profiles = \"per_size\" (DLA has no dynamic shapes)")
-    if s.workspace_mb < 0:
-        raise ConfigError(f"{where}: [tensorrt] workspace_mb: expected >= 0, got {s.workspace_mb}")
-
-
-def tensorrt_settings(config: ModelConfig) -> TensorRTSettings:
-    """The model's [tensorrt] table as TensorRTSettings, validated (errors name file and key).
-
-    config.py keeps backend tables as written (a dict); this backend owns their meaning.
-    """
-    raw = getattr(config, "tensorrt", None)
-    if isinstance(raw, TensorRTSettings):
-        return raw
-    where = str(config.directory / "model.toml")
-    settings = build_dataclass(TensorRTSettings, dict(raw or {}), f"{where}: [tensorrt]")
-    validate_tensorrt_settings(settings, where)
-    return settings
-
-
-# --------------------------------------------------------------------------- plan metadata
-
-
-def plan_info_path(plan: Path) -> Path:
-    """The build record next to a plan: model.plan -> model.plan.json (written by build-engine)."""
-    return plan.with_name(plan.name + ".json")
-
-
-def read_plan_info(plan: Path) -> dict[str, Any] | None:
-    """The build record of a plan, or None when there is none or it is unreadable.
-
-    TensorRT keeps its own version inside the plan in a format it does not document, so the
-    version a plan was built with is known only from this record.
-    """
-    try:
-        info = json.loads(plan_info_path(plan).read_text())
-    except (OSError, ValueError):
-        return None
-    return info if isinstance(info, dict) else None
-
-
-def rebuild_command(config: ModelConfig, settings: TensorRTSettings | None = None,
-                    capabilities: "TensorRTCapabilities | None" = None) -> str:
-    """The build-engine command line that rebuilds this model's plan with the same options, as far
-    as the installed TensorRT (`capabilities`, when known) can build them: without INT8
-    calibration (TensorRT 11) an INT8 calibration-cache build needs a Q/DQ model instead, and
-    the command says so rather than repeat an option that build-engine would refuse."""
-    s = settings or tensorrt_settings(config)
-    calibration = bool(s.calibration_cache) and (capabilities is None or capabilities.int8_calibration)
-    onnx = s.onnx or "<model.onnx>"
-    if s.onnx and not Path(s.onnx).is_absolute():
-        onnx = str(config.directory / s.onnx)
-    args = [onnx, "--repository", str(config.directory.parent), "--model", config.name,
-            "--sizes", ",".join(str(n) for n in config.batching.preferred_batch_sizes)]
-    if s.profiles == "range":
-        args.append("--range")
-    if s.precision != "fp32":
-        args.append(f"--{s.precision}")
-    if calibration:
-        args += ["--calibration-cache", s.calibration_cache]
-    if s.dla_core >= 0:
-        args += ["--dla-core", str(s.dla_core)]
-        if not s.gpu_fallback:
-            args.append("--no-gpu-fallback")
-    if s.workspace_mb:
-        args += ["--workspace-mb", str(s.workspace_mb)]
-    if s.timing_cache:
-        args += ["--timing-cache", s.timing_cache]
-    args.append("--force")
-    command = "edge-batcher build-engine " + shlex.join(args)
-    if s.calibration_cache and not calibration:
-        command += (f" (TensorRT {capabilities.version} has no INT8 calibration, so {s.calibration_cache} cannot be "
-                    f"used: replace {onnx} with a Q/DQ-quantized ONNX model, e.g. from NVIDIA ModelOpt: python -m "
-                    "modelopt.onnx.quantization --onnx_path MODEL --quantize_mode int8 --calibration_data DATA.npy)")
-    return command
-
-
-# --------------------------------------------------------------------------- module loading
-
-
-def import_tensorrt_module() -> Any:
-    """`import tensorrt`, refusing anything that is not TensorRT's Python package.
-
-    A directory named tensorrt on sys.path (this project's tests/trt, when tests/ is on the
-    path) imports as an empty namespace package; treat that as "not installed".
-    """
-    import tensorrt  # noqa: PLC0415 - lazily, see the module docstring
-
-    if not hasattr(tensorrt, "Runtime"):
-        where = list(getattr(tensorrt, "__path__", [])) or getattr(tensorrt, "__file__", "?")
-        raise ImportError(f"the module named tensorrt found at {where} is not TensorRT's Python package")
-    return tensorrt
-
-
-@dataclass(frozen=True)
-class TensorRTCapabilities:
-    """What the installed TensorRT's Python API offers, found by looking (hasattr), not by version.
-
-    precision_flags:     BuilderFlag.FP16/INT8 exist (weak typing: TensorRT 10.x). Without them
-                         (11.x) every network is strongly typed: precision comes from the model.
-    int8_calibration:    the INT8 calibrator API exists (IInt8EntropyCalibrator2; 10.x only).
-    strongly_typed_flag: NetworkDefinitionCreationFlag.STRONGLY_TYPED exists.
-    explicit_batch_flag: NetworkDefinitionCreationFlag.EXPLICIT_BATCH exists (deprecated in 10, gone in 11).
-    """
-
-    version: str
-    precision_flags: bool
-    int8_calibration: bool
-    strongly_typed_flag: bool
-    explicit_batch_flag: bool
-
-    @property
-    def major(self) -> int:
-        return _major(self.version)
-
-    @property
-    def strongly_typed_only(self) -> bool:
-        return not self.precision_flags
-
-    def describe(self) -> str:
-        if self.precision_flags:
-            precision = "FP16/INT8 builder flags" + (", INT8 calibration" if self.int8_calibration else "")
-        else:
-            precision = "strongly typed networks only (precision from the ONNX model: FP16 tensors, Q/DQ nodes)"
-        return f"TensorRT {self.version}: {precision}"
-
-
-def tensorrt_capabilities(trt: Any) -> TensorRTCapabilities:
-    flags = getattr(trt, "BuilderFlag", None)
-    network_flags = getattr(trt, "NetworkDefinitionCreationFlag", None)
-    return TensorRTCapabilities(
-        version=str(getattr(trt, "__version__", "?")),
-        precision_flags=hasattr(flags, "FP16") and hasattr(flags, "INT8"),
-        int8_calibration=hasattr(trt, "IInt8EntropyCalibrator2"),
-        strongly_typed_flag=hasattr(network_flags, "STRONGLY_TYPED"),
-        explicit_batch_flag=hasattr(network_flags, "EXPLICIT_BATCH"),
-    )
-
-
-# What the backend needs at module level; the per-object calls are feature-detected where used.
-REQUIRED_NAMES = ("Runtime", "ILogger", "TensorIOMode", "ExecutionContextAllocationStrategy")
-
-
-@dataclass(frozen=True)
-class TensorRTModules:
-    """import_tensorrt()'s answer: the tensorrt module, the CUDA binding, what TensorRT can do."""
-
-    trt: Any
-    cuda: CudaApi
-    capabilities: TensorRTCapabilities
-
-    def describe(self) -> str:
-        return f"{self.capabilities.describe()}; CUDA binding {self.cuda.describe()}"
-
-
-def import_tensorrt(trt_module: Any = None, cuda_module: Any = None) -> TensorRTModules:
-    """tensorrt, a CUDA binding (cuda-python preferred, else pycuda) and TensorRT's capabilities:
-    the given ones or the installed ones. ConfigError when one is missing, TensorRT is older
-    than 10, or it lacks a name the backend needs."""
-    trt = trt_module
-    try:
-        if trt is None:
-            trt = import_tensorrt_module()
-        cuda = load_cuda_api() if cuda_module is None else cuda_api_from(cuda_module)
-    except ImportError as exc:
-        raise ConfigError(f"the tensorrt backend needs TensorRT and a CUDA Python binding ({exc}); {INSTALL_HINT}") from exc
-    caps = tensorrt_capabilities(trt)
-    if caps.major < 10:
-        raise ConfigError(
-            f"the tensorrt backend needs TensorRT >= 10 (JetPack 6.1 or newer); this device has TensorRT {caps.version}. "
-            "Use the onnxruntime backend with the TensorrtExecutionProvider there (docs/tensorrt.md)"
-        )
-    missing = [name for name in REQUIRED_NAMES if not hasattr(trt, name)]
-    if missing:
-        raise ConfigError(f"TensorRT {caps.version} lacks {', '.join(missing)}, which the tensorrt backend needs "
-                          f"(it knows TensorRT {' and '.join(f'{m}.x' for m in KNOWN_MAJORS)})")
-    if caps.major not in KNOWN_MAJORS:
-        log.warning("TensorRT %s is newer than the %s.x this backend was written for; continuing, features are "
-                    "detected as used", caps.version, KNOWN_MAJORS[-1])
-    modules = TensorRTModules(trt, cuda, caps)
-    log.info("tensorrt backend: %s", modules.describe())
-    return modules
-
-
-def _major(version: str) -> int:
-    try:
-        return int(version.split(".")[0])
-    except ValueError:
-        return 0
-
-
-def make_logger(trt: Any) -> Any:
-    """A tensorrt.ILogger that forwards to Python logging and remembers the recent errors,
-    so a failed TensorRT call can be reported with TensorRT's own words."""
-
-    severity = trt.ILogger.Severity
-    errors = (severity.INTERNAL_ERROR, severity.ERROR)
-    levels = {severity.INTERNAL_ERROR: logging.CRITICAL, severity.ERROR: logging.ERROR,
-              severity.WARNING: logging.WARNING, severity.INFO: logging.DEBUG, severity.VERBOSE: logging.DEBUG}
-
-    class CapturingLogger(trt.ILogger):
-        def __init__(self) -> None:
-            trt.ILogger.__init__(self)
-            self.errors: list[str] = []
-
-        def log(self, sev: Any, msg: str) -> None:
-            if sev in errors:
-                self.errors.append(str(msg))
-                del self.errors[:-20]
-            if sev != severity.VERBOSE:
-                log.log(levels.get(sev, logging.INFO), "TensorRT: %s", msg)
-
-        def take(self) -> str:
-            """The errors logged since the last take(), joined; '' when none."""
-            text, self.errors = "; ".join(self.errors), []
-            return text
-
-    return CapturingLogger()
 
 
 def datatype_of_trt(dtype: Any) -> str | None:
@@ -420,9 +129,26 @@ class TensorRTEngine:
         )
 
     def _load(self, plan: bytes) -> None:
-        c, trt, cuda, s = self.config, self._trt, self._cuda, self.settings
-        self._logger = make_logger(trt)
-        self._runtime = trt.Runtime(self._logger)
+        """Everything load() does with the primary context current, step by step; whatever it
+        allocated before a failure is freed by the caller (_release)."""
+        engine = self._deserialize(plan)
+        specs_in, specs_out, datatypes = self._read_io_tensors(engine)
+        self._read_profiles(engine, specs_in)
+        self.inputs = apply_overrides(specs_in, self.config.inputs, "input", self.config.name)
+        self.outputs = apply_overrides(specs_out, self.config.outputs, "output", self.config.name)
+        # Memory, all of it now: TensorRT's activations, then the I/O buffers.
+        self._weights = self._weights_bytes(len(plan))
+        self._activations = [self._activation_bytes(p) for p in range(len(self.profiles))]
+        self._create_context(engine)
+        self._io_per_profile = [self._io_bytes_at_max(profile, datatypes) for profile in self.profiles]
+        self._stream.synchronize()
+        self._allocate_buffers(datatypes)
+
+    def _deserialize(self, plan: bytes) -> Any:
+        """A runtime (on the configured DLA core, if any) and the plan deserialized by it."""
+        c, s = self.config, self.settings
+        self._logger = make_logger(self._trt)
+        self._runtime = self._trt.Runtime(self._logger)
         if s.dla_core >= 0:
             cores = int(getattr(self._runtime, "num_DLA_cores", 0))
             if s.dla_core >= cores:
@@ -439,9 +165,14 @@ class TensorRTEngine:
         if engine is None:
             raise ConfigError(self._mismatch_message(self._logger.take()))
         self._engine = engine
+        return engine
 
-        # I/O tensors: names, modes, datatypes, shapes (-1 = dynamic) from the engine itself.
-        specs_in, specs_out, datatypes = [], [], {}
+    def _read_io_tensors(self, engine: Any) -> tuple[list[TensorSpec], list[TensorSpec], dict[str, str]]:
+        """Input and output specs and each tensor's v2 datatype, from the engine itself (-1 = dynamic)."""
+        c, trt = self.config, self._trt
+        specs_in: list[TensorSpec] = []
+        specs_out: list[TensorSpec] = []
+        datatypes: dict[str, str] = {}
         for i in range(engine.num_io_tensors):
             name = engine.get_tensor_name(i)
             mode = engine.get_tensor_mode(name)
@@ -461,8 +192,12 @@ class TensorRTEngine:
             (specs_in if mode == trt.TensorIOMode.INPUT else specs_out).append(spec)
         self._input_names = [sp.name for sp in specs_in]
         self._output_names = [sp.name for sp in specs_out]
+        return specs_in, specs_out, datatypes
 
-        # Profiles as the plan has them, and whether they serve every preferred size / bucket.
+    def _read_profiles(self, engine: Any, specs_in: list[TensorSpec]) -> None:
+        """The plan's optimization profiles; ConfigError unless they serve every preferred size
+        (and sequence bucket)."""
+        c = self.config
         self.profiles = []
         static = {sp.name: sp.shape for sp in specs_in}
         for p in range(max(1, engine.num_optimization_profiles)):
@@ -485,50 +220,51 @@ class TensorRTEngine:
                 f"of [batching] preferred_batch_sizes {c.batching.preferred_batch_sizes} "
                 f"({'; '.join(p.describe() for p in self.profiles)}); rebuild it: {self._rebuild_command()}"
             )
-        self.inputs = apply_overrides(specs_in, c.inputs, "input", c.name)
-        self.outputs = apply_overrides(specs_out, c.outputs, "output", c.name)
 
-        # Memory, all of it now: TensorRT's activations, then the I/O buffers.
-        self._weights = self._weights_bytes(len(plan))
-        self._activations = [self._activation_bytes(p) for p in range(len(self.profiles))]
-        context = engine.create_execution_context(trt.ExecutionContextAllocationStrategy.USER_MANAGED)
+    def _create_context(self, engine: Any) -> None:
+        """The execution context, its stream, and one user-managed activation block sized for the
+        hungriest profile."""
+        context = engine.create_execution_context(self._trt.ExecutionContextAllocationStrategy.USER_MANAGED)
         if context is None:
-            raise EngineError(f"model {c.name!r}: TensorRT could not create an execution context: "
+            raise EngineError(f"model {self.config.name!r}: TensorRT could not create an execution context: "
                               f"{self._logger.take() or 'no reason given'}")
         self._context = context
-        self._stream = cuda.stream()
+        self._stream = self._cuda.stream()
         size = max(max(self._activations), 1)
-        self._device_memory = cuda.mem_alloc(size)
+        self._device_memory = self._cuda.mem_alloc(size)
         if hasattr(context, "set_device_memory"):  # TensorRT >= 10.1 (and 11): pointer and size
             context.set_device_memory(self._device_memory.ptr, size)
         else:  # TensorRT 10.0
             context.device_memory = self._device_memory.ptr
 
-        # Output shapes per profile come from TensorRT's shape inference at the profile's max.
-        self._io_per_profile = []
-        for profile in self.profiles:
-            self._select_profile(profile.index)
-            shapes = {}
-            for name in self._input_names:
-                shapes[name] = profile.inputs[name].max
-                self._check(context.set_input_shape(name, profile.inputs[name].max), f"set_input_shape({name})")
-            for name in self._output_names:
-                shape = tuple(int(d) for d in context.get_tensor_shape(name))
-                if any(d < 0 for d in shape):
-                    raise ConfigError(
-                        f"model {c.name!r}: output {name!r} has a data-dependent shape {shape}; the tensorrt "
-                        "backend needs output shapes that follow from the input shapes"
-                    )
-                shapes[name] = shape
-            self._io_per_profile.append(tp.profile_buffer_bytes(shapes, datatypes))
-        self._stream.synchronize()
+    def _io_bytes_at_max(self, profile: tp.Profile, datatypes: dict[str, str]) -> dict[str, int]:
+        """Bytes of each I/O tensor at the profile's max shapes; output shapes come from
+        TensorRT's shape inference."""
+        context = self._context
+        self._select_profile(profile.index)
+        shapes = {}
+        for name in self._input_names:
+            shapes[name] = profile.inputs[name].max
+            self._check(context.set_input_shape(name, profile.inputs[name].max), f"set_input_shape({name})")
+        for name in self._output_names:
+            shape = tuple(int(d) for d in context.get_tensor_shape(name))
+            if any(d < 0 for d in shape):
+                raise ConfigError(
+                    f"model {self.config.name!r}: output {name!r} has a data-dependent shape {shape}; the tensorrt "
+                    "backend needs output shapes that follow from the input shapes"
+                )
+            shapes[name] = shape
+        return tp.profile_buffer_bytes(shapes, datatypes)
+
+    def _allocate_buffers(self, datatypes: dict[str, str]) -> None:
+        """One device and one page-locked host buffer per I/O tensor, sized for the largest profile."""
         for name, nbytes in tp.shared_buffer_bytes(self._io_per_profile).items():
             datatype = datatypes[name]
             dtype = DATATYPE_TO_NUMPY[datatype]
             n = max(nbytes, dtype.itemsize)
-            device = cuda.mem_alloc(n)
+            device = self._cuda.mem_alloc(n)
             try:
-                pinned = cuda.pinned_empty(n // dtype.itemsize, dtype)
+                pinned = self._cuda.pinned_empty(n // dtype.itemsize, dtype)
             except Exception:
                 device.free()
                 raise

@@ -46,8 +46,8 @@ from . import trt_profiles as tp
 from .base import apply_overrides
 from . import onnx_fp16
 from .cuda_api import CudaApi, cuda_api_from, load_cuda_api
-from .tensorrt import (INSTALL_HINT, TensorRTCapabilities, TensorRTSettings, import_tensorrt_module, make_logger,
-                       plan_info_path, tensorrt_capabilities)
+from .trt_api import INSTALL_HINT, TensorRTCapabilities, import_tensorrt_module, make_logger, tensorrt_capabilities
+from .trt_settings import TensorRTSettings, plan_info_path
 
 PLAN_FILE = "model.plan"
 FP16_ONNX_FILE = "model.fp16.onnx"  # the --fp16 conversion for a strongly typed TensorRT, next to the plan

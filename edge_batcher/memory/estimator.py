@@ -1,32 +1,13 @@
-"""How much memory one batch of an ONNX model needs: weights, peak activations, KV cache.
-
-The scheduler asks "does a batch of n fit?" before it runs one, so the estimate must be
-available without running the model, and cheap after the first time (it is cached per
-(batch, seq_len)).
-
-Activations are estimated by *tensor liveness*, not by summing every tensor: the sum
-overestimates the peak 15-80x (onnx-tool reports 2170 MB vs 27 MB for BERT), which would make
-the scheduler refuse batches that fit. The walk binds the batch (and sequence) dimensions of
-the inputs, runs ONNX shape inference, then steps through the nodes in topological order
-keeping the set of tensors alive:
-
-* graph inputs are live for the whole run: the batched input arrays belong to the caller (the
-  batcher holds them until the run returns), so the runtime can never free them;
-* a node's outputs become live when it runs, and while it runs its inputs are still live, so
-  the footprint *during* a node is live tensors + its outputs (+ its subgraphs' own peaks);
-* an intermediate tensor dies after its last consumer; graph outputs stay live to the end;
-* initializers and Constant outputs are weights (counted once in weights_bytes), and
-  past_key_values.* inputs are the KV cache (counted in kv_bytes), so neither is an activation.
-
-The result is an estimate of what a memory-planning runtime (ONNX Runtime, TensorRT) needs; it
-ignores in-place reuse (which makes it a little high) and arena rounding and kernel workspaces
-(which make it low). ``calibration`` corrects for both: the runner raises it after measuring a
-warm-up run or after an out-of-memory error.
+"""OnnxFootprintEstimator: how much memory one batch of an ONNX model needs, without running it:
+weights (initializers, Constant nodes, external data files), the peak of live activations
+(liveness.py walks the shape-inferred graph with the batch and sequence dimensions bound) times
+a calibration factor, and the KV cache of models with past_key_values inputs. The scheduler asks
+it per (batch, seq_len) before a batch runs, so answers are cached. docs/memory.md ("The
+estimator", "Calibration") explains the method and its accuracy.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 import os
 import re
@@ -38,6 +19,10 @@ from onnx import GraphProto, ModelProto, NodeProto, TensorProto, TypeProto, help
 from onnx.external_data_helper import load_external_data_for_tensor
 
 from ..errors import ConfigError
+from .liveness import (
+    Activations, LivenessWalk, collect_types, constant_nbytes, is_constant, subgraphs, tensor_nbytes,
+    tensor_proto_nbytes,
+)  # fmt: skip
 
 # Initializers and Constant tensors at most this many elements stay embedded in the model used
 # for shape inference (data propagation needs the values of shape tensors such as a Reshape
@@ -47,14 +32,6 @@ _KEEP_FOR_INFERENCE_ELEMENTS = 1024
 
 _PAST_KV = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _PAST_SEQ_AXIS = 2  # [batch, kv_heads, past_seq, head_dim]
-
-# Sub-byte element types are packed; numpy reports them as 1 byte.
-_PACKED_BITS: dict[int, int] = {
-    code: bits
-    for name, bits in (("UINT4", 4), ("INT4", 4), ("FLOAT4E2M1", 4), ("UINT2", 2), ("INT2", 2))
-    if (code := getattr(TensorProto, name, None)) is not None
-}
-
 
 @dataclass(frozen=True)
 class Footprint:
@@ -72,244 +49,6 @@ class Footprint:
     @property
     def total(self) -> int:
         return self.weights + self.activations + self.kv_cache
-
-
-def tensor_nbytes(elem_type: int, dims: list[int] | tuple[int, ...]) -> int:
-    """Bytes of a dense tensor; sub-byte types rounded up to whole bytes."""
-    numel = math.prod(dims)
-    if elem_type in _PACKED_BITS:
-        return (numel * _PACKED_BITS[elem_type] + 7) // 8
-    if elem_type == TensorProto.STRING:
-        return numel * 8  # pointers only; string payloads are not knowable from the shape
-    return numel * helper.tensor_dtype_to_np_dtype(elem_type).itemsize
-
-
-def _tensor_proto_nbytes(t: TensorProto) -> int:
-    if t.data_type == TensorProto.STRING:
-        return sum(len(s) for s in t.string_data)
-    return tensor_nbytes(t.data_type, list(t.dims))
-
-
-def _constant_nbytes(node: NodeProto) -> int:
-    """Bytes of a Constant node's value, whichever attribute holds it."""
-    total = 0
-    for a in node.attribute:
-        if a.name == "value":
-            total += _tensor_proto_nbytes(a.t)
-        elif a.name == "sparse_value":
-            total += _tensor_proto_nbytes(a.sparse_tensor.values)
-            total += _tensor_proto_nbytes(a.sparse_tensor.indices)
-        elif a.name == "value_float":
-            total += 4
-        elif a.name == "value_floats":
-            total += 4 * len(a.floats)
-        elif a.name == "value_int":
-            total += 8
-        elif a.name == "value_ints":
-            total += 8 * len(a.ints)
-        elif a.name == "value_string":
-            total += len(a.s)
-        elif a.name == "value_strings":
-            total += sum(len(s) for s in a.strings)
-    return total
-
-
-def _subgraphs(node: NodeProto) -> list[GraphProto]:
-    graphs: list[GraphProto] = []
-    for a in node.attribute:
-        if a.type == onnx.AttributeProto.GRAPH:
-            graphs.append(a.g)
-        elif a.type == onnx.AttributeProto.GRAPHS:
-            graphs.extend(a.graphs)
-    return graphs
-
-
-def _is_constant(node: NodeProto) -> bool:
-    return node.op_type == "Constant" and node.domain in ("", "ai.onnx")
-
-
-def _outer_refs(graph: GraphProto) -> set[str]:
-    """Names a (sub)graph reads from enclosing scopes: used but not defined inside it."""
-    defined = {i.name for i in graph.input} | {t.name for t in graph.initializer}
-    defined |= {t.values.name for t in graph.sparse_initializer}
-    used: set[str] = set()
-    for node in graph.node:
-        used.update(n for n in node.input if n)
-        for g in _subgraphs(node):
-            used |= _outer_refs(g)
-        defined.update(n for n in node.output if n)
-    used.update(o.name for o in graph.output)
-    return used - defined
-
-
-def _node_reads(node: NodeProto) -> list[str]:
-    """Explicit inputs plus the outer-scope names its subgraphs read (If/Loop/Scan bodies)."""
-    names = [n for n in node.input if n]
-    for g in _subgraphs(node):
-        names.extend(sorted(_outer_refs(g)))
-    return names
-
-
-def topological_nodes(graph: GraphProto) -> list[NodeProto]:
-    """graph.node in an order where every tensor is produced before it is read.
-
-    Valid ONNX is already sorted, so the common case only verifies. Otherwise Kahn's
-    algorithm, preferring the original order among ready nodes. Names produced by no node in
-    this graph (inputs, initializers, outer scope) are available from the start.
-    """
-    nodes = list(graph.node)
-    producer: dict[str, int] = {}
-    for i, node in enumerate(nodes):
-        for name in node.output:
-            if name:
-                producer[name] = i
-    reads = [[n for n in _node_reads(node) if n in producer] for node in nodes]
-
-    produced: set[str] = set()
-    in_order = True
-    for i, node in enumerate(nodes):
-        if any(n not in produced for n in reads[i]):
-            in_order = False
-            break
-        produced.update(n for n in node.output if n)
-    if in_order:
-        return nodes
-
-    waiting = [len({producer[n] for n in r}) for r in reads]
-    consumers: dict[int, set[int]] = {i: set() for i in range(len(nodes))}
-    for i, r in enumerate(reads):
-        for n in r:
-            consumers[producer[n]].add(i)
-    ready = [i for i, w in enumerate(waiting) if w == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        i = heapq.heappop(ready)
-        order.append(i)
-        for c in consumers[i]:
-            waiting[c] -= 1
-            if waiting[c] == 0:
-                heapq.heappush(ready, c)
-    if len(order) != len(nodes):
-        raise ConfigError(f"graph {graph.name!r} has a cycle; it is not a valid ONNX model")
-    return [nodes[i] for i in order]
-
-
-def _collect_types(graph: GraphProto, types: dict[str, TypeProto]) -> None:
-    for vi in list(graph.input) + list(graph.value_info) + list(graph.output):
-        if vi.HasField("type"):
-            types[vi.name] = vi.type
-    for node in graph.node:
-        for g in _subgraphs(node):
-            _collect_types(g, types)
-
-
-def _known_dims(t: TypeProto) -> tuple[int, list[int]] | None:
-    """(elem_type, dims) when t is a tensor of fully known shape, else None."""
-    if t.WhichOneof("value") != "tensor_type":
-        return None
-    tt = t.tensor_type
-    if not tt.elem_type or not tt.HasField("shape"):
-        return None
-    dims: list[int] = []
-    for d in tt.shape.dim:
-        if not d.HasField("dim_value") or d.dim_value < 0:
-            return None
-        dims.append(d.dim_value)
-    return tt.elem_type, dims
-
-
-@dataclass
-class _Activations:
-    peak: int
-    unknown: tuple[str, ...]
-
-
-class _LivenessWalk:
-    """One liveness walk over an inferred model; holds the per-tensor sizes it has settled."""
-
-    def __init__(
-        self, types: dict[str, TypeProto], weight_sizes: dict[str, int], skip_inputs: set[str]
-    ):
-        self.types = types
-        self.weight_sizes = weight_sizes
-        self.skip_inputs = skip_inputs
-        self.sizes: dict[str, int] = dict(weight_sizes)
-        self.unknown: list[str] = []
-
-    def _input_size(self, name: str) -> int:
-        """A graph input; dims inference could not resolve (a symbolic dim nobody bound)
-        count as 1, a lower bound, and the tensor is reported as unknown."""
-        t = self.types.get(name)
-        known = _known_dims(t) if t is not None else None
-        if known is not None:
-            size = tensor_nbytes(*known)
-        else:
-            self.unknown.append(name)
-            size = 0
-            if t is not None and t.WhichOneof("value") == "tensor_type" and t.tensor_type.elem_type:
-                dims = [
-                    d.dim_value if d.HasField("dim_value") and d.dim_value >= 0 else 1
-                    for d in t.tensor_type.shape.dim
-                ]
-                size = tensor_nbytes(t.tensor_type.elem_type, dims)
-        self.sizes[name] = size
-        return size
-
-    def _output_size(self, name: str, node: NodeProto) -> int:
-        """A node output. When shape inference could not say (custom ops, data-dependent
-        shapes, sequences), assume it is as large as the node's largest input (weights
-        included): exact for elementwise ops, an over-estimate for most reductions, gathers
-        and slices. Expand/Tile/ConstantOfShape-like ops can exceed it, which is why the
-        count of such guesses is reported."""
-        t = self.types.get(name)
-        known = _known_dims(t) if t is not None else None
-        if known is not None:
-            size = tensor_nbytes(*known)
-        else:
-            self.unknown.append(name)
-            size = max((self.sizes.get(n, 0) for n in node.input if n), default=0)
-        self.sizes[name] = size
-        return size
-
-    def graph_peak(self, graph: GraphProto, *, top: bool) -> int:
-        """Peak live bytes of one graph. Tensors read from outer scopes are the caller's."""
-        nodes = topological_nodes(graph)
-        last_read: dict[str, int] = {}
-        for i, node in enumerate(nodes):
-            for name in _node_reads(node):
-                last_read[name] = i
-        held = {o.name for o in graph.output}
-
-        live: dict[str, int] = {}
-        for inp in graph.input:
-            if inp.name in self.weight_sizes or (top and inp.name in self.skip_inputs):
-                continue
-            live[inp.name] = self._input_size(inp.name)
-            held.add(inp.name)  # graph inputs are owned by the caller for the whole run
-        current = sum(live.values())
-        peak = current
-
-        for i, node in enumerate(nodes):
-            if _is_constant(node):
-                continue
-            outputs = {
-                o: self._output_size(o, node)
-                for o in node.output
-                if o and o not in self.weight_sizes
-            }
-            # Subgraphs (If branches, Loop/Scan bodies) are charged as if all of them ran at
-            # once, on top of everything live: conservative, and rare in batched models.
-            inner = sum(self.graph_peak(g, top=False) for g in _subgraphs(node))
-            during = current + sum(outputs.values()) + inner
-            peak = max(peak, during)
-
-            live.update(outputs)
-            current += sum(outputs.values())
-            for name in set(_node_reads(node)) | set(outputs):
-                if name in live and name not in held and last_read.get(name, i) <= i:
-                    current -= live.pop(name)
-        return peak
 
 
 class OnnxFootprintEstimator:
@@ -362,7 +101,7 @@ class OnnxFootprintEstimator:
 
         # From here on the loaded model *is* the template: its large weights are dropped.
         self._template = self._inference_template(model, path.parent)
-        self._cache: dict[tuple[int, int | None], _Activations] = {}
+        self._cache: dict[tuple[int, int | None], Activations] = {}
         self.unknown_shapes = 0
         self.unknown_tensors: tuple[str, ...] = ()
 
@@ -428,7 +167,7 @@ class OnnxFootprintEstimator:
         """
         total = 0
         for t in graph.initializer:
-            size = _tensor_proto_nbytes(t)
+            size = tensor_proto_nbytes(t)
             self._weight_sizes[t.name] = size
             if t.data_location == TensorProto.EXTERNAL:
                 location = next((e.value for e in t.external_data if e.key == "location"), None)
@@ -440,17 +179,17 @@ class OnnxFootprintEstimator:
                     continue
             total += size
         for st in graph.sparse_initializer:
-            size = _tensor_proto_nbytes(st.values) + _tensor_proto_nbytes(st.indices)
+            size = tensor_proto_nbytes(st.values) + tensor_proto_nbytes(st.indices)
             self._weight_sizes[st.values.name] = size
             total += size
         for node in graph.node:
-            if _is_constant(node):
-                size = _constant_nbytes(node)
+            if is_constant(node):
+                size = constant_nbytes(node)
                 for o in node.output:
                     if o:
                         self._weight_sizes[o] = size
                 total += size
-            for g in _subgraphs(node):
+            for g in subgraphs(node):
                 total += self._count_weights(g, base, files_seen)
         return total
 
@@ -529,7 +268,7 @@ class OnnxFootprintEstimator:
         for node in graph.node:
             value = next((a.t for a in node.attribute if a.name == "value"), None)
             if (
-                _is_constant(node)
+                is_constant(node)
                 and value is not None
                 and math.prod(value.dims) > _KEEP_FOR_INFERENCE_ELEMENTS
             ):
@@ -586,16 +325,16 @@ class OnnxFootprintEstimator:
         except Exception:
             return onnx.shape_inference.infer_shapes(model, strict_mode=False, data_prop=True)
 
-    def _activations(self, batch: int, seq_len: int | None) -> _Activations:
+    def _activations(self, batch: int, seq_len: int | None) -> Activations:
         key = (batch, seq_len)
         cached = self._cache.get(key)
         if cached is None:
             inferred = self._infer(self._bound_model(batch, seq_len))
             types: dict[str, TypeProto] = {}
-            _collect_types(inferred.graph, types)
-            walk = _LivenessWalk(types, self._weight_sizes, self._kv_inputs)
+            collect_types(inferred.graph, types)
+            walk = LivenessWalk(types, self._weight_sizes, self._kv_inputs)
             peak = walk.graph_peak(self._template.graph, top=True)
-            cached = _Activations(peak, tuple(walk.unknown))
+            cached = Activations(peak, tuple(walk.unknown))
             self._cache[key] = cached
         self.unknown_shapes = len(cached.unknown)
         self.unknown_tensors = cached.unknown

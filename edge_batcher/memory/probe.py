@@ -214,51 +214,11 @@ def read_jetson_info(root: Path = Path("/")) -> JetsonInfo | None:
 class JetsonProbe:
     """Free memory of a Jetson's unified DRAM, from /proc/meminfo (never CUDA, never NVML).
 
-    Two figures bound what the daemon can still allocate:
-
-    1. ``MemAvailable`` (what jtop shows): the kernel's estimate of memory available to new
-       allocations without swapping. It protects the host side: ONNX Runtime's CPU arena,
-       numpy batches and the Python heap all come from here, and nvmap (GPU) allocations are
-       already excluded from it because nvmap pages are neither free nor page cache.
-
-    2. The CUDA-for-Tegra app note's "device allocatable memory"::
-
-           host_alloc = (MemTotal - MemFree) - NvMapMemUsed
-           if host_alloc < SwapFree:  allocatable = MemTotal - NvMapMemUsed
-           else:                      allocatable = MemTotal - (host_alloc - SwapFree)
-
-       It says how much the GPU can get once the kernel has pushed every swappable host page to
-       swap. We report it verbatim as ``details["cuda_allocatable"]``. Note the two branches
-       disagree: the first subtracts the device memory already allocated (NvMapMemUsed), the
-       second does not, so the figure jumps by NvMapMemUsed at host_alloc == SwapFree. The first
-       branch is clearly "what is left"; the second is "device capacity in total". For a "free
-       for us" number we need what is left in both cases, so we also compute::
-
-           cuda_remaining = MemTotal - NvMapMemUsed - max(0, host_alloc - SwapFree)
-
-       which equals the first branch exactly and the second minus NvMapMemUsed (it simplifies
-       to MemFree + SwapFree in that branch).
-
-    free_bytes = min(cuda_remaining, MemAvailable). Why the minimum rather than either alone:
-
-    * cuda_remaining alone would plan on swapping host pages out, which on eMMC/SD/zram turns
-      a batch into a multi-second stall; MemAvailable never counts swap.
-    * MemAvailable alone counts reclaimable page cache as free. The app note counts page
-      cache as used (its host_alloc is MemTotal - MemFree), and on L4T nvmap allocations have
-      been seen to fail while "buff/cache" was large (jtop has a "clear cache" button for this).
-      When swap is exhausted or disabled, the app-note term is the smaller one and wins; with
-      JetPack's default zram swap it rarely binds, so in practice this is MemAvailable.
-
-    The price of the minimum: with swap off and a large page cache (e.g. right after reading a
-    big model file) the budget is only MemFree. That is conservative by design; an operator
-    who disagrees can configure a FixedProbe.
-
-    NvMapMemUsed is missing on some older L4T kernels; it is then taken as 0 (all device memory
-    counted as host memory, which makes host_alloc larger and the estimate more conservative)
-    and ``details["nvmap_reported"]`` is 0.
-
-    The cgroup memory limit of this process (when there is one) bounds the result as well,
-    because a container hits its OOM killer at memory.max however much DRAM the board has.
+    free_bytes = min(cuda_remaining, MemAvailable), bounded by this process's cgroup limit:
+    MemAvailable protects the host side, cuda_remaining (the CUDA-for-Tegra app note's device
+    allocatable memory, minus what NvMap already holds) refuses to plan on swapping. The raw
+    figures go into details (cuda_allocatable, nvmap_reported, ...). docs/memory.md ("Probes")
+    explains the formula, why the minimum, and its price.
     """
 
     name = "jetson"

@@ -1,79 +1,43 @@
-"""GenerationService: a decoder LLM served with iteration-level continuous batching.
-
-model.toml (backend = "generator")::
-
-    model_file = "model.onnx"          # Optimum text-generation-with-past export (rag/decoder.py)
-    [tokenizer]
-    file = "tokenizer.json"
-    add_special_tokens = false
-    [generator]
-    max_context = 2048                 # prompt + max_new_tokens must fit
-    max_new_tokens = 128               # default per request
-    max_new_tokens_limit = 1024        # most a request may ask for
-    max_running = 8                    # sequences decoded together
-    stop_tokens = ["<|im_end|>", "<|endoftext|>"]
-    prompt_template = "{prompt}"       # wraps text sent to this model directly (not RAG prompts)
-
-Scheduling (TensorRT-LLM's in-flight batching, Orca's iteration-level scheduling). One
-dedicated worker thread owns the ONNX session and the running batch's KV cache and loops:
-
-1. between two decode steps it admits waiting sequences in arrival order while their KV need
-   (prompt + max_new_tokens tokens, rag/kv.py) fits the memory budget: each is reserved in
-   `runtime.budget` and prefilled on its own, its first token chosen, and its cache joined to
-   the running batch (rag/decoder.py). A sequence that does not fit waits (held back) until
-   running sequences finish and release their reservation; one that could never fit is
-   rejected at once with DoesNotFit.
-2. one decode step runs every running sequence by one token; each chooses its next token
-   (greedy or sampled, rag/sampling.py) and streams it to its caller;
-3. a sequence that produced a stop token or max_new_tokens leaves the batch at once, its
-   reservation released, its rows dropped from the cache.
-
-The event loop only queues sequences and consumes their events (token pieces, then done or
-error), which the worker hands over with loop.call_soon_threadsafe. A caller that goes away
-(client disconnected) marks its sequence cancelled; the worker drops it before the next step.
-Waiting for admission is bounded by the request's timeout (default [batching]
-default_timeout_ms): past it the request fails with DeadlineExceeded. Once admitted a
-sequence runs to its end.
+"""GenerationService: a decoder LLM (backend = "generator") served with iteration-level
+continuous batching. On the event loop it tokenizes and checks prompts, refuses at once a
+sequence whose KV cache could never fit the memory budget, queues the rest for the decode loop's
+worker thread (decode_loop.py) and turns their events into v2 responses, whole or streamed; a
+caller that goes away cancels its sequence. docs/rag.md describes the settings ([generator]) and
+the scheduling.
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import threading
 import time
-from collections import deque
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import AsyncIterator
 
-import numpy as np
-
 from ..config import ModelConfig, backend_settings
 from ..cpu_affinity import full_affinity
-from ..errors import (
-    ConfigError, DeadlineExceeded, DoesNotFit, EdgeBatcherError, EngineError, InvalidInput, Overloaded, Unavailable,
-)  # fmt: skip
+from ..errors import ConfigError, DeadlineExceeded, DoesNotFit, EngineError, InvalidInput, Overloaded, Unavailable
 from ..types import InferRequest, InferResponse, TensorSpec
 from . import kv as kvmath
-from .decoder import BatchCache, Decoder, join, keep
-from .sampling import SamplingParams, choose, parse_params
+from .decode_loop import DecodeLoop
+from .decoder import Decoder
+from .sampling import parse_params
+from .sequence import GenerationResult, Sequence
 from .service import InFlight, ServiceAccounting, ServiceStats, bytes_array, text_rows, token_responses
-from .tokenize import IncrementalDecoder, TextTokenizer
+from .tokenize import TextTokenizer
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 TEXT_INPUT = "text_input"
 TEXT_OUTPUT = "text_output"
-# Held back with nothing of ours running: the memory we wait for belongs to other models'
-# batches, whose release the budget does not announce; look again this often.
-HELD_BACK_RECHECK_S = 0.02
 
 
 @dataclass
 class GeneratorSettings:
+    """[generator] in model.toml (docs/rag.md)."""
+
     max_context: int = 2048
     max_new_tokens: int = 128
     max_new_tokens_limit: int = 1024
@@ -88,54 +52,6 @@ class GeneratorSettings:
     head_dim: int = 0
 
 
-@dataclass
-class GenerationResult:
-    text: str
-    token_ids: list[int]
-    finish_reason: str  # "stop" | "length"
-    prompt_tokens: int
-    queue_s: float = 0.0  # waiting for admission
-    first_token_s: float = 0.0  # arrival -> first token
-
-    def parameters(self) -> dict:
-        return {"finish_reason": self.finish_reason, "prompt_tokens": self.prompt_tokens,
-                "completion_tokens": len(self.token_ids)}
-
-
-class Sequence:
-    """One prompt being generated: created on the loop, advanced by the worker thread."""
-
-    _ids = itertools.count(1)
-
-    def __init__(self, prompt_ids: list[int], params: SamplingParams, need: int, deadline: float,
-                 loop: asyncio.AbstractEventLoop, tokenizer: TextTokenizer):
-        self.id = next(self._ids)
-        self.prompt_ids = prompt_ids
-        self.params = params
-        self.need = need
-        self.deadline = deadline
-        self.loop = loop
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.text = IncrementalDecoder(tokenizer)
-        self.rng = np.random.default_rng(params.seed)
-        self.generated: list[int] = []
-        self.next_token = -1
-        self.reserved = 0
-        self.held_back = False
-        self.in_batch = False
-        self.cancelled = False  # set by the loop when the caller went away; read by the worker
-        self.finished = False
-        self.arrival = time.monotonic()
-        self.admitted_at = 0.0
-        self.first_token_at = 0.0
-
-    def emit(self, kind: str, payload) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
-        except RuntimeError:  # the loop is closed: nobody is listening any more
-            pass
-
-
 class GenerationService(ServiceAccounting):
     def __init__(self, config: ModelConfig, runtime):
         self.config = config
@@ -148,26 +64,13 @@ class GenerationService(ServiceAccounting):
         self.decoder = Decoder(config, self.settings.kv_heads, self.settings.head_dim)
         self.inputs = [TensorSpec(TEXT_INPUT, "BYTES", (-1,))]
         self.outputs = [TensorSpec(TEXT_OUTPUT, "BYTES", (-1,))]
-        self._waiting: deque[Sequence] = deque()
-        self.queue = self._waiting  # the transports' view: sequences waiting for admission
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-        self._stopping = False
+        self._loop = DecodeLoop(self.name, self.decoder, runtime.budget, self.settings.max_running)
+        self.queue = self._loop.waiting  # the transports' view: sequences waiting for admission
         self._draining = False
-        self._broken: str | None = None  # why the worker thread died, if it did
         self.resident_bytes = 0
         self.stats = ServiceStats()
         self._in_flight = InFlight()
-        self._gen_lock = threading.Lock()  # guards the worker-side counters below
-        self._running_now = 0
-        self._kv_reserved = 0
-        self._kv_in_use = 0
-        self.g = {"admitted": 0, "joined_mid_generation": 0, "held_back_for_memory": 0, "rejected_does_not_fit": 0,
-                  "prefills": 0, "decode_steps": 0, "tokens_generated": 0, "max_running_seen": 0,
-                  "prefill_ns": 0, "decode_ns": 0, "cancelled": 0, "expired": 0}
-        self._finish_reasons: dict[str, int] = {}
-        self._decode_sizes: dict[int, list[int]] = {}  # rows -> [steps, ns]
-        self._collected: dict[int, int] = {}
+        self._collected: dict[int, int] = {}  # decode steps per batch size already counted in /metrics
 
     def _check_settings(self) -> None:
         s, where = self.settings, f"{self.config.directory / 'model.toml'}: [generator]"
@@ -210,8 +113,7 @@ class GenerationService(ServiceAccounting):
         budget.resident += self.resident_bytes
         budget.refresh()
         self.runtime.metrics.collectors.append(self._collect_metrics)
-        self._thread = threading.Thread(target=self._worker, name=f"generate-{self.name}", daemon=True)
-        self._thread.start()
+        self._loop.start()
         log.info("model %s: decoder with %s; a full-context sequence (%d tokens) needs %.1f MiB of KV; "
                  "budget available %.1f MiB", self.name, kv.describe(), self.settings.max_context,
                  kv.bytes_per_token * self.settings.max_context / MiB, budget.available() / MiB)
@@ -219,16 +121,12 @@ class GenerationService(ServiceAccounting):
     async def drain(self, timeout: float) -> None:
         self._draining = True
         deadline = time.monotonic() + timeout
-        while (len(self._in_flight) or self._waiting or self._running_now) and time.monotonic() < deadline:
+        while (len(self._in_flight) or self._loop.waiting or self._loop.running()) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)  # once, at shutdown: sequences finish on the worker thread
 
     async def close(self) -> None:
         self._draining = True
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread is not None:
-            await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 10.0)
+        await asyncio.get_running_loop().run_in_executor(None, self._loop.stop, 10.0)
         try:
             self.runtime.metrics.collectors.remove(self._collect_metrics)
         except ValueError:
@@ -241,11 +139,11 @@ class GenerationService(ServiceAccounting):
                apply_template: bool = True, defaults: dict | None = None) -> Sequence:
         """Tokenize, check and queue one prompt. Raises InvalidInput (empty, too long, bad
         parameters), DoesNotFit (its KV can never fit), Overloaded, Unavailable."""
-        if self._draining or self._thread is None:
+        if self._draining or not self._loop.started:
             raise Unavailable(f"model {self.name!r} is not accepting requests" +
                               (": the daemon is draining" if self._draining else ": not started"))
-        if self._broken:
-            raise EngineError(f"model {self.name!r} cannot generate: its worker failed ({self._broken}); see the log")
+        if self._loop.broken:
+            raise EngineError(f"model {self.name!r} cannot generate: its worker failed ({self._loop.broken}); see the log")
         s = self.settings
         if not prompt.strip():
             raise InvalidInput(f"model {self.name!r}: the prompt is empty")
@@ -263,22 +161,19 @@ class GenerationService(ServiceAccounting):
         budget = self.runtime.budget
         capacity = budget.available() + budget.reserved
         if kvmath.never_fits(need, capacity):
-            with self._gen_lock:
-                self.g["rejected_does_not_fit"] += 1
+            self._loop.count_rejected()
             raise DoesNotFit(
                 f"model {self.name!r}: {len(ids)} prompt + {params.max_new_tokens} new tokens need "
                 f"{need / MiB:.2f} MiB of KV cache ({kv.describe()}), more than the memory budget can ever give "
                 f"({capacity / MiB:.2f} MiB with nothing else running): lower max_new_tokens or shorten the prompt")
-        if len(self._waiting) >= self.config.batching.queue_capacity:
-            raise Overloaded(f"model {self.name!r}: {len(self._waiting)} sequences already wait for admission")
+        if len(self._loop.waiting) >= self.config.batching.queue_capacity:
+            raise Overloaded(f"model {self.name!r}: {len(self._loop.waiting)} sequences already wait for admission")
         timeout = self.config.batching.default_timeout_ms / 1000.0 if timeout_s is None else timeout_s
         if timeout <= 0:
             raise DeadlineExceeded(f"request timeout {timeout * 1000:.1f} ms has already passed")
         timeout = min(timeout, self.config.batching.max_timeout_ms / 1000.0)
         seq = Sequence(ids, params, need, time.monotonic() + timeout, asyncio.get_running_loop(), self.tokenizer)
-        with self._cond:
-            self._waiting.append(seq)
-            self._cond.notify()
+        self._loop.enqueue(seq)
         return seq
 
     def check_fits_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
@@ -294,14 +189,11 @@ class GenerationService(ServiceAccounting):
         free after the sequences already waiting, and a decode slot is free? (The rag service asks
         before choosing between this generator and a peer.)"""
         kv = self.decoder.kv
-        if kv is None or self._draining or self._thread is None:
+        if kv is None or self._draining or not self._loop.started:
             return False
         need = kv.sequence_bytes(prompt_tokens, max_new_tokens)
-        with self._cond:
-            waiting = sum(seq.need for seq in self._waiting)
-            queued = len(self._waiting)
-        with self._gen_lock:
-            running = self._running_now
+        queued, waiting = self._loop.waiting_need()
+        running = self._loop.running()
         return queued == 0 and running < self.settings.max_running and need + waiting <= self.runtime.budget.available()
 
     def count_tokens(self, text: str) -> int:
@@ -320,9 +212,12 @@ class GenerationService(ServiceAccounting):
                     return
         finally:
             if not seq.finished:
-                seq.cancelled = True
-                with self._cond:
-                    self._cond.notify()
+                self.cancel(seq)
+
+    def cancel(self, seq: Sequence) -> None:
+        """The caller went away: the decode loop drops the sequence before its next step."""
+        seq.cancelled = True
+        self._loop.wake()
 
     async def generate(self, prompt: str, parameters: dict | None = None, **kwargs) -> GenerationResult:
         seq = self.submit(prompt, parameters, **kwargs)
@@ -373,18 +268,17 @@ class GenerationService(ServiceAccounting):
     def statistics(self) -> dict:
         out = self.stats.triton(self.name)
         kv = self.decoder.kv
-        with self._gen_lock:
-            g = dict(self.g)
-            sizes = {k: list(v) for k, v in self._decode_sizes.items()}
-            out.update(
-                running=self._running_now,
-                waiting=len(self._waiting),
-                finish_reasons=dict(self._finish_reasons),
-                kv={"bytes_per_token": kv.bytes_per_token if kv else 0,
-                    "reserved_bytes": self._kv_reserved,
-                    "cache_bytes": self._kv_in_use,
-                    "budget_available_bytes": self.runtime.budget.available()},
-            )
+        now = self._loop.snapshot()
+        g, sizes = now.counters, now.decode_sizes
+        out.update(
+            running=now.running,
+            waiting=len(self._loop.waiting),
+            finish_reasons=now.finish_reasons,
+            kv={"bytes_per_token": kv.bytes_per_token if kv else 0,
+                "reserved_bytes": now.kv_reserved,
+                "cache_bytes": now.kv_in_use,
+                "budget_available_bytes": self.runtime.budget.available()},
+        )
         out.update({k: v for k, v in g.items() if not k.endswith("_ns")})
         out["inference_stats"]["compute_infer"] = {"count": g["decode_steps"] + g["prefills"],
                                                    "ns": g["decode_ns"] + g["prefill_ns"]}
@@ -395,198 +289,11 @@ class GenerationService(ServiceAccounting):
 
     def _collect_metrics(self) -> None:
         """At /metrics time: decode steps per batch size since the last scrape."""
-        with self._gen_lock:
-            sizes = {k: v[0] for k, v in self._decode_sizes.items()}
+        sizes = self._loop.decode_steps_by_size()
         m = self.runtime.metrics
         for size, count in sizes.items():
             delta = count - self._collected.get(size, 0)
             if delta:
                 m.batches_total.inc(delta, model=self.name, size=str(size), reason="decode", target="local")
                 self._collected[size] = count
-        m.queue_depth.set(len(self._waiting), model=self.name)
-
-    # ------------------------------------------------------------------ the worker thread
-
-    def _worker(self) -> None:
-        cache: BatchCache | None = None
-        running: list[Sequence] = []
-        try:
-            while True:
-                with self._cond:
-                    while not self._waiting and not running and not self._stopping:
-                        self._cond.wait()
-                    if self._stopping:
-                        break
-                    admitted = self._admit(len(running))
-                    held_back = bool(self._waiting) and not admitted and not running
-                for seq in admitted:
-                    cache = self._prefill(seq, running, cache)
-                cache, running = self._drop(cache, running, lambda s: s.cancelled, "cancelled")
-                if running:
-                    cache, running = self._step(cache, running)
-                elif held_back:
-                    with self._cond:
-                        self._cond.wait(HELD_BACK_RECHECK_S)
-                self._publish(running, cache)
-        except BaseException as exc:  # a bug: fail everyone rather than hang them
-            log.exception("model %s: generation worker failed", self.name)
-            self._broken = f"{type(exc).__name__}: {exc}"
-            error = EngineError(f"model {self.name!r}: generation worker failed: {exc}")
-            for seq in running:
-                self._finish_error(seq, error)
-            running = []
-        finally:
-            stop = Unavailable(f"model {self.name!r} was unloaded")
-            for seq in running:
-                self._finish_error(seq, stop)
-            with self._cond:
-                while self._waiting:
-                    self._waiting.popleft().emit("error", stop)
-            self._publish([], None)
-
-    def _admit(self, running: int) -> list[Sequence]:
-        """Under self._cond: pop the waiting sequences that may join now (arrival order,
-        guaranteed-no-evict). Cancelled and expired ones are answered and removed."""
-        now = time.monotonic()
-        admitted: list[Sequence] = []
-        budget = self.runtime.budget
-        while self._waiting and running + len(admitted) < self.settings.max_running:
-            seq = self._waiting[0]
-            if seq.cancelled:
-                self._waiting.popleft()
-                seq.finished = True
-                continue
-            if now >= seq.deadline:
-                self._waiting.popleft()
-                with self._gen_lock:
-                    self.g["expired"] += 1
-                seq.finished = True
-                seq.emit("error", DeadlineExceeded(
-                    f"model {self.name!r}: waited {now - seq.arrival:.1f} s for KV-cache memory "
-                    f"({seq.need / MiB:.2f} MiB) without getting it"))
-                continue
-            if not budget.try_reserve(seq.need):
-                if not seq.held_back:
-                    seq.held_back = True
-                    with self._gen_lock:
-                        self.g["held_back_for_memory"] += 1
-                break  # no overtaking: the head waits for memory, the rest wait behind it
-            seq.reserved = seq.need
-            with self._gen_lock:
-                self._kv_reserved += seq.need
-            self._waiting.popleft()
-            admitted.append(seq)
-        return admitted
-
-    def _prefill(self, seq: Sequence, running: list[Sequence], cache: BatchCache | None) -> BatchCache | None:
-        seq.admitted_at = time.monotonic()
-        t0 = time.perf_counter()
-        try:
-            logits, own = self.decoder.prefill(seq.prompt_ids)
-        except EdgeBatcherError as exc:
-            self._finish_error(seq, exc)
-            return cache
-        with self._gen_lock:
-            self.g["prefill_ns"] += int((time.perf_counter() - t0) * 1e9)
-            self.g["prefills"] += 1
-            self.g["admitted"] += 1
-            if running:
-                self.g["joined_mid_generation"] += 1
-        seq.in_batch = True  # counted as running from its first token on
-        with self._gen_lock:
-            self._running_now += 1
-            self.g["max_running_seen"] = max(self.g["max_running_seen"], self._running_now)
-        if self._advance(seq, logits[-1]):
-            return cache  # finished at its first token: never joins
-        running.append(seq)
-        return join(cache, own)
-
-    def _step(self, cache: BatchCache, running: list[Sequence]) -> tuple[BatchCache | None, list[Sequence]]:
-        rows = len(running)
-        t0 = time.perf_counter()
-        try:
-            logits, cache = self.decoder.step(cache, np.array([s.next_token for s in running], dtype=np.int64))
-        except EdgeBatcherError as exc:
-            log.error("model %s: decode step of %d sequences failed: %s", self.name, rows, exc)
-            for seq in running:
-                self._finish_error(seq, exc)
-            return None, []
-        ns = int((time.perf_counter() - t0) * 1e9)
-        with self._gen_lock:
-            self.g["decode_steps"] += 1
-            self.g["decode_ns"] += ns
-            entry = self._decode_sizes.setdefault(rows, [0, 0])
-            entry[0] += 1
-            entry[1] += ns
-        done = {id(seq) for row, seq in enumerate(running) if self._advance(seq, logits[row])}
-        if not done:
-            return cache, running
-        return self._drop(cache, running, lambda s: id(s) in done, None)
-
-    def _drop(self, cache, running, leaves, reason):
-        """Remove finished (or cancelled) sequences from the batch at once."""
-        rows = [i for i, s in enumerate(running) if not leaves(s)]
-        if len(rows) == len(running):
-            return cache, running
-        for i, seq in enumerate(running):
-            if i not in rows and reason == "cancelled":
-                with self._gen_lock:
-                    self.g["cancelled"] += 1
-                self._release(seq)
-                seq.finished = True
-        return (keep(cache, rows) if cache is not None else None), [running[i] for i in rows]
-
-    def _advance(self, seq: Sequence, logits: np.ndarray) -> bool:
-        """Choose the sequence's next token, stream it; True when the sequence is finished."""
-        token = choose(logits, seq.params, seq.rng)
-        now = time.monotonic()
-        if not seq.first_token_at:
-            seq.first_token_at = now
-        with self._gen_lock:
-            self.g["tokens_generated"] += 1
-        if token in seq.params.stop_token_ids and not seq.params.ignore_stop:
-            self._finish(seq, "stop")
-            return True
-        seq.generated.append(token)
-        piece = seq.text.add(token)
-        if piece:
-            seq.emit("token", piece)
-        if len(seq.generated) >= seq.params.max_new_tokens:
-            self._finish(seq, "length")
-            return True
-        seq.next_token = token
-        return False
-
-    def _finish(self, seq: Sequence, reason: str) -> None:
-        rest = seq.text.flush()
-        if rest:
-            seq.emit("token", rest)
-        self._release(seq)
-        seq.finished = True
-        with self._gen_lock:
-            self._finish_reasons[reason] = self._finish_reasons.get(reason, 0) + 1
-        seq.emit("done", GenerationResult(
-            text=seq.text.emitted, token_ids=list(seq.generated), finish_reason=reason,
-            prompt_tokens=len(seq.prompt_ids), queue_s=seq.admitted_at - seq.arrival,
-            first_token_s=seq.first_token_at - seq.arrival))
-
-    def _finish_error(self, seq: Sequence, error: EdgeBatcherError) -> None:
-        self._release(seq)
-        seq.finished = True
-        seq.emit("error", error)
-
-    def _release(self, seq: Sequence) -> None:
-        """The sequence leaves: its KV reservation goes back to the budget (before its caller
-        hears that it finished, so the statistics it may read next are already up to date)."""
-        with self._gen_lock:
-            if seq.in_batch:
-                seq.in_batch = False
-                self._running_now -= 1
-            self._kv_reserved -= seq.reserved
-        if seq.reserved:
-            self.runtime.budget.release(seq.reserved)
-            seq.reserved = 0
-
-    def _publish(self, running: list[Sequence], cache: BatchCache | None) -> None:
-        with self._gen_lock:
-            self._kv_in_use = cache.nbytes if cache is not None else 0
+        m.queue_depth.set(len(self._loop.waiting), model=self.name)

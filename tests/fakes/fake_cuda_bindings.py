@@ -1,6 +1,6 @@
 """FakeCudaDriver: an honest stand-in for cuda-python's `cuda.bindings.driver`, in tests.
 
-NOT CUDA. It is the same fake GPU as tests/fakes/fake_tensorrt.py's FakeCuda (numpy "device"
+NOT CUDA. It is the same fake GPU as tests/fakes/fake_cuda.py's FakeCuda (numpy "device"
 memory, thread-local context stacks, streams that run their work at synchronize), seen through
 cuda-python's driver API instead of pycuda's: every function returns a tuple whose first item
 is a CUresult, and errors are codes, not exceptions. So FakeTensorRT runs on memory and
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from tests.fakes.fake_tensorrt import CudaLogicError, CudaMemoryError, FakeContext, FakeCuda
+from tests.fakes.fake_cuda import CudaLogicError, CudaMemoryError, FakeContext, FakeCuda
 
 
 class CUresult(enum.IntEnum):

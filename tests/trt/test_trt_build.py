@@ -14,7 +14,7 @@ else:  # Python 3.10 on JetPack 6
 
 from edge_batcher.config import load_model_config
 from edge_batcher.engines import trt_build
-from edge_batcher.engines.tensorrt import TensorRTSettings, tensorrt_settings
+from edge_batcher.engines.trt_settings import TensorRTSettings, tensorrt_settings
 from edge_batcher.errors import ConfigError
 from tests.fakes.fake_tensorrt import FakeTensorRT, tensorrt_installed
 

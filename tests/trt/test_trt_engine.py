@@ -15,7 +15,8 @@ import pytest
 from edge_batcher.config import load_model_config
 from edge_batcher.engines import trt_profiles as tp
 from edge_batcher.engines.registry import create_engine, engine_class
-from edge_batcher.engines.tensorrt import TensorRTEngine, plan_info_path, rebuild_command
+from edge_batcher.engines.tensorrt import TensorRTEngine
+from edge_batcher.engines.trt_settings import plan_info_path, rebuild_command
 from edge_batcher.errors import ConfigError, EngineError, OutOfMemory
 from edge_batcher.types import TensorSpec
 from tests.fakes.fake_tensorrt import FakeCuda, FakeTensorRT, tensorrt_installed
@@ -296,7 +297,7 @@ def test_rebuild_command_repeats_the_build_options(build):
 
 
 def test_importing_the_backend_imports_neither_tensorrt_nor_a_cuda_binding():
-    code = ("import sys, edge_batcher.engines.tensorrt, edge_batcher.engines.trt_build, "
+    code = ("import sys, edge_batcher.engines.tensorrt, edge_batcher.engines.trt_build, edge_batcher.engines.trt_api, "
             "edge_batcher.engines.trt_profiles, edge_batcher.engines.cuda_api, edge_batcher.memory.probe; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorrt', 'pycuda', 'cuda')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -331,7 +332,7 @@ def test_profile_module_and_engine_agree_on_selection(build, engine_for):
 
 
 def test_capabilities_are_found_by_looking_not_by_version(trt10, trt11):
-    from edge_batcher.engines.tensorrt import tensorrt_capabilities
+    from edge_batcher.engines.trt_api import tensorrt_capabilities
 
     c10, c11 = tensorrt_capabilities(trt10), tensorrt_capabilities(trt11)
     assert (c10.precision_flags, c10.int8_calibration, c10.explicit_batch_flag, c10.strongly_typed_only) == (
@@ -343,9 +344,9 @@ def test_capabilities_are_found_by_looking_not_by_version(trt10, trt11):
 
 
 def test_import_tensorrt_reports_version_capabilities_and_binding(trt, cuda_module, binding, caplog):
-    from edge_batcher.engines.tensorrt import import_tensorrt
+    from edge_batcher.engines.trt_api import import_tensorrt
 
-    with caplog.at_level("INFO", logger="edge_batcher.engines.tensorrt"):
+    with caplog.at_level("INFO", logger="edge_batcher.engines.trt_api"):
         modules = import_tensorrt(trt, cuda_module)
     assert modules.trt is trt and modules.cuda.name == binding
     assert modules.capabilities.version == trt.__version__
@@ -355,7 +356,7 @@ def test_import_tensorrt_reports_version_capabilities_and_binding(trt, cuda_modu
 def test_a_tensorrt_newer_than_11_loads_with_a_warning(build, engine_for, cuda, caplog):
     future = FakeTensorRT(cuda, version="12.0.0")  # behaves as the 11.x fake: strongly typed only
     model_dir = build(trt_module=future)
-    with caplog.at_level("WARNING", logger="edge_batcher.engines.tensorrt"):
+    with caplog.at_level("WARNING", logger="edge_batcher.engines.trt_api"):
         engine = engine_for(model_dir, trt_module=future)
     assert "TensorRT 12.0.0 is newer than the 11.x" in caplog.text
     x = windows(2)

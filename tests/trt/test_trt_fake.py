@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from edge_batcher.engines.tensorrt import make_logger
+from edge_batcher.engines.trt_api import make_logger
 from tests.fakes.fake_tensorrt import CudaLogicError, CudaMemoryError, FakeCuda, FakeTensorRT
 
 

@@ -13,7 +13,8 @@ import pytest
 from edge_batcher.config import load_model_config
 from edge_batcher.engines import trt_build
 from edge_batcher.engines.cuda_api import cuda_api_from
-from edge_batcher.engines.tensorrt import TensorRTEngine, tensorrt_capabilities
+from edge_batcher.engines.tensorrt import TensorRTEngine
+from edge_batcher.engines.trt_api import tensorrt_capabilities
 from edge_batcher.errors import ConfigError
 from tests.fakes.fake_tensorrt import FakeCuda, FakeTensorRT, require_real_tensorrt
 
@@ -54,7 +55,7 @@ def _surface(trt, cuda, plan: bytes) -> list[str]:
     ctx = api.open_device(0)
     ctx.push()
     try:
-        from edge_batcher.engines.tensorrt import make_logger
+        from edge_batcher.engines.trt_api import make_logger
 
         engine = trt.Runtime(make_logger(trt)).deserialize_cuda_engine(plan)
         assert engine is not None

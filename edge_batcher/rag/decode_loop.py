@@ -1,0 +1,326 @@
+"""DecodeLoop: the generator's worker thread, iteration-level continuous batching. One dedicated
+thread owns the decoder session and the running batch's KV cache; between two decode steps it
+admits waiting sequences whose KV need fits the memory budget (prefilled one by one, joined to
+the batch), runs one decode step for every running sequence, and lets finished or cancelled
+ones leave at once with their reservation released. GenerationService (generate.py) queues
+sequences and reads the counters; docs/rag.md ("Continuous batching and KV admission") explains
+the scheduling.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..errors import DeadlineExceeded, EdgeBatcherError, EngineError, Unavailable
+from .decoder import BatchCache, Decoder, join, keep
+from .sampling import choose
+from .sequence import GenerationResult, Sequence
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+# Held back with nothing of ours running: the memory we wait for belongs to other models'
+# batches, whose release the budget does not announce; look again this often.
+HELD_BACK_RECHECK_S = 0.02
+
+
+@dataclass
+class GenerationCounters:
+    """What the loop counted since the model was loaded (the model's statistics show them)."""
+
+    admitted: int = 0
+    joined_mid_generation: int = 0  # admitted while others were decoding
+    held_back_for_memory: int = 0
+    rejected_does_not_fit: int = 0
+    prefills: int = 0
+    decode_steps: int = 0
+    tokens_generated: int = 0
+    max_running_seen: int = 0
+    prefill_ns: int = 0
+    decode_ns: int = 0
+    cancelled: int = 0
+    expired: int = 0
+
+
+@dataclass
+class DecodeSnapshot:
+    """A consistent copy of the loop's state for statistics."""
+
+    counters: dict[str, int]
+    running: int
+    kv_reserved: int  # bytes reserved in the budget by admitted sequences
+    kv_in_use: int  # bytes the batch's cache holds now
+    finish_reasons: dict[str, int]
+    decode_sizes: dict[int, list[int]] = field(default_factory=dict)  # rows -> [steps, ns]
+
+
+class DecodeLoop:
+    """The worker thread and everything only it changes; other threads go through the methods.
+
+    `waiting` is guarded by a condition the worker sleeps on; the counters by a lock that the
+    statistics take too.
+    """
+
+    def __init__(self, name: str, decoder: Decoder, budget: Any, max_running: int):
+        self.name = name
+        self.decoder = decoder
+        self.budget = budget
+        self.max_running = max_running
+        self.waiting: deque[Sequence] = deque()
+        self.broken: str | None = None  # why the worker thread died, if it did
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._lock = threading.Lock()  # guards the counters and figures below
+        self._counters = GenerationCounters()
+        self._running = 0
+        self._kv_reserved = 0
+        self._kv_in_use = 0
+        self._finish_reasons: dict[str, int] = {}
+        self._decode_sizes: dict[int, list[int]] = {}
+
+    # ------------------------------------------------------------------ from other threads
+
+    @property
+    def started(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name=f"generate-{self.name}", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float) -> None:
+        """Ask the worker to stop and wait for it (blocking: run it off the event loop)."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def enqueue(self, seq: Sequence) -> None:
+        with self._cond:
+            self.waiting.append(seq)
+            self._cond.notify()
+
+    def wake(self) -> None:
+        """A sequence was cancelled: let the worker drop it before its next step."""
+        with self._cond:
+            self._cond.notify()
+
+    def count_rejected(self) -> None:
+        with self._lock:
+            self._counters.rejected_does_not_fit += 1
+
+    def waiting_need(self) -> tuple[int, int]:
+        """(sequences waiting, their KV need in bytes)."""
+        with self._cond:
+            return len(self.waiting), sum(seq.need for seq in self.waiting)
+
+    def running(self) -> int:
+        with self._lock:
+            return self._running
+
+    def snapshot(self) -> DecodeSnapshot:
+        with self._lock:
+            return DecodeSnapshot(asdict(self._counters), self._running, self._kv_reserved, self._kv_in_use,
+                                  dict(self._finish_reasons), {k: list(v) for k, v in self._decode_sizes.items()})
+
+    def decode_steps_by_size(self) -> dict[int, int]:
+        with self._lock:
+            return {rows: entry[0] for rows, entry in self._decode_sizes.items()}
+
+    # ------------------------------------------------------------------ the worker thread
+
+    def _run(self) -> None:
+        cache: BatchCache | None = None
+        running: list[Sequence] = []
+        try:
+            while True:
+                with self._cond:
+                    while not self.waiting and not running and not self._stopping:
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    admitted = self._admit(len(running))
+                    held_back = bool(self.waiting) and not admitted and not running
+                for seq in admitted:
+                    cache = self._prefill(seq, running, cache)
+                cache, running = self._drop(cache, running, lambda s: s.cancelled, cancelled=True)
+                if running:
+                    cache, running = self._step(cache, running)
+                elif held_back:
+                    with self._cond:
+                        self._cond.wait(HELD_BACK_RECHECK_S)
+                self._publish(cache)
+        except BaseException as exc:  # a bug: fail everyone rather than hang them
+            log.exception("model %s: generation worker failed", self.name)
+            self.broken = f"{type(exc).__name__}: {exc}"
+            error = EngineError(f"model {self.name!r}: generation worker failed: {exc}")
+            for seq in running:
+                self._fail(seq, error)
+            running = []
+        finally:
+            stop = Unavailable(f"model {self.name!r} was unloaded")
+            for seq in running:
+                self._fail(seq, stop)
+            with self._cond:
+                while self.waiting:
+                    self.waiting.popleft().fail(stop)
+            self._publish(None)
+
+    def _admit(self, running: int) -> list[Sequence]:
+        """Under self._cond: pop the waiting sequences that may join now (arrival order,
+        guaranteed-no-evict). Cancelled and expired ones are answered and removed."""
+        now = time.monotonic()
+        admitted: list[Sequence] = []
+        while self.waiting and running + len(admitted) < self.max_running:
+            seq = self.waiting[0]
+            if seq.cancelled:
+                self.waiting.popleft()
+                seq.finished = True
+                continue
+            if now >= seq.deadline:
+                self.waiting.popleft()
+                with self._lock:
+                    self._counters.expired += 1
+                seq.finished = True
+                seq.fail(DeadlineExceeded(
+                    f"model {self.name!r}: waited {now - seq.arrival:.1f} s for KV-cache memory "
+                    f"({seq.need / MiB:.2f} MiB) without getting it"))
+                continue
+            if not self.budget.try_reserve(seq.need):
+                if not seq.held_back:
+                    seq.held_back = True
+                    with self._lock:
+                        self._counters.held_back_for_memory += 1
+                break  # no overtaking: the head waits for memory, the rest wait behind it
+            seq.reserved = seq.need
+            with self._lock:
+                self._kv_reserved += seq.need
+            self.waiting.popleft()
+            admitted.append(seq)
+        return admitted
+
+    def _prefill(self, seq: Sequence, running: list[Sequence], cache: BatchCache | None) -> BatchCache | None:
+        seq.admitted_at = time.monotonic()
+        t0 = time.perf_counter()
+        try:
+            logits, own = self.decoder.prefill(seq.prompt_ids)
+        except EdgeBatcherError as exc:
+            self._fail(seq, exc)
+            return cache
+        with self._lock:
+            c = self._counters
+            c.prefill_ns += int((time.perf_counter() - t0) * 1e9)
+            c.prefills += 1
+            c.admitted += 1
+            if running:
+                c.joined_mid_generation += 1
+        seq.in_batch = True  # counted as running from its first token on
+        with self._lock:
+            self._running += 1
+            self._counters.max_running_seen = max(self._counters.max_running_seen, self._running)
+        if self._advance(seq, logits[-1]):
+            return cache  # finished at its first token: never joins
+        running.append(seq)
+        return join(cache, own)
+
+    def _step(self, cache: BatchCache, running: list[Sequence]) -> tuple[BatchCache | None, list[Sequence]]:
+        rows = len(running)
+        t0 = time.perf_counter()
+        try:
+            logits, cache = self.decoder.step(cache, np.array([s.next_token for s in running], dtype=np.int64))
+        except EdgeBatcherError as exc:
+            log.error("model %s: decode step of %d sequences failed: %s", self.name, rows, exc)
+            for seq in running:
+                self._fail(seq, exc)
+            return None, []
+        ns = int((time.perf_counter() - t0) * 1e9)
+        with self._lock:
+            self._counters.decode_steps += 1
+            self._counters.decode_ns += ns
+            entry = self._decode_sizes.setdefault(rows, [0, 0])
+            entry[0] += 1
+            entry[1] += ns
+        done = {id(seq) for row, seq in enumerate(running) if self._advance(seq, logits[row])}
+        if not done:
+            return cache, running
+        return self._drop(cache, running, lambda s: id(s) in done, cancelled=False)
+
+    def _drop(self, cache: BatchCache | None, running: list[Sequence], leaves: Callable[[Sequence], bool],
+              cancelled: bool) -> tuple[BatchCache | None, list[Sequence]]:
+        """Remove finished (or, with `cancelled`, cancelled) sequences from the batch at once."""
+        rows = [i for i, s in enumerate(running) if not leaves(s)]
+        if len(rows) == len(running):
+            return cache, running
+        if cancelled:
+            for i, seq in enumerate(running):
+                if i not in rows:
+                    with self._lock:
+                        self._counters.cancelled += 1
+                    self._release(seq)
+                    seq.finished = True
+        return (keep(cache, rows) if cache is not None else None), [running[i] for i in rows]
+
+    def _advance(self, seq: Sequence, logits: np.ndarray) -> bool:
+        """Choose the sequence's next token, stream it; True when the sequence is finished."""
+        token = choose(logits, seq.params, seq.rng)
+        now = time.monotonic()
+        if not seq.first_token_at:
+            seq.first_token_at = now
+        with self._lock:
+            self._counters.tokens_generated += 1
+        if token in seq.params.stop_token_ids and not seq.params.ignore_stop:
+            self._finish(seq, "stop")
+            return True
+        seq.generated.append(token)
+        piece = seq.text.add(token)
+        if piece:
+            seq.emit_token(piece)
+        if len(seq.generated) >= seq.params.max_new_tokens:
+            self._finish(seq, "length")
+            return True
+        seq.next_token = token
+        return False
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        rest = seq.text.flush()
+        if rest:
+            seq.emit_token(rest)
+        self._release(seq)
+        seq.finished = True
+        with self._lock:
+            self._finish_reasons[reason] = self._finish_reasons.get(reason, 0) + 1
+        seq.emit_done(GenerationResult(
+            text=seq.text.emitted, token_ids=list(seq.generated), finish_reason=reason,
+            prompt_tokens=len(seq.prompt_ids), queue_s=seq.admitted_at - seq.arrival,
+            first_token_s=seq.first_token_at - seq.arrival))
+
+    def _fail(self, seq: Sequence, error: EdgeBatcherError) -> None:
+        self._release(seq)
+        seq.finished = True
+        seq.fail(error)
+
+    def _release(self, seq: Sequence) -> None:
+        """The sequence leaves: its KV reservation goes back to the budget (before its caller
+        hears that it finished, so the statistics it may read next are already up to date)."""
+        with self._lock:
+            if seq.in_batch:
+                seq.in_batch = False
+                self._running -= 1
+            self._kv_reserved -= seq.reserved
+        if seq.reserved:
+            self.budget.release(seq.reserved)
+            seq.reserved = 0
+
+    def _publish(self, cache: BatchCache | None) -> None:
+        with self._lock:
+            self._kv_in_use = cache.nbytes if cache is not None else 0
