@@ -12,15 +12,12 @@ stay in the `sources` output.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import numpy as np
 
 from .index import Hit
-
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z0-9\"'(])")
-_BULLET = re.compile(r"^\s*(?:[-*+]|\d+[.)])\s+")
+from .sentences import embed_text, split_sentences
 
 
 @dataclass
@@ -30,26 +27,13 @@ class Sentence:
     text: str
 
     def embed_text(self, hits: list[Hit]) -> str:
-        heading = hits[self.hit].passage.title.rsplit(" > ", 1)[-1]
-        return f"{heading}: {self.text}" if heading else self.text
+        return embed_text(hits[self.hit].passage.title, self.text)
 
 
 def sentences(hits: list[Hit]) -> list[Sentence]:
-    """The sentences of the passages (list items count as sentences; code blocks stay whole)."""
-    out: list[Sentence] = []
-    for h, hit in enumerate(hits):
-        n = 0
-        for paragraph in re.split(r"\n\s*\n", hit.passage.text):
-            lines = paragraph.splitlines()
-            items = lines if any(_BULLET.match(line) for line in lines) else [" ".join(lines)]
-            for item in items:
-                item = _BULLET.sub("", item).strip()
-                parts = [item] if item.startswith(("```", "~~~")) else _SENTENCE_END.split(item)
-                for part in parts:
-                    if part.strip():
-                        out.append(Sentence(h, n, part.strip()))
-                        n += 1
-    return out
+    """The sentences of the passages (sentences.py: list items count; code blocks stay whole)."""
+    return [Sentence(h, n, text) for h, hit in enumerate(hits)
+            for n, text in enumerate(split_sentences(hit.passage.text))]
 
 
 def choose(question: np.ndarray, candidates: list[Sentence], vectors: np.ndarray, *, max_sentences: int = 2,

@@ -1,13 +1,19 @@
-"""Hybrid ranking: the dense (cosine) and lexical (BM25) rankings fused by reciprocal rank fusion.
+"""Hybrid ranking: the passage cosine, the best sentence's cosine and BM25 fused into one score.
 
-RRF (Cormack et al., 2009) needs no score calibration between the two retrievers, which have
-nothing in common (cosine in [-1, 1], BM25 unbounded): each passage scores
+Three signals rank the passages for a question: **dense** (cosine of the question to the whole
+passage), **sentence** (cosine to the passage's best sentence: a passage that answers in one
+sentence among four others is not diluted by them) and **lexical** (BM25, exact terms). They
+have nothing in common in scale (cosines in [-1, 1], BM25 unbounded), so each is first brought
+to [0, 1] over the passages of this question (min-max: the best passage 1, the worst 0) and the
+results are added with their weights (CombSUM, Fox & Shaw 1994; a convex combination of
+normalised scores, which Bruch et al. 2023 found more accurate than rank fusion). The weights
+default to 1, equal: no setting was tuned to the question sets (docs/rag.md). A signal with no
+spread (a question sharing no word with any passage) adds nothing.
 
-    dense_weight / (rrf_k + dense_rank) + lexical_weight / (rrf_k + lexical_rank)
-
-with ranks counted from 1. A passage sharing no term with the question has no lexical rank and
-gets no lexical share. A small rrf_k lets the first places of either ranking dominate; the
-usual 60 flattens them. [rag] retrieval = "dense" or "lexical" uses one ranking alone.
+The older reciprocal rank fusion stays available (`method = "rrf"`): each signal adds
+``weight / (rrf_k + rank)``, ranks counted from 1, a passage sharing no term with the question
+getting no lexical share. [rag] retrieval = "dense" uses the two cosine signals alone,
+"lexical" BM25 alone.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MODES = ("hybrid", "dense", "lexical")
+METHODS = ("minmax", "rrf")
 
 
 @dataclass(frozen=True)
@@ -24,12 +31,13 @@ class Fusion:
     mode: str = "hybrid"
     dense_weight: float = 1.0
     lexical_weight: float = 1.0
-    rrf_k: float = 60.0
+    rrf_k: float = 60.0  # method "rrf" only
+    method: str = "minmax"
+    sentence_weight: float = 1.0  # 0: the passage cosine alone is the dense signal
 
 
-# The shipped defaults ([rag] retrieval settings): chosen on the dev split of
-# docs/corpus/questions-technician.json with tools/eval_retrieval.py --tune (docs/rag.md).
-DEFAULT_FUSION = Fusion("hybrid", dense_weight=1.0, lexical_weight=0.5, rrf_k=5.0)
+# The shipped defaults ([rag] retrieval settings): equal weights, not tuned (docs/rag.md).
+DEFAULT_FUSION = Fusion()
 
 
 def ranks(scores: np.ndarray) -> np.ndarray:
@@ -40,14 +48,36 @@ def ranks(scores: np.ndarray) -> np.ndarray:
     return out
 
 
-def fused_scores(dense: np.ndarray, lexical: np.ndarray, fusion: Fusion) -> np.ndarray:
-    """The score each passage is ranked by under `fusion` (higher is better)."""
-    if fusion.mode == "dense":
-        return dense.astype(np.float64)
+def minmax(scores: np.ndarray) -> np.ndarray:
+    """Scores mapped to [0, 1] over the passages (all 0 when they do not differ)."""
+    scores = scores.astype(np.float64)
+    if not len(scores):
+        return scores
+    low, high = float(scores.min()), float(scores.max())
+    if high - low <= 1e-12:
+        return np.zeros_like(scores)
+    return (scores - low) / (high - low)
+
+
+def fused_scores(dense: np.ndarray, lexical: np.ndarray, fusion: Fusion,
+                 sentence: np.ndarray | None = None) -> np.ndarray:
+    """The score each passage is ranked by under `fusion` (higher is better). `sentence` is each
+    passage's best sentence cosine, None when the index has no sentence vectors."""
     if fusion.mode == "lexical":
         # Passages with no shared term fall back to their dense order, behind every lexical match.
         return np.where(lexical > 0, lexical + 2.0, dense.astype(np.float64))
-    out = fusion.dense_weight / (fusion.rrf_k + ranks(dense))
-    matched = lexical > 0
-    out[matched] += fusion.lexical_weight / (fusion.rrf_k + ranks(lexical)[matched])
+    signals = [(dense, fusion.dense_weight, None)]
+    if sentence is not None and fusion.sentence_weight > 0:
+        signals.append((sentence, fusion.sentence_weight, None))
+    if fusion.mode == "hybrid" and fusion.lexical_weight > 0:
+        signals.append((lexical, fusion.lexical_weight, lexical > 0))
+    if fusion.mode == "dense" and len(signals) == 1:
+        return dense.astype(np.float64)
+    out = np.zeros(len(dense), dtype=np.float64)
+    for scores, weight, matched in signals:
+        if fusion.method == "rrf":
+            share = weight / (fusion.rrf_k + ranks(scores))
+            out += share if matched is None else np.where(matched, share, 0.0)
+        else:
+            out += weight * minmax(scores)
     return out

@@ -6,9 +6,11 @@ On disk, in the index directory::
     embeddings.npy    float32 [passages, dim], each row L2-normalised (cosine = dot product)
     passages.jsonl    one JSON object per line: {"id", "title", "text", "source"}
     lexical.json      the BM25 statistics: each passage's term counts (lexical.py)
+    sentences.npz     "vectors" float32 [sentences, dim] (normalised) and "passage" int64 [sentences]:
+                      every sentence of every passage, embedded under its heading (sentences.py)
     meta.json         {"format", "version", "embedding_model", "dim", "count", "sources", "updated",
-                       "lexical": {"analyzer"}, "sha256": {"embeddings.npy": ..., "passages.jsonl": ...,
-                       "lexical.json": ...}}
+                       "lexical": {"analyzer"}, "sentences": count, "sha256": {"embeddings.npy": ...,
+                       "passages.jsonl": ..., "lexical.json": ..., "sentences.npz": ...}}
 
 Writing is atomic per file (written next to the target, fsynced, os.replace) and meta.json is
 replaced last. A reader checks the hashes in meta.json against the data files, so one that
@@ -24,8 +26,10 @@ max_chars characters (a longer paragraph is cut at sentence ends). Plain text is
 paragraph groups the same way. The text that is embedded (and analysed for BM25) is the
 passage's own heading plus the passage.
 
-Search ranks by cosine (dense), by BM25 (lexical) or by both fused (fusion.py); an index
-written before lexical.json existed gets its BM25 statistics computed when it is loaded.
+Search ranks by the passage cosine and the best sentence's cosine (dense), by BM25 (lexical)
+or by all three fused (fusion.py). An index written before lexical.json existed gets its BM25
+statistics computed when it is loaded; one written before sentences.npz ranks by the passage
+cosine alone until it is rebuilt.
 """
 
 from __future__ import annotations
@@ -44,11 +48,13 @@ import numpy as np
 from ..errors import ConfigError, Unavailable
 from .fusion import Fusion, fused_scores
 from .lexical import ANALYZER, Bm25
+from .sentences import embed_text, split_sentences
 
 FORMAT = 1
 EMBEDDINGS = "embeddings.npy"
 PASSAGES = "passages.jsonl"
 LEXICAL = "lexical.json"
+SENTENCES = "sentences.npz"
 META = "meta.json"
 DEFAULT_MAX_CHARS = 600  # ~130 tokens: about what a 128-token embedding model reads of a passage
 
@@ -188,6 +194,51 @@ def _unique(pid: str, used: set[str]) -> str:
     return candidate
 
 
+@dataclass
+class SentenceVectors:
+    """The embedding of every sentence of the passages, and which passage each belongs to."""
+
+    vectors: np.ndarray  # float32 [sentences, dim], unit rows
+    passage: np.ndarray  # int64 [sentences]: index into the passages
+
+    def select(self, keep: list[int]) -> SentenceVectors:
+        """The sentences of passages `keep` (in that order), renumbered to their new positions."""
+        keep_array = np.asarray(keep, dtype=np.int64)
+        size = max(int(self.passage.max(initial=-1)), int(keep_array.max(initial=-1))) + 1
+        position = np.full(size, -1, dtype=np.int64)
+        position[keep_array] = np.arange(len(keep_array))
+        new = position[self.passage]
+        mask = new >= 0
+        order = np.argsort(new[mask], kind="stable")
+        return SentenceVectors(self.vectors[mask][order], new[mask][order])
+
+    def after(self, other: SentenceVectors, offset: int) -> SentenceVectors:
+        """These sentences followed by `other`'s, whose passages start at `offset`."""
+        parts = [(s.vectors, s.passage + shift) for s, shift in ((self, 0), (other, offset)) if len(s.passage)]
+        if not parts:
+            return SentenceVectors(np.zeros((0, 0), np.float32), np.zeros(0, np.int64))
+        return SentenceVectors(np.concatenate([v for v, _ in parts]).astype(np.float32),
+                               np.concatenate([p for _, p in parts]).astype(np.int64))
+
+
+def sentence_texts(passages: list[Passage]) -> tuple[list[int], list[str]]:
+    """(passage index, text to embed) of every sentence of the passages."""
+    owners, texts = [], []
+    for i, p in enumerate(passages):
+        for sentence in split_sentences(p.text):
+            owners.append(i)
+            texts.append(embed_text(p.title, sentence))
+    return owners, texts
+
+
+def embed_passages(passages: list[Passage], embed) -> tuple[np.ndarray, SentenceVectors]:
+    """The passages' embeddings and their sentences', with `embed` (texts -> unit rows)."""
+    owners, texts = sentence_texts(passages)
+    vectors = embed([p.embed_text() for p in passages] + texts) if passages else np.zeros((0, 0), np.float32)
+    vectors = np.asarray(vectors, dtype=np.float32)
+    return vectors[: len(passages)], SentenceVectors(vectors[len(passages):], np.asarray(owners, dtype=np.int64))
+
+
 # --------------------------------------------------------------------------- the index
 
 
@@ -197,22 +248,26 @@ class Hit:
     score: float  # cosine similarity to the question (what [rag] min_score compares)
     rank: int
     lexical: float | None = None  # BM25 score, when the lexical ranking took part
-    fused: float | None = None  # the reciprocal-rank-fusion score it was ranked by (hybrid)
+    fused: float | None = None  # the fused score it was ranked by (fusion.py)
+    sentence: float | None = None  # cosine of its best sentence, when the index has sentence vectors
 
     def to_json(self) -> dict:
         out = {"rank": self.rank, "id": self.passage.id, "title": self.passage.title,
                "score": round(self.score, 4), "source": Path(self.passage.source).name if self.passage.source else ""}
         if self.lexical is not None:
             out["bm25"] = round(self.lexical, 4)
+        if self.sentence is not None:
+            out["sentence"] = round(self.sentence, 4)
         if self.fused is not None:
             out["fused"] = round(self.fused, 6)
         return out
 
 
 class Index:
-    """Passages, their unit-length embeddings and their BM25 statistics, in memory."""
+    """Passages, their unit-length embeddings, their sentences' and their BM25 statistics, in memory."""
 
-    def __init__(self, passages: list[Passage], embeddings: np.ndarray, meta: dict, lexical: Bm25 | None = None):
+    def __init__(self, passages: list[Passage], embeddings: np.ndarray, meta: dict, lexical: Bm25 | None = None,
+                 sentences: SentenceVectors | None = None):
         if embeddings.ndim != 2 or len(passages) != embeddings.shape[0]:
             raise ValueError(f"{len(passages)} passages but embeddings of shape {list(embeddings.shape)}")
         self.passages = passages
@@ -221,6 +276,12 @@ class Index:
         self.lexical = lexical if lexical is not None else Bm25.from_texts([p.embed_text() for p in passages])
         if len(self.lexical) != len(passages):
             raise ValueError(f"{len(passages)} passages but BM25 statistics of {len(self.lexical)}")
+        if sentences is not None and len(sentences.passage) and (
+                sentences.vectors.shape != (len(sentences.passage), self.dim)
+                or int(sentences.passage.max()) >= len(passages) or int(sentences.passage.min()) < 0):
+            raise ValueError(f"sentence vectors of shape {list(sentences.vectors.shape)} do not fit "
+                             f"{len(passages)} passages of dimension {self.dim}")
+        self.sentences = sentences
 
     @property
     def dim(self) -> int:
@@ -245,10 +306,21 @@ class Index:
             out.append([Hit(self.passages[i], float(row[i]), r + 1) for r, i in enumerate(top)])
         return out
 
+    def best_sentence(self, dense_rows: np.ndarray, queries: np.ndarray) -> np.ndarray | None:
+        """[queries, passages]: the cosine of each passage's best sentence (its passage cosine
+        where it has none); None without sentence vectors."""
+        if self.sentences is None:
+            return None
+        best = np.full(dense_rows.shape, -np.inf, dtype=np.float32)
+        for row, query in zip(best, queries):
+            np.maximum.at(row, self.sentences.passage, self.sentences.vectors @ query)
+        return np.where(np.isfinite(best), best, dense_rows)
+
     def search_fused(self, queries: np.ndarray, texts: list[str], k: int, fusion: Fusion) -> list[list[Hit]]:
-        """Top-k for each question by `fusion` of its cosine ranking (query vectors) and its BM25
-        ranking (question texts). Best first. Every passage is ranked: O(passages) per question."""
-        if fusion.mode == "dense":
+        """Top-k for each question by `fusion` of its passage cosines, best-sentence cosines (query
+        vectors) and BM25 scores (question texts). Best first. Every passage and sentence is
+        scored: O(passages + sentences) per question."""
+        if fusion.mode == "dense" and (self.sentences is None or fusion.sentence_weight <= 0):
             return self.search(queries, k)
         queries = np.asarray(queries, dtype=np.float32).reshape(-1, self.dim)
         if len(texts) != len(queries):
@@ -256,13 +328,16 @@ class Index:
         queries = queries / np.maximum(np.linalg.norm(queries, axis=1, keepdims=True), 1e-12)
         k = min(k, len(self.passages))
         dense_rows = queries @ self.embeddings.T
+        sentence_rows = self.best_sentence(dense_rows, queries) if fusion.mode != "lexical" else None
         out = []
-        for dense, text in zip(dense_rows, texts):
+        for n, (dense, text) in enumerate(zip(dense_rows, texts)):
             lexical = self.lexical.scores(text)
-            fused = fused_scores(dense, lexical, fusion)
+            sentence = sentence_rows[n] if sentence_rows is not None else None
+            fused = fused_scores(dense, lexical, fusion, sentence)
             top = np.argsort(-fused, kind="stable")[:k]
             out.append([Hit(self.passages[i], float(dense[i]), r + 1, float(lexical[i]),
-                            float(fused[i]) if fusion.mode == "hybrid" else None) for r, i in enumerate(top)])
+                            float(fused[i]) if fusion.mode != "lexical" else None,
+                            float(sentence[i]) if sentence is not None else None) for r, i in enumerate(top)])
         return out
 
 
@@ -294,9 +369,9 @@ def load_index(directory: Path) -> Index | None:
     hashes = meta.get("sha256", {})
     lexical = None
     try:
-        for name in (EMBEDDINGS, PASSAGES, LEXICAL):
-            if name == LEXICAL and name not in hashes:
-                continue  # written before lexical.json existed: computed below
+        for name in (EMBEDDINGS, PASSAGES, LEXICAL, SENTENCES):
+            if name in (LEXICAL, SENTENCES) and name not in hashes:
+                continue  # written before that file existed: computed below, or done without
             if _sha256(directory / name) != hashes.get(name):
                 raise Unavailable(f"index {directory}: {name} does not match {META} (a rebuild in progress?)")
         embeddings = np.load(directory / EMBEDDINGS, allow_pickle=False)
@@ -306,19 +381,24 @@ def load_index(directory: Path) -> Index | None:
             stored = json.loads((directory / LEXICAL).read_text(encoding="utf-8"))
             if stored.get("analyzer") == ANALYZER:  # else: re-analysed by Index with today's analyzer
                 lexical = Bm25.from_json(stored)
+        sentences = None
+        if SENTENCES in hashes:
+            with np.load(directory / SENTENCES, allow_pickle=False) as stored:
+                sentences = SentenceVectors(stored["vectors"].astype(np.float32), stored["passage"].astype(np.int64))
     except FileNotFoundError as exc:
         raise Unavailable(f"index {directory}: {exc.filename} is missing; rebuild the index") from None
     except (ValueError, KeyError, TypeError) as exc:
-        raise Unavailable(f"index {directory}: {LEXICAL} cannot be read: {exc}; rebuild the index") from None
+        raise Unavailable(f"index {directory}: {LEXICAL} or {SENTENCES} cannot be read: {exc}; rebuild the index") from None
     try:
-        return Index(passages, embeddings, meta, lexical)
+        return Index(passages, embeddings, meta, lexical, sentences)
     except ValueError as exc:
         raise Unavailable(f"index {directory}: {exc}") from None
 
 
 def write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray, *, embedding_model: str,
-                sources: dict[str, dict] | None = None) -> dict:
-    """Replace the index in `directory` (created if needed); returns the new meta."""
+                sources: dict[str, dict] | None = None, sentences: SentenceVectors | None = None) -> dict:
+    """Replace the index in `directory` (created if needed); returns the new meta. Without
+    `sentences` no sentence vectors are written (and search uses the passage cosine alone)."""
     directory.mkdir(parents=True, exist_ok=True)
     embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
     if embeddings.shape[0] != len(passages):
@@ -332,6 +412,10 @@ def write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray
             "".join(json.dumps(asdict(p), ensure_ascii=False) + "\n" for p in passages).encode("utf-8")))
         staged[LEXICAL] = _stage(directory, LEXICAL, lambda fh: fh.write(
             json.dumps(lexical.to_json(), ensure_ascii=False).encode("utf-8")))
+        if sentences is not None:
+            staged[SENTENCES] = _stage(directory, SENTENCES, lambda fh: np.savez(
+                fh, vectors=np.asarray(sentences.vectors, dtype=np.float32),
+                passage=np.asarray(sentences.passage, dtype=np.int64)))
         meta = {
             "format": FORMAT,
             "version": int(previous.get("version", 0)) + 1,
@@ -341,11 +425,15 @@ def write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray
             "sources": sources or {},
             "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "lexical": {"analyzer": ANALYZER, "k1": lexical.k1, "b": lexical.b},
+            "sentences": len(sentences.passage) if sentences is not None else 0,
             "sha256": {name: _sha256(path) for name, path in staged.items()},
         }
         staged[META] = _stage(directory, META, lambda fh: fh.write(json.dumps(meta, indent=2).encode()))
-        for name in (EMBEDDINGS, PASSAGES, LEXICAL, META):  # meta last: it vouches for the other two
-            os.replace(staged.pop(name), directory / name)
+        for name in (EMBEDDINGS, PASSAGES, LEXICAL, SENTENCES, META):  # meta last: it vouches for the others
+            if name in staged:
+                os.replace(staged.pop(name), directory / name)
+        if sentences is None:
+            (directory / SENTENCES).unlink(missing_ok=True)  # stale: the new meta.json does not vouch for it
     finally:
         for path in staged.values():
             path.unlink(missing_ok=True)

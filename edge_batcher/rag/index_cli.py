@@ -22,7 +22,10 @@ from pathlib import Path
 
 from ..config import load_config, load_model_config
 from ..errors import ConfigError, EdgeBatcherError
-from .index import DEFAULT_MAX_CHARS, Passage, default_index_dir, load_index, read_meta, split_file, write_index
+from .index import (
+    DEFAULT_MAX_CHARS, Passage, SentenceVectors, default_index_dir, embed_passages, load_index, read_meta, split_file,
+    write_index,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -100,13 +103,13 @@ def _locate(args: argparse.Namespace) -> tuple[Path, str, Path]:
     return index_dir, embedding_model, repo
 
 
-def _current(index_dir: Path) -> tuple[list[Passage], "object", dict]:
+def _current(index_dir: Path) -> tuple[list[Passage], "object", dict, SentenceVectors | None]:
     import numpy as np
 
     index = load_index(index_dir)
     if index is None:
-        return [], np.zeros((0, 0), dtype=np.float32), {}
-    return list(index.passages), index.embeddings, index.meta
+        return [], np.zeros((0, 0), dtype=np.float32), {}, None
+    return list(index.passages), index.embeddings, index.meta, index.sentences
 
 
 def _add(args, index_dir: Path, embedding_model: str, repo: Path) -> int:
@@ -115,7 +118,8 @@ def _add(args, index_dir: Path, embedding_model: str, repo: Path) -> int:
     from .embed import TextEmbeddingEngine
 
     t0 = time.perf_counter()
-    passages, embeddings, meta = ([], np.zeros((0, 0), np.float32), {}) if args.rebuild else _current(index_dir)
+    passages, embeddings, meta, sentences = (([], np.zeros((0, 0), np.float32), {}, None) if args.rebuild
+                                             else _current(index_dir))
     if meta and meta.get("embedding_model") != embedding_model:
         raise ConfigError(f"index {index_dir} was built with embedding model {meta.get('embedding_model')!r}, not "
                           f"{embedding_model!r}: add --rebuild to re-embed everything with {embedding_model!r}")
@@ -142,7 +146,13 @@ def _add(args, index_dir: Path, embedding_model: str, repo: Path) -> int:
     engine = TextEmbeddingEngine(load_model_config(config_dir))
     engine.load()
     try:
-        vectors = engine.embed([p.embed_text() for p in new]) if new else np.zeros((0, engine.dim), np.float32)
+        vectors, new_sentences = embed_passages(new, engine.embed)
+        vectors = vectors.reshape(len(new), engine.dim)
+        if sentences is None:  # an index written before sentence vectors: embed the kept passages' too
+            sentences = embed_passages([passages[i] for i in keep], engine.embed)[1]
+            keep_sentences = sentences
+        else:
+            keep_sentences = sentences.select(keep)
     finally:
         engine.close()
     kept = embeddings[keep] if len(keep) else np.zeros((0, engine.dim), np.float32)
@@ -156,7 +166,8 @@ def _add(args, index_dir: Path, embedding_model: str, repo: Path) -> int:
         used.add(p.id)
     all_passages = [passages[i] for i in keep] + new
     all_embeddings = np.concatenate([kept.reshape(-1, engine.dim), vectors], axis=0)
-    meta = write_index(index_dir, all_passages, all_embeddings, embedding_model=embedding_model, sources=sources)
+    meta = write_index(index_dir, all_passages, all_embeddings, embedding_model=embedding_model, sources=sources,
+                       sentences=keep_sentences.after(new_sentences, len(keep)))
     print(f"indexed {len(new)} passages from {len(args.files)} file(s)"
           + (f" (replacing {replaced})" if replaced else "")
           + f"; {index_dir} now holds {meta['count']} passages, version {meta['version']} "
@@ -165,14 +176,15 @@ def _add(args, index_dir: Path, embedding_model: str, repo: Path) -> int:
 
 
 def _remove(args, index_dir: Path) -> int:
-    passages, embeddings, meta = _current(index_dir)
+    passages, embeddings, meta, sentences = _current(index_dir)
     if not meta:
         raise _NotThere(f"no index in {index_dir}: build one with `edge-batcher index add FILE...`")
     gone = {str(p.resolve()) for p in args.files}
     keep = [i for i, p in enumerate(passages) if p.source not in gone]
     sources = {k: v for k, v in meta.get("sources", {}).items() if k not in gone}
     new_meta = write_index(index_dir, [passages[i] for i in keep], embeddings[keep].reshape(len(keep), -1)
-                           if keep else embeddings[:0], embedding_model=meta["embedding_model"], sources=sources)
+                           if keep else embeddings[:0], embedding_model=meta["embedding_model"], sources=sources,
+                           sentences=sentences.select(keep) if sentences is not None else None)
     print(f"removed {len(passages) - len(keep)} passages; {index_dir} now holds {new_meta['count']}, "
           f"version {new_meta['version']}")
     return 0

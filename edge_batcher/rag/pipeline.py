@@ -4,7 +4,7 @@
     length-bucketed with every other embedding request) -> cosine top-k over the index ->
     prompt assembly -> the generator service (continuous batching) -> answer + sources
 
-Retrieval fuses the cosine ranking with BM25 (fusion.py). Each request's answer is generated
+Retrieval fuses the passage cosine, the best sentence's cosine and BM25 (fusion.py). Each request's answer is generated
 by the local generator when its KV cache fits now, else by the chat-completions peer
 ([rag.peer], peer.py) when it is usable, else it is extractive: the best one or two sentences of
 the passages (extract.py); `route` in the response says which. model.toml (backend = "rag")::
@@ -37,7 +37,7 @@ from typing import AsyncIterator, Optional
 from ..config import ModelConfig, backend_settings
 from ..errors import ConfigError, InvalidInput, Unavailable
 from ..types import InferRequest, InferResponse, TensorSpec
-from .fusion import DEFAULT_FUSION, MODES, Fusion
+from .fusion import DEFAULT_FUSION, METHODS, MODES, Fusion
 from .index import Hit, Index, IndexWatcher, default_index_dir, load_index
 from ..offload.client import PeerError
 from .extract import answer_text, choose, sentences
@@ -70,16 +70,18 @@ class RagSettings:
     max_rows: int = 8
     max_new_tokens: int = 0  # 0: the generator's own default
     retrieval: str = "hybrid"  # "hybrid" (dense + BM25, fused), "dense" or "lexical"
-    dense_weight: float = 1.0  # reciprocal rank fusion: weight of the cosine ranking
-    lexical_weight: float = DEFAULT_FUSION.lexical_weight  # ... of the BM25 ranking
-    rrf_k: float = DEFAULT_FUSION.rrf_k  # rank offset: small values let the first places dominate
+    fusion: str = DEFAULT_FUSION.method  # "minmax" (normalised scores added) or "rrf" (reciprocal rank fusion)
+    dense_weight: float = DEFAULT_FUSION.dense_weight  # weight of the passage cosine
+    sentence_weight: float = DEFAULT_FUSION.sentence_weight  # ... of the best sentence's cosine
+    lexical_weight: float = DEFAULT_FUSION.lexical_weight  # ... of BM25
+    rrf_k: float = DEFAULT_FUSION.rrf_k  # "rrf" only: rank offset; small values let the first places dominate
     answer_sentences: int = 2  # extractive answers: at most this many sentences ...
     sentence_margin: float = 0.1  # ... each within this cosine of the best one
     peer: Optional[ChatPeerSettings] = None  # [rag.peer]: an OpenAI-compatible generation server
 
 
 def fusion_from(s: RagSettings) -> Fusion:
-    return Fusion(s.retrieval, s.dense_weight, s.lexical_weight, s.rrf_k)
+    return Fusion(s.retrieval, s.dense_weight, s.lexical_weight, s.rrf_k, s.fusion, s.sentence_weight)
 
 
 def rag_settings(config: ModelConfig) -> RagSettings:
@@ -91,9 +93,12 @@ def rag_settings(config: ModelConfig) -> RagSettings:
         raise ConfigError(f"{where}.peer: url and model are required (the chat-completions server and its model name)")
     if s.retrieval not in MODES:
         raise ConfigError(f"{where} retrieval: expected one of {', '.join(MODES)}, got {s.retrieval!r}")
-    if s.dense_weight < 0 or s.lexical_weight < 0 or s.dense_weight + s.lexical_weight <= 0 or s.rrf_k < 0:
-        raise ConfigError(f"{where} dense_weight, lexical_weight and rrf_k must be >= 0 (and one weight > 0), got "
-                          f"{s.dense_weight}, {s.lexical_weight}, {s.rrf_k}")
+    if s.fusion not in METHODS:
+        raise ConfigError(f"{where} fusion: expected one of {', '.join(METHODS)}, got {s.fusion!r}")
+    weights = (s.dense_weight, s.sentence_weight, s.lexical_weight)
+    if min(weights) < 0 or sum(weights) <= 0 or s.rrf_k < 0:
+        raise ConfigError(f"{where} dense_weight, sentence_weight, lexical_weight and rrf_k must be >= 0 (and one "
+                          f"weight > 0), got {s.dense_weight}, {s.sentence_weight}, {s.lexical_weight}, {s.rrf_k}")
     if not 1 <= s.top_k <= s.max_top_k:
         raise ConfigError(f"{where} top_k: expected 1..max_top_k ({s.max_top_k}), got {s.top_k}")
     if s.max_rows <= 0 or s.max_question_chars <= 0:
@@ -434,8 +439,10 @@ class RagService(ServiceAccounting):
             "answers": {"extractive": c["extractive"], "generated": c["generated"]},
             "routes": dict(self.routes),
             "fallbacks": dict(self.fallbacks),
-            "retrieval": {"mode": self.fusion.mode, "dense_weight": self.fusion.dense_weight,
-                          "lexical_weight": self.fusion.lexical_weight, "rrf_k": self.fusion.rrf_k},
+            "retrieval": {"mode": self.fusion.mode, "fusion": self.fusion.method,
+                          "dense_weight": self.fusion.dense_weight, "sentence_weight": self.fusion.sentence_weight,
+                          "lexical_weight": self.fusion.lexical_weight, "rrf_k": self.fusion.rrf_k,
+                          "sentence_vectors": bool(index is not None and index.sentences is not None)},
             "passages_returned": c["passages_returned"],
             "sentences_embedded": c["sentences_embedded"],  # extractive answers' sentences, ranked by the embedding model
             "stage_ns": {"embed": c["embed_ns"], "search": c["search_ns"], "generate": c["generate_ns"],
