@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--config", help="TOML config file (default: built-in defaults)")
         p.add_argument("--unix-socket", help="path of the Unix socket to serve on")
         p.add_argument("--http", help="also serve the API on TCP HOST:PORT (needs a token: --token-file)")
+        p.add_argument("--grpc", action="append", metavar="ADDRESS",
+                       help="also serve the KServe v2 gRPC API (the grpc extra) on HOST:PORT (needs a token) "
+                            "or unix:PATH; repeat for several")
         p.add_argument("--token-file", help="file holding the bearer token TCP clients must send")
         p.add_argument("--models", help="model repository directory")
         p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
@@ -88,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request", metavar="FILE.json", help="a whole KServe v2 JSON request instead of --input")
     p.add_argument("--json", action="store_true", help="print outputs as JSON")
     p.add_argument("--timeout-ms", type=float, help="request deadline")
-    p.add_argument("--priority", type=int)
+    p.add_argument("--priority", type=int, help="Triton's scale: 1 is the highest; 0 or none: the model's default level")
     add_target(p)
     p.set_defaults(func=cmd_infer)
 
@@ -133,6 +136,11 @@ def resolve_settings(args: argparse.Namespace):
         if args.http:
             parse_host_port(args.http, "--http")
         config.server.http = args.http
+    if args.grpc:
+        for address in args.grpc:
+            if not address.startswith("unix:"):
+                parse_host_port(address, "--grpc")
+        config.server.grpc = args.grpc
     if args.token_file:
         config.server.token_file = args.token_file
     if args.models:
@@ -140,10 +148,12 @@ def resolve_settings(args: argparse.Namespace):
     if args.log_level:
         config.server.log_level = args.log_level.upper()
     s = config.server
-    if s.http and not read_secret(s.token, s.token_file, "[server] token"):
+    tcp = [s.http] if s.http else []
+    tcp += [a for a in s.grpc if not a.startswith("unix:")]
+    if tcp and not read_secret(s.token, s.token_file, "[server] token"):
         # The daemon checks this too, but only after every model has loaded and warmed.
         raise ConfigError(
-            f"TCP ({s.http}) needs a bearer token: pass --token-file FILE "
+            f"TCP ({', '.join(tcp)}) needs a bearer token: pass --token-file FILE "
             f"(e.g. `openssl rand -hex 32 > token`) or set [server] token_file"
         )
     return config
@@ -182,6 +192,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         "unix_socket": str(config.socket_path()),
         "socket_mode": s.socket_mode,
         "http": s.http or None,
+        "grpc": s.grpc or None,
         "token": ("from " + s.token_file) if s.token_file else ("set" if s.token else None),
         "tls": bool(s.tls_cert),
         "models_repository": str(repo),

@@ -17,7 +17,8 @@ raw bytes after a JSON header, which is far cheaper than JSON numbers for real p
 
 Errors: ``ClientError`` for any non-2xx answer (``status``, ``message``); its subclass
 ``DaemonUnreachable`` (status 0) when no connection can be opened, naming the address and what
-to do. docs/client.md is the reference.
+to do. ``priority`` is on Triton's scale: 1 is the highest, None the model's default level.
+docs/client.md is the reference.
 """
 
 from __future__ import annotations
@@ -138,14 +139,8 @@ def _infer_body(
         parameters["priority"] = priority
     if timeout_ms is not None:
         parameters["timeout_ms"] = timeout_ms
-    body, header_length = encode_request(
-        inputs,
-        id=id,
-        parameters=parameters or None,
-        outputs=outputs,
-        binary_inputs=binary,
-        binary_outputs=binary,
-    )
+    body, header_length = encode_request(inputs, id=id, parameters=parameters or None, outputs=outputs,
+                                         binary_inputs=binary, binary_outputs=binary)
     if header_length is None:
         return body, {"Content-Type": JSON_CONTENT_TYPE}
     # JSON mode can still produce a binary body (BYTES that are not utf-8).

@@ -40,6 +40,9 @@ class ServerSettings:
     unix_socket: str = "auto"
     socket_mode: str = "0660"
     http: str = ""  # "HOST:PORT" also serves the API on TCP; empty: Unix socket only
+    # The KServe v2 gRPC API (the `grpc` extra) on each of these addresses: "HOST:PORT" (TCP: the
+    # token and TLS settings below apply) or "unix:PATH" (mode socket_mode). Empty: no gRPC.
+    grpc: list[str] = field(default_factory=list)
     # TCP only (the Unix socket is protected by its file mode): a bearer token is required
     # whenever http is set; from token or, better, token_file. TLS when cert and key are set.
     token: str = ""
@@ -242,6 +245,11 @@ def _validate_daemon(config: DaemonConfig, source: str) -> None:
         raise ConfigError(f"{source}: [server] socket_mode: {s.socket_mode!r} is not a file mode")
     if s.http:
         parse_host_port(s.http, f"{source}: [server] http")
+    for address in s.grpc:
+        if not address.startswith("unix:"):
+            parse_host_port(address, f"{source}: [server] grpc")
+        elif len(address) == len("unix:"):
+            raise ConfigError(f"{source}: [server] grpc: expected unix:PATH, got {address!r}")
     _positive(s.max_body_bytes, f"{source}: [server] max_body_bytes")
     _positive(s.max_inflight_body_bytes, f"{source}: [server] max_inflight_body_bytes", allow_zero=True)
     if s.max_inflight_body_bytes == 0:

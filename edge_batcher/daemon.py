@@ -1,6 +1,6 @@
 """The daemon's lifecycle, in order:
 
-  load config -> load + warm up engines -> listen (Unix socket, optional TCP) -> MQTT (if enabled)
+  load config -> load + warm up engines -> listen (Unix socket, optional TCP and gRPC) -> MQTT (if enabled)
   -> sd_notify READY=1 -> serve until SIGTERM/SIGINT (SIGHUP: reload the model repository)
   -> drain: stop listening, take no new MQTT messages (they stay unacked for redelivery), answer
      everything queued and in flight (up to server.drain_timeout_s), publish and ack those MQTT
@@ -65,6 +65,7 @@ class Daemon:
         self._sites: list[web.BaseSite] = []
         self._socket_file: tuple[Path, int] | None = None  # (path, inode) we created
         self._tasks: list[asyncio.Task] = []
+        self.grpc = None  # transports/grpc_v2/server.py's GrpcServer when [server] grpc is set
         # Built here so a bad [mqtt] section stops start-up before any model loads.
         self.mqtt = MqttTransport(config.mqtt, self.runtime) if config.mqtt.enabled else None
         self.health_checks = {"mqtt": (lambda: self.mqtt.state) if self.mqtt else (lambda: "disabled")}
@@ -113,6 +114,7 @@ class Daemon:
         try:
             await self.runtime.start()
             await self._listen()
+            await self._listen_grpc()
             if self.mqtt is not None:
                 await self.mqtt.start()
             loop.add_signal_handler(signal.SIGHUP, self.request_reload)  # only once serving
@@ -133,6 +135,8 @@ class Daemon:
                 await self.mqtt.stop(timeout=0)  # already stopped after a drain; at once after an error
             if self._web is not None:
                 await self._web.cleanup()
+            if self.grpc is not None:
+                await self.grpc.stop(0)  # at once after an error; already stopped after a drain
             await self.runtime.close()
             if self._socket_file is not None:
                 remove_socket_file(*self._socket_file)
@@ -179,6 +183,22 @@ class Daemon:
             log.info("serving the v2 API on %s://%s:%d (bearer token required)",
                      "https" if ssl_context else "http", host, port)
 
+    async def _listen_grpc(self) -> None:
+        s = self.config.server
+        if not s.grpc:
+            return
+        try:  # only now: a daemon without [server] grpc never loads grpcio
+            from .transports.grpc_v2.server import GrpcServer
+        except ImportError as exc:
+            raise ConfigError(f"[server] grpc needs the grpc extra: pip install 'edge-batcher[grpc]' ({exc})") from None
+        token = read_secret(s.token, s.token_file, "[server] token")
+        if not token and any(not a.startswith("unix:") for a in s.grpc):
+            raise ConfigError("[server] grpc has a TCP address: a bearer token is required on TCP; set token_file (or token)")
+        self.grpc = GrpcServer(self.runtime, s.grpc, token=token, tls=(s.tls_cert, s.tls_key) if s.tls_cert else None,
+                               max_message_bytes=s.max_body_bytes, max_concurrent_rpcs=s.max_connections,
+                               socket_mode=int(s.socket_mode, 8))
+        await self.grpc.start()
+
     async def _add_site(self, site: web.BaseSite) -> None:
         await site.start()
         self._sites.append(site)
@@ -186,11 +206,16 @@ class Daemon:
     async def _drain(self) -> None:
         for site in self._sites:
             await site.stop()  # no new connections; open ones finish their requests
+        grpc_stopped = None
+        if self.grpc is not None:  # no new calls; those in progress are answered by the drain below
+            grpc_stopped = asyncio.create_task(self.grpc.stop(self.config.server.drain_timeout_s))
         if self.mqtt is not None:
             self.mqtt.pause()  # new messages stay unacked: the broker redelivers them after the restart
         await self.runtime.drain(self.config.server.drain_timeout_s)
         if self.mqtt is not None:
             await self.mqtt.stop()  # publishes and acks the replies of what the drain answered
+        if grpc_stopped is not None:
+            await grpc_stopped
 
     async def _watchdog(self, interval: float) -> None:
         # Sent from the event loop on purpose: if the loop is stuck, pings stop and systemd restarts us.

@@ -29,8 +29,11 @@ class ModelStats:
     queue_ns: int = 0
     compute_ns: int = 0  # whole batch on the worker: assemble + engine + split
     engine_ns: int = 0  # the engine's infer() alone
+    # Triton's per-request view: every request of a batch is charged the batch's whole time.
+    request_engine_ns: int = 0
+    request_io_ns: int = 0
     last_inference_ms: int = 0
-    batch_stats: dict[int, list[int]] = field(default_factory=dict)  # size -> [count, ns]
+    batch_stats: dict[int, list[int]] = field(default_factory=dict)  # size -> [count, engine ns, io ns]
     reasons: dict[str, int] = field(default_factory=dict)
     padding_rows: int = 0
     batch_rows: int = 0
@@ -74,11 +77,13 @@ class RunnerStats:
         engine_ns = int(engine_seconds * 1e9)
         s.engine_ns += engine_ns
         s.last_inference_ms = int(time.time() * 1000)
+        io_ns = int(seconds * 1e9) - engine_ns  # assembling the batch and splitting its outputs
         entry = s.batch_stats.get(plan.size)
         if entry is None:
-            entry = s.batch_stats[plan.size] = [0, 0]
+            entry = s.batch_stats[plan.size] = [0, 0, 0]
         entry[0] += 1
         entry[1] += engine_ns
+        entry[2] += io_ns
         reason = str(plan.reason)
         s.reasons[reason] = s.reasons.get(reason, 0) + 1
         s.padding_rows += plan.padding
@@ -94,6 +99,8 @@ class RunnerStats:
         n = len(arrivals)
         self.ok.inc(n)
         s.success_count += n
+        s.request_engine_ns += n * engine_ns
+        s.request_io_ns += n * io_ns
         queued = [dispatched - a for a in arrivals]
         total = [now - a for a in arrivals]
         s.queue_ns += int(sum(queued) * 1e9)
@@ -107,8 +114,17 @@ class RunnerStats:
         self.counts.offloaded[key] = self.counts.offloaded.get(key, 0) + n
 
     def to_json(self, queue_depth: int, exec_times: Iterable[tuple[int, float]]) -> dict:
-        """Triton's statistics-extension shape, plus edge-batcher's dispatch reasons and padding."""
+        """Triton's statistics-extension shape, with Triton's counts (perf_analyzer checks them),
+        plus edge-batcher's dispatch reasons, padding and per-execution worker times.
+
+        As in Triton, `inference_stats` counts requests: `queue` and the three `compute_*` count
+        the requests answered from local batches, each charged its batch's whole time; each
+        `batch_stats` entry counts executions of that size. edge-batcher does not time a batch's
+        assembly apart from its output split, so both are in `compute_input` and `compute_output`
+        has their count and 0 ns; `execution_ns` has the same times once per batch.
+        """
         s = self.counts
+        answered = s.success_count  # requests answered from local batches (offloaded ones are not)
         return {
             "name": self.model,
             "version": "1",
@@ -118,15 +134,19 @@ class RunnerStats:
             "inference_stats": {
                 "success": {"count": s.success_count, "ns": s.success_ns},
                 "fail": {"count": s.fail_count + s.expired + s.rejected, "ns": s.fail_ns},
-                "queue": {"count": s.success_count, "ns": s.queue_ns},
-                "compute_infer": {"count": s.execution_count, "ns": s.engine_ns},
-                # assembling padded batches and splitting outputs, on the engine's worker thread
-                "compute_input_output": {"count": s.execution_count, "ns": s.compute_ns - s.engine_ns},
+                "queue": {"count": answered, "ns": s.queue_ns},
+                "compute_input": {"count": answered, "ns": s.request_io_ns},
+                "compute_infer": {"count": answered, "ns": s.request_engine_ns},
+                "compute_output": {"count": answered, "ns": 0},
             },
             "batch_stats": [
-                {"batch_size": size, "compute_infer": {"count": c, "ns": ns}}
-                for size, (c, ns) in sorted(s.batch_stats.items())
+                {"batch_size": size, "compute_input": {"count": c, "ns": io_ns},
+                 "compute_infer": {"count": c, "ns": engine_ns}, "compute_output": {"count": c, "ns": 0}}
+                for size, (c, engine_ns, io_ns) in sorted(s.batch_stats.items())
             ],
+            # per batch on the engine's worker thread: the engine's run, and assembling padded
+            # batches and splitting outputs around it
+            "execution_ns": {"engine": s.engine_ns, "assemble_and_split": s.compute_ns - s.engine_ns},
             "dispatch_reasons": dict(s.reasons),
             "padding_rows": s.padding_rows,
             "padding_ratio": s.padding_rows / s.batch_rows if s.batch_rows else 0.0,

@@ -24,6 +24,7 @@ from .http_body import BodyBudget, ClientGone
 from .http_connections import connection_state_middleware
 from .http_generate import add_generate_routes
 from .http_keys import BODY_BUDGET, HEALTH_CHECKS, RUNTIME
+from .triton_config import MODEL_VERSION, model_config, servable_for
 from .v2_decode import decode_request
 
 log = logging.getLogger(__name__)
@@ -75,12 +76,16 @@ def create_app(
         web.get("/v2", server_metadata),
         web.post("/v2/repository/index", repository_index),
         web.get("/v2/models/stats", all_stats),
-        web.get("/v2/models/{model}", model_metadata),
-        web.get("/v2/models/{model}/ready", model_ready),
-        web.get("/v2/models/{model}/stats", model_stats),
-        web.post("/v2/models/{model}/infer", infer),
         web.get("/metrics", metrics),
     ])  # fmt: skip
+    for model in ("/v2/models/{model}", "/v2/models/{model}/versions/{version}"):  # KServe v2's two forms
+        app.add_routes([
+            web.get(model, model_metadata),
+            web.get(model + "/ready", model_ready),
+            web.get(model + "/config", model_configuration),
+            web.get(model + "/stats", model_stats),
+            web.post(model + "/infer", infer),
+        ])  # fmt: skip
     add_generate_routes(app)
     return app
 
@@ -103,7 +108,7 @@ async def server_metadata(request: web.Request) -> web.Response:
     return web.json_response({
         "name": "edge-batcher",
         "version": __version__,
-        "extensions": ["binary_tensor_data", "statistics", "model_repository", "generate"],
+        "extensions": ["binary_tensor_data", "statistics", "model_repository", "model_configuration", "generate"],
     })
 
 
@@ -114,12 +119,17 @@ async def repository_index(request: web.Request) -> web.Response:
     )
 
 
+def _servable(request: web.Request):
+    """The model a /v2/models/{model}[/versions/{version}] route names (404 for another version)."""
+    return servable_for(request.app[RUNTIME], request.match_info["model"], request.match_info.get("version", ""))
+
+
 async def model_metadata(request: web.Request) -> web.Response:
-    runner = request.app[RUNTIME].runner(request.match_info["model"])
+    runner = _servable(request)
     c = runner.config
     return web.json_response({
         "name": runner.name,
-        "versions": ["1"],
+        "versions": [MODEL_VERSION],
         "platform": c.backend,
         "inputs": [s.to_json() for s in runner.inputs],
         "outputs": [s.to_json() for s in runner.outputs],
@@ -137,13 +147,16 @@ async def model_metadata(request: web.Request) -> web.Response:
 
 async def model_ready(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
-    runtime.runner(request.match_info["model"])  # 404 for an unknown model
+    _servable(request)  # 404 for an unknown model or version
     return web.json_response({"ready": runtime.ready}, status=200 if runtime.ready else 503)
 
 
+async def model_configuration(request: web.Request) -> web.Response:
+    return web.json_response(model_config(_servable(request)))
+
+
 async def model_stats(request: web.Request) -> web.Response:
-    runner = request.app[RUNTIME].runner(request.match_info["model"])
-    return web.json_response({"model_stats": [runner.statistics()]})
+    return web.json_response({"model_stats": [_servable(request).statistics()]})
 
 
 async def all_stats(request: web.Request) -> web.Response:
@@ -162,11 +175,12 @@ async def metrics(request: web.Request) -> web.Response:
 async def infer(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     model = request.match_info["model"]
-    runtime.runner(model).refuse_if_full()  # 404 / 429 before reading and decoding the body
+    servable = _servable(request)  # 404 before reading the body
+    servable.refuse_if_full()  # 429 before reading and decoding the body
     header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH))
     async with request.app[BODY_BUDGET].read(request) as body:  # 413/503/408 before holding it
         decoded = await decode_request(body, header_length)
-        infer_request = to_infer_request(model, decoded)
+        infer_request = to_infer_request(model, decoded, servable.config.batching.priority_levels)
         response = await runtime.infer(infer_request)
     binary = v2.binary_outputs_for(decoded, list(response.outputs))
     payload, json_length = v2.encode_response(model, response.id, response.outputs, binary=binary,

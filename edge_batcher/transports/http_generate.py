@@ -82,7 +82,7 @@ async def _to_request(request: web.Request, model: str, runner) -> InferRequest:
     if request_id is not None and not isinstance(request_id, str):
         raise InvalidInput("'id' must be a string")
     timeout_s = timeout_parameter(parameters)  # timeout_ms, or Triton's timeout in microseconds
-    priority = priority_parameter(parameters)
+    priority = priority_parameter(parameters, runner.config.batching.priority_levels)
     array = np.empty(1, dtype=object)
     try:
         array[0] = text.encode("utf-8")

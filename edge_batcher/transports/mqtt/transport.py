@@ -369,7 +369,7 @@ class MqttTransport:
                 raise InvalidInput("empty payload: expected a KServe v2 inference request (JSON)")
             decoded = await decode_request(payload, header_length)
             request_id = decoded.id
-            request = to_infer_request(model, decoded)
+            request = to_infer_request(model, decoded, self.runtime.runner(model).config.batching.priority_levels)
             if decoded.parameters.get("stream") is True:
                 response = await self._stream_chunks(held, model, request)
             else:

@@ -1,0 +1,237 @@
+"""The gRPC server: KServe v2's `inference.GRPCInferenceService` on TCP and Unix sockets.
+
+Serves ServerLive/Ready, ServerMetadata, ModelMetadata/Ready, ModelConfig, ModelStatistics,
+RepositoryIndex and ModelInfer on the event loop (grpc.aio), through the same Runtime, model
+lookup, parameters mapping and codec checks as HTTP; the RPCs it does not serve (shared memory,
+model control, tracing, streaming) answer UNIMPLEMENTED. This is the gRPC edge of the error
+tree: an EdgeBatcherError becomes the gRPC status of its HTTP status (GRPC_CODES) with the same
+message; anything else is logged and answered INTERNAL while the daemon keeps serving. As on
+HTTP, calls over TCP need the bearer token (`authorization: Bearer ...` metadata) except
+ServerLive; calls on a Unix socket are guarded by its file mode.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import stat
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf import json_format
+
+from ... import __version__
+from ...config import parse_host_port
+from ...errors import ConfigError, EdgeBatcherError, Unauthorized
+from ...protocol.parameters import to_infer_request
+from ...runtime import Runtime
+from ..triton_config import MODEL_VERSION, model_config, servable_for
+from . import grpc_service_pb2 as pb
+from . import model_config_pb2
+from .codec import decode_infer_request, encode_infer_response
+
+log = logging.getLogger(__name__)
+
+SERVICE = "inference.GRPCInferenceService"
+EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository", "model_configuration"]
+
+# The error tree's HTTP statuses as gRPC status codes (as Triton and KServe map them).
+GRPC_CODES = {
+    400: grpc.StatusCode.INVALID_ARGUMENT,
+    401: grpc.StatusCode.UNAUTHENTICATED,
+    404: grpc.StatusCode.NOT_FOUND,
+    408: grpc.StatusCode.DEADLINE_EXCEEDED,
+    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    503: grpc.StatusCode.UNAVAILABLE,
+    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+}
+OPEN_METHODS = frozenset({"ServerLive"})  # liveness without a secret, as HTTP's /v2/health/live
+UNIX_PREFIX = "unix:"
+
+
+def grpc_code(status: int) -> grpc.StatusCode:
+    return GRPC_CODES.get(status, grpc.StatusCode.INTERNAL)
+
+
+def unix_socket_path(address: str) -> Path | None:
+    """The path of a `unix:PATH` (or `unix:///abs/path`) address; None for HOST:PORT."""
+    if not address.startswith(UNIX_PREFIX):
+        return None
+    path = address[len(UNIX_PREFIX):]
+    return Path(path[2:] if path.startswith("//") else path)
+
+
+class GrpcServer:
+    """One grpc.aio server listening on every address of `[server] grpc`."""
+
+    def __init__(self, runtime: Runtime, addresses: list[str], *, token: str, tls: tuple[str, str] | None,
+                 max_message_bytes: int, max_concurrent_rpcs: int, socket_mode: int = 0o660):
+        self.runtime = runtime
+        self.addresses = addresses
+        self._token = token.encode()
+        self._tls = tls
+        self._socket_mode = socket_mode
+        self._socket_files: list[Path] = []
+        self.bound: list[str] = []  # the addresses as bound (a TCP port 0 becomes the real one)
+        self._server = grpc.aio.server(
+            options=[("grpc.max_receive_message_length", max_message_bytes),
+                     ("grpc.max_send_message_length", -1)],
+            maximum_concurrent_rpcs=max_concurrent_rpcs,
+        )
+        self._server.add_generic_rpc_handlers((self._handlers(),))
+
+    async def start(self) -> None:
+        for address in self.addresses:
+            path = unix_socket_path(address)
+            if path is not None:
+                self._bind_unix(path)
+            else:
+                self._bind_tcp(address)
+        await self._server.start()
+        for path in self._socket_files:
+            os.chmod(path, self._socket_mode)
+        for address in self.bound:
+            log.info("serving the v2 gRPC API on %s%s", address,
+                     "" if address.startswith(UNIX_PREFIX) else " (bearer token required)")
+
+    async def stop(self, grace: float | None) -> None:
+        """Take no new calls; let those in progress finish within `grace` seconds."""
+        await self._server.stop(grace)
+        for path in self._socket_files:
+            path.unlink(missing_ok=True)
+
+    def _bind_unix(self, path: Path) -> None:
+        if path.exists() or path.is_symlink():
+            if not stat.S_ISSOCK(path.lstat().st_mode):
+                raise ConfigError(f"[server] grpc: {path} exists and is not a socket")
+            path.unlink()  # a stale socket of an earlier run
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self._server.add_insecure_port(f"{UNIX_PREFIX}{path}")
+        except RuntimeError as exc:
+            raise ConfigError(f"[server] grpc: cannot listen on unix:{path}: {exc}") from None
+        self._socket_files.append(path)
+        self.bound.append(f"{UNIX_PREFIX}{path}")
+
+    def _bind_tcp(self, address: str) -> None:
+        host, port = parse_host_port(address, "[server] grpc")
+        target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            if self._tls:
+                cert, key = (Path(p).read_bytes() for p in self._tls)
+                bound = self._server.add_secure_port(target, grpc.ssl_server_credentials([(key, cert)]))
+            else:
+                bound = self._server.add_insecure_port(target)
+        except (OSError, RuntimeError) as exc:  # grpcio raises RuntimeError when the bind fails
+            raise ConfigError(f"[server] grpc: cannot listen on {address}: {exc}") from None
+        if not bound:
+            raise ConfigError(f"[server] grpc: cannot listen on {address}")
+        self.bound.append(f"{host}:{bound}")
+
+    def _handlers(self) -> grpc.GenericRpcHandler:
+        rpcs: dict[str, tuple[Callable[..., Awaitable[Any]], Any]] = {
+            "ServerLive": (self.server_live, pb.ServerLiveRequest),
+            "ServerReady": (self.server_ready, pb.ServerReadyRequest),
+            "ModelReady": (self.model_ready, pb.ModelReadyRequest),
+            "ServerMetadata": (self.server_metadata, pb.ServerMetadataRequest),
+            "ModelMetadata": (self.model_metadata, pb.ModelMetadataRequest),
+            "ModelConfig": (self.model_config, pb.ModelConfigRequest),
+            "ModelStatistics": (self.model_statistics, pb.ModelStatisticsRequest),
+            "RepositoryIndex": (self.repository_index, pb.RepositoryIndexRequest),
+            "ModelInfer": (self.model_infer, pb.ModelInferRequest),
+        }
+        return grpc.method_handlers_generic_handler(SERVICE, {
+            name: grpc.unary_unary_rpc_method_handler(
+                self._edge(name, method), request_deserializer=request_type.FromString,
+                response_serializer=lambda message: message.SerializeToString())
+            for name, (method, request_type) in rpcs.items()
+        })
+
+    def _edge(self, name: str, method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        """`method` behind the token check and the error tree's translation."""
+
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                if name not in OPEN_METHODS:
+                    self._authorize(context)
+                return await method(request, context)
+            except EdgeBatcherError as exc:
+                await context.abort(grpc_code(exc.status), exc.message)
+            except Exception as exc:
+                if isinstance(exc, grpc.aio.AbortError):  # context.abort's own way out
+                    raise
+                log.exception("unhandled error in gRPC %s", name)
+                await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+        return call
+
+    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if context.peer().startswith(UNIX_PREFIX):
+            return
+        for key, value in context.invocation_metadata() or ():
+            if key == "authorization":
+                scheme, _, given = (value if isinstance(value, str) else value.decode()).partition(" ")
+                if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._token):
+                    return
+        raise Unauthorized("missing or invalid bearer token (gRPC metadata 'authorization: Bearer <token>')")
+
+    # ------------------------------------------------------------------ the RPCs
+
+    async def server_live(self, request, context) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    async def server_ready(self, request, context) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.runtime.ready)
+
+    async def model_ready(self, request, context) -> pb.ModelReadyResponse:
+        servable_for(self.runtime, request.name, request.version)  # NOT_FOUND for another model or version
+        return pb.ModelReadyResponse(ready=self.runtime.ready)
+
+    async def server_metadata(self, request, context) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(name="edge-batcher", version=__version__, extensions=EXTENSIONS)
+
+    async def model_metadata(self, request, context) -> pb.ModelMetadataResponse:
+        servable = servable_for(self.runtime, request.name, request.version)
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=servable.name, versions=[MODEL_VERSION], platform=servable.config.backend,
+            inputs=[tensor(name=s.name, datatype=s.datatype, shape=s.shape) for s in servable.inputs],
+            outputs=[tensor(name=s.name, datatype=s.datatype, shape=s.shape) for s in servable.outputs],
+        )
+
+    async def model_config(self, request, context) -> pb.ModelConfigResponse:
+        config = model_config(servable_for(self.runtime, request.name, request.version))
+        return pb.ModelConfigResponse(config=json_format.ParseDict(config, model_config_pb2.ModelConfig()))
+
+    async def model_statistics(self, request, context) -> pb.ModelStatisticsResponse:
+        if request.name:
+            servables = [servable_for(self.runtime, request.name, request.version)]
+        else:
+            servables = [s for _, s in sorted(self.runtime.runners.items())]
+        return pb.ModelStatisticsResponse(model_stats=[
+            # edge-batcher's own fields (dispatch reasons, padding...) have no place in the message
+            json_format.ParseDict(s.statistics(), pb.ModelStatistics(), ignore_unknown_fields=True)
+            for s in servables
+        ])
+
+    async def repository_index(self, request, context) -> pb.RepositoryIndexResponse:
+        index = pb.RepositoryIndexResponse.ModelIndex
+        return pb.RepositoryIndexResponse(models=[
+            index(name=name, version=MODEL_VERSION, state="READY") for name in sorted(self.runtime.runners)
+        ])
+
+    async def model_infer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
+        model = request.model_name
+        servable = servable_for(self.runtime, model, request.model_version)
+        servable.refuse_if_full()
+        infer_request = to_infer_request(model, decode_infer_request(request),
+                                         servable.config.batching.priority_levels)
+        remaining = context.time_remaining()
+        if infer_request.timeout_s is None and remaining is not None:
+            infer_request.timeout_s = max(remaining, 0.0)  # the call's gRPC deadline, when no parameter set one
+        response = await self.runtime.infer(infer_request)
+        return encode_infer_response(model, response.id, response.outputs, response.parameters or None)
