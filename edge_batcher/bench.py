@@ -16,9 +16,9 @@ Per-request overhead outside the engine = CPU time of the event-loop thread per 
 (queueing, policy, futures, the load generator's own call) + the worker thread's batch
 assembly/splitting time per request. It is CPU time, so the other core's work does not count.
 
-While it runs, each step is announced on stderr (a bar on a terminal, plain lines in logs);
-the results are two tables (throughput and latency; batching and overhead), and with --plot
-FILE.png a picture of the same (matplotlib, the `plot` extra).
+While it runs, each step is announced on stderr (progress.py: a bar on a terminal, plain lines
+in logs); the results are two tables (throughput and latency; batching and overhead), and with
+--plot FILE.png a picture of the same (bench_report.py; matplotlib, the `plot` extra).
 """
 
 from __future__ import annotations
@@ -39,10 +39,12 @@ from pathlib import Path
 
 import numpy as np
 
+from .bench_report import format_report, plot_report, pyplot
 from .config import load_config
 from .cpu_affinity import choose as choose_cpu, pin_this_thread
-from .errors import ConfigError, EdgeBatcherError
+from .errors import EdgeBatcherError
 from .metrics import Metrics
+from .progress import Progress
 from .runtime import discover_models, load_runner
 from .types import DATATYPE_TO_NUMPY, InferRequest
 
@@ -68,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if args.models:
         config.models.repository = str(Path(args.models).resolve())
     if args.plot is not None:
-        _pyplot()  # fail now, not after minutes of measuring
+        pyplot()  # fail now, not after minutes of measuring
     results = asyncio.run(_bench(config, args))
     if args.json:
         print(json.dumps(results, indent=2))
@@ -80,34 +82,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class Progress:
-    """The step the benchmark is at, on stderr: a bar redrawn in place on a terminal, one plain
-    line per step where the output is a log or CI (a redrawn line would pile up there)."""
-
-    def __init__(self, total: int, stream=None):
-        self.stream = stream or sys.stderr
-        self.total = total
-        self.done = 0
-        self.tty = self.stream.isatty()
-        self.started = time.monotonic()
-
-    def step(self, label: str) -> None:
-        elapsed = time.monotonic() - self.started
-        left = f", ~{elapsed / self.done * (self.total - self.done):.0f} s left" if self.done else ""
-        self.done += 1
-        if self.tty:
-            width = 20
-            filled = width * (self.done - 1) // self.total
-            print(f"\r\033[K[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} {label} "
-                  f"({elapsed:.0f} s{left})", end="", file=self.stream, flush=True)
-        else:
-            print(f"bench {self.done}/{self.total}: {label} ({elapsed:.0f} s{left})", file=self.stream, flush=True)
-
-    def close(self) -> None:
-        if self.tty:
-            print("\r\033[K", end="", file=self.stream, flush=True)
-
-
 async def _bench(config, args) -> dict:
     (mc,) = discover_models(Path(config.models.repository), [args.model])
     loop = asyncio.get_running_loop()
@@ -115,10 +89,6 @@ async def _bench(config, args) -> dict:
     cpu = choose_cpu(config.server.loop_cpu)
     pin_this_thread(cpu)
     runner = await loop.run_in_executor(None, load_runner, mc, Metrics(), True)
-    if not runner.runs_locally:
-        await runner.close()
-        raise ConfigError(f"model {mc.name!r} runs on offload peers only (backend {mc.backend!r}): "
-                          f"nothing of it runs on this device to benchmark")
     engine = runner.engines[0]
     sample = _sample_inputs(runner)
     largest = mc.batching.preferred_batch_sizes[-1]
@@ -127,7 +97,7 @@ async def _bench(config, args) -> dict:
                  "loop_cpu": cpu}
 
     n = args.repeat
-    progress = Progress(n * (5 + (cpu is not None)) + bool(args.unix) + bool(args.mqtt))
+    progress = Progress("bench", n * (5 + (cpu is not None)) + bool(args.unix) + bool(args.mqtt))
 
     def runs(label: str):
         for i in range(n):
@@ -305,7 +275,7 @@ async def _in_process(model_config, sample, args, *, closed: bool, rate: float =
     stats = runner.statistics()
     await runner.close()
     n = len(latencies)
-    worker_io_s = stats["inference_stats"]["compute_input_output"]["ns"] / 1e9
+    worker_io_s = stats["execution_ns"]["assemble_and_split"] / 1e9
     return {
         "requests": n,
         "throughput_rps": n / wall,
@@ -319,7 +289,7 @@ async def _in_process(model_config, sample, args, *, closed: bool, rate: float =
         "runtime_overhead_us_per_request": ((loop_cpu + worker_io_s) / n * 1e6 - _generator_cost_us(model_config.name, sample))
         if n and closed else None,
         "loop_cpu_us_per_request": loop_cpu / n * 1e6 if n else None,
-        "engine_us_per_request": stats["inference_stats"]["compute_infer"]["ns"] / 1e3 / n if n else None,
+        "engine_us_per_request": stats["execution_ns"]["engine"] / 1e3 / n if n else None,
     }
 
 
@@ -498,132 +468,3 @@ async def _through_mqtt(config, model: str, sample, args) -> dict:
                 concurrency=min(args.concurrency, 32)))
             runs.append(r)
         return _median_run(runs)
-
-
-def _phases(r: dict) -> list[tuple[str, dict]]:
-    """The load phases in the order they ran, each as one row: label and figures."""
-    rows = [("in-process, closed loop", r["in_process_closed"]),
-            (f"in-process, open loop ({r['in_process_open']['offered_rps']:.0f}/s)", r["in_process_open"]),
-            ("in-process, batching off", r["in_process_no_batching"])]
-    if "in_process_closed_any_cpu" in r:
-        rows.append(("in-process, threads on any CPU", r["in_process_closed_any_cpu"]))
-    if "unix_socket_closed" in r:
-        rows.append(("Unix socket (binary), closed loop", r["unix_socket_closed"]))
-    if "mqtt" in r:
-        m = r["mqtt"]
-        lat = m["latency_ms"]
-        rows.append(("MQTT 5 request/response", {**m, "p50_ms": lat["p50"], "p95_ms": lat["p95"], "p99_ms": lat["p99"]}))
-    return rows
-
-
-def _table(rows: list[list[str]]) -> list[str]:
-    """Columns padded to their widest cell; the first left-aligned, the others right-aligned."""
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-            for row in rows]
-
-
-def _counts(counts: dict | None, order=None) -> str:
-    if not counts:
-        return "-"
-    keys = sorted(counts, key=order) if order else sorted(counts, key=lambda k: -counts[k])
-    return " ".join(f"{k}:{counts[k]}" for k in keys if counts[k])
-
-
-def format_report(r: dict) -> str:
-    placement = (f"event loop and engine threads on CPU {r['loop_cpu']}" if r.get("loop_cpu") is not None
-                 else "threads on any CPU")
-    largest = r["preferred_batch_sizes"][-1]
-    lines = [f"model {r['model']}, preferred sizes {r['preferred_batch_sizes']}, {r['concurrency']} closed-loop "
-             f"callers, {r['duration_s']} s x {r['repeat']} run(s) per phase (the median run), {placement}", ""]
-
-    speed = [["phase", "req/s", "runs", "p50 ms", "p95 ms", "p99 ms", "errors"],
-             [f"raw engine ceiling (size {largest})", f"{r['raw_ceiling_rps']:.0f}", "", "", "", "", ""],
-             ["minimal asyncio batcher (reference)", f"{r['minimal_batcher_rps']:.0f}", "", "", "", "", ""]]
-    batching = [["phase", "batches by size", "why batches left", "padding", "overhead us/req (runtime's own)",
-                 "engine us/req"]]
-    for label, p in _phases(r):
-        runs = p.get("throughput_rps_all") or []
-        speed.append([label, f"{p['throughput_rps']:.0f}",
-                      f"{min(runs):.0f}-{max(runs):.0f}" if len(runs) > 1 else "",
-                      f"{p['p50_ms']:.2f}", f"{p['p95_ms']:.2f}", f"{p['p99_ms']:.2f}",
-                      _counts(p.get("errors")) if p.get("errors") else ""])
-        overhead = p.get("overhead_us_per_request")
-        own = p.get("runtime_overhead_us_per_request")
-        engine = p.get("engine_us_per_request")
-        batching.append([label, _counts(p.get("batch_sizes"), order=lambda k: -int(k)),
-                         _counts(p.get("dispatch_reasons")),
-                         "-" if p.get("padding_ratio") is None else f"{p['padding_ratio']:.2f}",
-                         "-" if overhead is None else f"{overhead:.1f}" + ("" if own is None else f" ({own:.1f})"),
-                         "-" if engine is None else f"{engine:.1f}"])
-    lines += _table(speed) + [""] + _table(batching) + [""]
-    lines.append(f"speedup over no batching: {r['speedup_over_no_batching']:.2f}x")
-    lines.append(f"throughput / raw ceiling: {r['ratio_to_ceiling']:.2f} "
-                 f"(the minimal batcher: {r['minimal_batcher_rps'] / r['raw_ceiling_rps']:.2f}; "
-                 f"the runtime / the minimal batcher: {r['in_process_closed']['throughput_rps'] / r['minimal_batcher_rps']:.2f})")
-    if "in_process_closed_any_cpu" in r:
-        gain = r["in_process_closed"]["throughput_rps"] / r["in_process_closed_any_cpu"]["throughput_rps"]
-        lines.append(f"one shared CPU vs threads on any CPU: {gain:.2f}x")
-    if "mqtt" in r:
-        from .bench_mqtt import format_mqtt_report
-
-        lines += ["", format_mqtt_report(r["mqtt"])]
-    return "\n".join(lines)
-
-
-def _pyplot():
-    try:
-        import matplotlib
-    except ImportError:
-        raise ConfigError("--plot needs matplotlib: pip install 'edge-batcher[plot]' (or pip install matplotlib)") from None
-    matplotlib.use("Agg")  # files only: no display on a device or in CI
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_report(r: dict, path: Path) -> None:
-    """Throughput, p50/p99 latency and the batch-size mix per phase, in one PNG."""
-    plt = _pyplot()
-    phases = _phases(r)
-    labels = [label for label, _ in phases]
-    y = np.arange(len(phases))
-    legend = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.16), "ncol": 2, "fontsize": 8, "frameon": False}
-    fig, (ax_rps, ax_lat, ax_mix) = plt.subplots(1, 3, figsize=(15, 0.55 * len(phases) + 2.8), sharey=True)
-    ax_rps.barh(y, [p["throughput_rps"] for _, p in phases], color="tab:blue")
-    for value, name, style in ((r["raw_ceiling_rps"], f"raw engine ceiling (size {r['preferred_batch_sizes'][-1]})", "--"),
-                               (r["minimal_batcher_rps"], "minimal asyncio batcher", ":")):
-        ax_rps.axvline(value, color="black", linestyle=style, linewidth=1, label=name)
-    ax_rps.set_xlabel("requests/s (median run)")
-    ax_rps.legend(**legend)
-    ax_rps.set_yticks(y, labels)
-    ax_rps.invert_yaxis()
-
-    height = 0.38
-    ax_lat.barh(y - height / 2, [p["p50_ms"] for _, p in phases], height, label="p50", color="tab:green")
-    ax_lat.barh(y + height / 2, [p["p99_ms"] for _, p in phases], height, label="p99", color="tab:red")
-    ax_lat.set_xscale("log")
-    ax_lat.set_xlabel("latency, ms (log scale)")
-    ax_lat.legend(**legend)
-
-    sizes = sorted({int(s) for _, p in phases for s in (p.get("batch_sizes") or {})})
-    left = np.zeros(len(phases))
-    colors = plt.get_cmap("viridis")
-    for i, size in enumerate(sizes):
-        shares = []
-        for _, p in phases:
-            counts = p.get("batch_sizes") or {}
-            total = sum(counts.values())
-            shares.append(counts.get(str(size), 0) / total if total else 0.0)
-        ax_mix.barh(y, shares, left=left, label=f"size {size}", color=colors(i / max(1, len(sizes) - 1)))
-        left += shares
-    ax_mix.set_xlim(0, 1)
-    ax_mix.set_xlabel("share of batches by size (where measured)")
-    ax_mix.legend(**legend)
-
-    placement = f"loop_cpu {r['loop_cpu']}" if r.get("loop_cpu") is not None else "threads on any CPU"
-    fig.suptitle(f"edge-batcher bench: {r['model']}, {r['concurrency']} callers, {r['duration_s']} s x {r['repeat']} "
-                 f"runs per phase, {placement}; {r['speedup_over_no_batching']:.2f}x over no batching")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

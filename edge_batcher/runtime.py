@@ -1,7 +1,9 @@
-"""The model table: loads the model repository into engines and runners, and routes requests.
+"""The model table: loads the model repository into servables, and routes requests.
 
-Transports (HTTP on the Unix socket and TCP, MQTT) only ever talk to a Runtime: they decode a
-payload into an InferRequest, call `infer`, and encode the InferResponse or the error.
+A servable (servable.py) is a runner (one engine model: scheduler/runner.py), a service (RAG,
+generation) or a model served by offload peers only (offload/remote_model.py). Transports (HTTP
+on the Unix socket and TCP, MQTT) only ever talk to a Runtime: they decode a payload into an
+InferRequest, call `infer`, and encode the InferResponse or the error.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from typing import Callable
 
 from .config import DaemonConfig, ModelConfig, discover_models
 from .cpu_affinity import full_affinity
-from .engines.registry import create_engine, is_service, service_class
+from .engines.registry import REMOTE, create_engine, is_service, service_class
 from .errors import ConfigError, ModelNotFound
 from .memory.budget import MemoryBudget
+from .memory.device import DeviceLoad
 from .memory.wiring import MiB, build_budget, model_admission, release_resident
 from .metrics import Metrics
+from .offload.remote_model import RemoteModel, declared_specs
 from .scheduler.runner import ModelRunner
 from .servable import Servable
 from .types import InferRequest, InferResponse
@@ -39,12 +43,14 @@ def load_runner(config: ModelConfig, metrics: Metrics, warmup: bool = True,
 def _load_runner(config: ModelConfig, metrics: Metrics, warmup: bool, budget: MemoryBudget | None,
                  calibrate: bool, offload) -> ModelRunner:
     engines = []
+    load = DeviceLoad(budget)  # device memory before the engines load (memory/device.py)
     try:
         for _ in range(config.instances):
             engine = create_engine(config)
+            load.prepare(engine)
             engine.load()
             engines.append(engine)
-        admission, resident = model_admission(config, engines[0], metrics, budget, calibrate)
+        admission, resident = model_admission(config, engines, metrics, budget, calibrate, load)
         runner = ModelRunner(config, engines, metrics, admission=admission, offload=offload,
                              resident_bytes=resident)  # given back to the budget when unloaded
         _check_batching(config, runner)
@@ -144,23 +150,15 @@ class Runtime:
         placement = f"{mc.instances} instance(s)"
         if is_service(mc.backend):
             runner = service_class(mc.backend)(mc, self)
+        elif self._served_by_peers(mc):
+            runner = await self._remote_model(mc)
+            placement = "runs on offload peers only (nothing to warm up here)"
         else:
-            runner = model = await loop.run_in_executor(
+            runner = await loop.run_in_executor(
                 None, load_runner, mc, self.metrics, self.config.models.warmup, self.budget,
                 self.config.memory.calibrate_at_warmup, self.offload,
             )
-            if not model.runs_locally:
-                placement = "runs on offload peers only"
-                if self.offload is None:
-                    await model.close()
-                    raise ConfigError(
-                        f"model {mc.name!r} has backend {mc.backend!r}: it runs on offload peers only, "
-                        f"so [offload] must be enabled with at least one [[offload.peers]]"
-                    )
-                self.offload.add_remote_model(mc.name, model.inputs, model.outputs)
-            elif self.offload is not None and mc.name in self.config.offload.remote_only:
-                self.offload.add_remote_model(mc.name, model.inputs, model.outputs)  # checked against the peers too
-            elif self.offload is not None:
+            if self.offload is not None:
                 self.offload.remove_remote_model(mc.name)  # in case it was reloaded from backend "remote"
         await runner.start()
         self._fingerprints[mc.name] = await loop.run_in_executor(None, model_fingerprint, mc)
@@ -170,6 +168,28 @@ class Runtime:
             mc.batching.preferred_batch_sizes, ", ".join(f"{s.name}{list(s.shape)}:{s.datatype}" for s in runner.inputs),
         )
         return runner
+
+    def _served_by_peers(self, mc: ModelConfig) -> bool:
+        """Backend "remote", or listed in [offload] remote_only while offloading is on."""
+        if mc.backend == REMOTE:
+            if self.offload is None:
+                raise ConfigError(
+                    f"model {mc.name!r} has backend {mc.backend!r}: it runs on offload peers only, "
+                    f"so [offload] must be enabled with at least one [[offload.peers]]"
+                )
+            return True
+        return self.offload is not None and mc.name in self.config.offload.remote_only
+
+    async def _remote_model(self, mc: ModelConfig) -> RemoteModel:
+        """A model served by peers only, its specs declared in model.toml (backend "remote") or
+        read from its model file (an engine loaded once for them, then closed), and compared
+        with each peer's metadata."""
+        if mc.backend == REMOTE:
+            inputs, outputs = declared_specs(mc)
+        else:
+            inputs, outputs = await asyncio.get_running_loop().run_in_executor(None, _model_file_specs, mc)
+        self.offload.add_remote_model(mc.name, inputs, outputs)
+        return RemoteModel(mc, inputs, outputs, self.offload, self.metrics)
 
     async def _unload(self, runner: Servable, timeout: float) -> None:
         """Answer what the runner has queued and in flight, then free it."""
@@ -236,6 +256,16 @@ class Runtime:
         self.runners.clear()
         if self.offload is not None:
             await self.offload.stop()
+
+
+def _model_file_specs(config: ModelConfig) -> tuple[list, list]:
+    """(inputs, outputs) of a model as its engine reads them from the model file. Blocking."""
+    engine = create_engine(config)
+    try:
+        engine.load()
+        return engine.inputs, engine.outputs
+    finally:
+        engine.close()
 
 
 def _services_last(configs: list[ModelConfig]) -> list[ModelConfig]:

@@ -2,13 +2,14 @@
 
 A servable is a model as the transports see it: a ModelRunner (scheduler/runner.py, one engine
 model with its queue and batches), a service (rag/pipeline.py's RagService, rag/generate.py's
-GenerationService: models that are not one engine). All run on the event loop. Services that
+GenerationService: models that are not one engine), or a RemoteModel (offload/remote_model.py:
+served by offload peers only). All run on the event loop. Services that
 stream also have `stream(request)` (an async iterator of InferResponse chunks).
 """
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Protocol
+from typing import Any, Awaitable, Protocol, Sized
 
 from .config import ModelConfig
 from .types import InferRequest, InferResponse, TensorSpec
@@ -21,6 +22,7 @@ class Servable(Protocol):
     outputs: list[TensorSpec]
     # Bytes of the memory budget its weights hold while loaded (given back when unloaded).
     resident_bytes: int
+    queue: Sized  # len(): its requests not answered yet (the daemon's status line)
 
     async def start(self) -> None:
         """Start serving (on the event loop, after a blocking load)."""

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from edge_batcher.bench import Progress
+from edge_batcher.progress import Progress
 
 
 def test_bench_shows_progress_tables_and_a_plot(model_repo, tmp_path):
@@ -50,7 +50,7 @@ def test_progress_redraws_one_line_on_a_terminal_and_writes_lines_elsewhere():
 
     log, tty = io.StringIO(), Terminal()
     for stream in (log, tty):
-        progress = Progress(3, stream)
+        progress = Progress("bench", 3, stream)
         for label in ("a", "b", "c"):
             progress.step(label)
         progress.close()

@@ -39,9 +39,14 @@ def bdm():
 
 
 @pytest.fixture(scope="module")
-def built(bdm, tmp_path_factory):
+def build_steps() -> list[str]:
+    return []
+
+
+@pytest.fixture(scope="module")
+def built(bdm, build_steps, tmp_path_factory):
     out = tmp_path_factory.mktemp("engines")
-    metrics = bdm.build_vibration(out, seed=0)
+    metrics = bdm.build_vibration(out, seed=0, step=build_steps.append)
     return out, metrics
 
 
@@ -176,6 +181,10 @@ def test_sample_request(built, session):
     _, ids, score = _run(session, np.asarray(data, dtype=np.float32).reshape(2, 256))
     assert [LABELS[i] for i in ids] == ["bearing_fault", "normal"]
     assert score[0] > 0.5 > score[1]
+
+
+def test_build_announces_as_many_steps_as_its_progress_counts(bdm, built, build_steps):
+    assert len(build_steps) == bdm.BUILD_STEPS and all(build_steps)
 
 
 def test_cli_skips_when_up_to_date(bdm, built, capsys):

@@ -28,9 +28,14 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # edge_batcher from a checkout, installed or not
+
+from edge_batcher.progress import Progress  # noqa: E402
 
 # --------------------------------------------------------------------------------------
 # Constants
@@ -408,7 +413,10 @@ def _sample_request(x: np.ndarray, y: np.ndarray, pred: np.ndarray) -> tuple[dic
     return request, rows
 
 
-def build_vibration(out_dir: Path, seed: int = 0) -> dict:
+BUILD_STEPS = 5  # the step() calls of build_vibration
+
+
+def build_vibration(out_dir: Path, seed: int = 0, step: Callable[[str], None] = lambda label: None) -> dict:
     """Build ``<out_dir>/vibration/`` (model.onnx, model.toml, sample_request.json).
 
     Generates 8000 training windows (seed ``[seed, 0]``), trains the MLP, writes and
@@ -425,7 +433,7 @@ def build_vibration(out_dir: Path, seed: int = 0) -> dict:
     model_dir.mkdir(parents=True, exist_ok=True)
     model_path = model_dir / "model.onnx"
 
-    # Data and features.
+    step(f"generating {N_TRAIN} training windows and their features")
     x_train, y_train = generate(N_TRAIN, np.random.default_rng([seed, 0]))
     params: dict[str, np.ndarray] = feature_constants()
     raw = log_band_energies(x_train, params)
@@ -433,11 +441,11 @@ def build_vibration(out_dir: Path, seed: int = 0) -> dict:
     params["feat_inv_std"] = (1.0 / (raw.std(axis=0) + 1e-6)).astype(np.float32)
     f_train = features(x_train, params)
 
-    # Training.
+    step("training the MLP (numpy, Adam)")
     params.update(train_mlp(f_train, y_train, np.random.default_rng([seed, 2])))
     train_acc = float((forward(x_train, params)["class_id"] == y_train).mean())
 
-    # ONNX.
+    step("writing the ONNX graph")
     import onnx
 
     model = build_onnx(params)
@@ -445,7 +453,7 @@ def build_vibration(out_dir: Path, seed: int = 0) -> dict:
     onnx.save_model(model, str(tmp))
     tmp.replace(model_path)
 
-    # Verification on held-out windows.
+    step(f"checking {N_HELDOUT} held-out windows with onnxruntime against numpy")
     x_test, y_test = generate(N_HELDOUT, np.random.default_rng([seed, 1]))
     got = run_onnxruntime(model_path, x_test)
     ref = forward(x_test, params)
@@ -459,7 +467,7 @@ def build_vibration(out_dir: Path, seed: int = 0) -> dict:
     accuracy = float((pred == y_test).mean())
     per_class = {LABELS[c]: float((pred[y_test == c] == c).mean()) for c in range(N_CLASSES)}
 
-    # Config and sample request.
+    step("writing model.toml and sample_request.json")
     (model_dir / "model.toml").write_text(MODEL_TOML)
     request, rows = _sample_request(x_test, y_test, pred)
     (model_dir / "sample_request.json").write_text(json.dumps(request) + "\n")
@@ -505,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     print(f"{MODEL_NAME}: building into {args.out / MODEL_NAME} (seed {args.seed})")
-    m = build_vibration(args.out, seed=args.seed)
+    with Progress(MODEL_NAME, BUILD_STEPS) as progress:
+        m = build_vibration(args.out, seed=args.seed, step=progress.step)
     print(f"wrote {m['model_path']}")
     print(f"train accuracy: {m['train_accuracy']:.3f} ({N_TRAIN} windows)")
     print("per-class held-out accuracy: " + ", ".join(f"{k} {v:.3f}" for k, v in m["per_class_accuracy"].items()))

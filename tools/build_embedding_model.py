@@ -36,9 +36,14 @@ import math
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # edge_batcher from a checkout, installed or not
+
+from edge_batcher.progress import Progress  # noqa: E402
 
 OPSET = 17
 IR_VERSION = 8
@@ -331,7 +336,11 @@ def verify(model_path: Path, tokenizer_path: Path, config: dict, weights: dict) 
 # --------------------------------------------------------------------------------------
 
 
-def build(out: Path, name: str = "minilm", source: Path | None = None, force: bool = False, quiet: bool = False) -> Path:
+BUILD_STEPS = 3  # the step() calls of build
+
+
+def build(out: Path, name: str = "minilm", source: Path | None = None, force: bool = False, quiet: bool = False,
+          step: Callable[[str], None] = lambda label: None) -> Path:
     """Build <out>/<name>/ (model.onnx, tokenizer.json, model.toml); returns the directory."""
     import onnx
 
@@ -344,12 +353,15 @@ def build(out: Path, name: str = "minilm", source: Path | None = None, force: bo
             print(f"{model_path} is up to date (use --force to rebuild)")
         return target
     t0 = time.perf_counter()
+    step(f"loading the weights from {source}")
     config, weights = load_weights(source)
+    step("building the ONNX graph")
     model = build_onnx(config, weights)
     target.mkdir(parents=True, exist_ok=True)
     tmp = model_path.with_suffix(".onnx.tmp")
     onnx.save(model, tmp)
     shutil.copy(source / "tokenizer.json", target / "tokenizer.json")
+    step("checking it against numpy, across length buckets and on paraphrases")
     report = verify(tmp, target / "tokenizer.json", config, weights)
     tmp.replace(model_path)
     (target / "model.toml").write_text(MODEL_TOML)
@@ -368,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--source", type=Path, help="directory with config.json, model.safetensors, tokenizer.json")
     parser.add_argument("--force", action="store_true", help="rebuild even when up to date")
     args = parser.parse_args(argv)
-    build(args.out, args.name, args.source, args.force)
+    with Progress(args.name, BUILD_STEPS) as progress:
+        build(args.out, args.name, args.source, args.force, step=progress.step)
     return 0
 
 

@@ -31,9 +31,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # edge_batcher from a checkout, installed or not
+
+from edge_batcher.progress import Progress  # noqa: E402
 
 MODEL_NAME = "encoder"
 OPSET = 17
@@ -248,21 +253,28 @@ def check_runs(model_path: Path, batch: int = 2, seq: int = 32) -> np.ndarray:
     return emb
 
 
-def build_encoder(out_dir: Path, *, seed: int = 0, layers: int = LAYERS) -> Path:
+BUILD_STEPS = 3  # the step() calls of build_encoder
+
+
+def build_encoder(out_dir: Path, *, seed: int = 0, layers: int = LAYERS,
+                  step: Callable[[str], None] = lambda label: None) -> Path:
     """Write ``<out_dir>/encoder/model.onnx`` and ``model.toml``; run it once; return the
     model directory."""
     import onnx
 
     model_dir = Path(out_dir) / MODEL_NAME
     model_dir.mkdir(parents=True, exist_ok=True)
+    step(f"building the ONNX graph ({layers} layers, random weights)")
     model = build_onnx(seed=seed, layers=layers)
     model_path = model_dir / "model.onnx"
+    step("writing model.onnx and model.toml")
     tmp = model_path.with_suffix(".onnx.tmp")
     onnx.save_model(model, str(tmp))
     tmp.replace(model_path)
     (model_dir / "model.toml").write_text(
         MODEL_TOML.format(layers=layers, hidden=HIDDEN, heads=HEADS, ffn=FFN)
     )
+    step("running it once with onnxruntime")
     check_runs(model_path)
     return model_dir
 
@@ -276,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if not 1 <= args.layers <= 12:
         ap.error("--layers must be between 1 and 12")
-    model_dir = build_encoder(args.out, seed=args.seed, layers=args.layers)
+    with Progress(MODEL_NAME, BUILD_STEPS) as progress:
+        model_dir = build_encoder(args.out, seed=args.seed, layers=args.layers, step=progress.step)
     size = (model_dir / "model.onnx").stat().st_size
     print(f"wrote {model_dir / 'model.onnx'} ({size / 2**20:.1f} MiB, {args.layers} layers, random weights)")
     print("onnxruntime check: ok")

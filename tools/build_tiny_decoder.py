@@ -37,9 +37,14 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # edge_batcher from a checkout, installed or not
+
+from edge_batcher.progress import Progress  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "docs" / "corpus"
@@ -280,8 +285,12 @@ def verify(path: Path, w: dict, dims: dict, vocab: int) -> dict:
     return {"numpy_diff": ref_diff, "cache_diff": cache_diff, "logit_std": spread}
 
 
+BUILD_STEPS = 3  # the step() calls of build
+
+
 def build(out: Path, name: str = "tinylm", seed: int = 0, *, vocab: int = 512, hidden: int = 64, layers: int = 2,
-          heads: int = 4, kv_heads: int = 2, ffn: int = 256, max_positions: int = 1024, quiet: bool = False) -> Path:
+          heads: int = 4, kv_heads: int = 2, ffn: int = 256, max_positions: int = 1024, quiet: bool = False,
+          step: Callable[[str], None] = lambda label: None) -> Path:
     import onnx
 
     target = out / name
@@ -289,13 +298,16 @@ def build(out: Path, name: str = "tinylm", seed: int = 0, *, vocab: int = 512, h
     files = sorted(CORPUS.glob("*.md"))
     if not files:
         raise SystemExit(f"no corpus to train the tokenizer on in {CORPUS}")
+    step(f"training a {vocab}-token byte-level BPE tokenizer on {len(files)} corpus file(s)")
     tok = train_tokenizer(vocab, files)
     tok.save(str(target / "tokenizer.json"))
     vocab_size = tok.get_vocab_size()
     dims = {"layers": layers, "heads": heads, "kv_heads": kv_heads, "head_dim": hidden // heads}
+    step(f"building the ONNX graph ({layers} layers, random weights)")
     w = make_weights(seed, vocab_size, hidden, layers, heads, kv_heads, hidden // heads, ffn, max_positions)
     model = build_onnx(w, dims)
     onnx.save(model, target / "model.onnx")
+    step("checking it against numpy and its KV cache against full recomputation")
     report = verify(target / "model.onnx", w, dims, vocab_size)
     (target / "model.toml").write_text(MODEL_TOML.format(layers=layers, heads=heads, kv_heads=kv_heads,
                                                          head_dim=hidden // heads, vocab=vocab_size,
@@ -315,7 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--max-positions", type=int, default=1024)
     args = parser.parse_args(argv)
-    build(args.out, args.name, args.seed, layers=args.layers, max_positions=args.max_positions)
+    with Progress(args.name, BUILD_STEPS) as progress:
+        build(args.out, args.name, args.seed, layers=args.layers, max_positions=args.max_positions,
+              step=progress.step)
     return 0
 
 

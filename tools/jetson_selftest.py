@@ -70,7 +70,7 @@ def nvmap_used(meminfo: dict[str, int]) -> int | None:
 
 def parse_l4t_release(text: str) -> str:
     """'# R36 (release), REVISION: 4.3, GCID: ...' -> 'L4T R36.4.3 (JetPack 6.1/6.2)'; '' if unknown."""
-    from edge_batcher.memory.probe import jetpack_for_l4t, parse_l4t_release as parse  # noqa: PLC0415
+    from edge_batcher.memory.jetson import jetpack_for_l4t, parse_l4t_release as parse  # noqa: PLC0415
 
     release = parse(text)
     if release is None:
@@ -214,7 +214,7 @@ def format_report(report: Report) -> str:
 def read_versions(trt: Any, cuda: Any, root: Path = Path("/")) -> dict[str, str]:
     """Versions for the report; `cuda` is an edge_batcher.engines.cuda_api.CudaApi."""
     from edge_batcher.engines.tensorrt import tensorrt_capabilities  # noqa: PLC0415
-    from edge_batcher.memory.probe import read_jetson_info  # noqa: PLC0415
+    from edge_batcher.memory.jetson import read_jetson_info  # noqa: PLC0415
 
     versions = {"python": platform.python_version(), "machine": platform.machine()}
     jetson = read_jetson_info(root)
@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None, trt_module: Any = None, cuda_module: Any
 
     from edge_batcher.engines.tensorrt import import_tensorrt  # noqa: PLC0415
     from edge_batcher.errors import ConfigError  # noqa: PLC0415
-    from edge_batcher.memory.probe import read_jetson_info  # noqa: PLC0415
+    from edge_batcher.memory.jetson import read_jetson_info  # noqa: PLC0415
 
     try:  # the backend's own check: TensorRT >= 10 and a CUDA binding present
         modules = import_tensorrt(trt_module, cuda_module)

@@ -6,10 +6,10 @@ dedicated worker thread with whole batches (batch dimension first, already padde
 the preferred sizes). It never sees the event loop.
 
 Besides the four required members, `Engine` declares the optional hooks with their defaults
-(`runs_locally`, `batch_inputs`, `prepare`, `memory_footprint`, `tokenizer`): an engine that
-subclasses it inherits them; `with_hook_defaults` gives an engine that only duck-types the
-protocol (a user's backend, a test's fake) the same defaults once, at creation, so callers read
-the hooks directly instead of probing with getattr.
+(`batch_inputs`, `prepare`, `memory_footprint`, `tokenizer`, `token_padding`,
+`accepts_any_length`): an engine that subclasses it inherits them; `with_hook_defaults` gives
+an engine that only duck-types the protocol (a user's backend, a test's fake) the same
+defaults once, at creation, so callers read the hooks directly instead of probing with getattr.
 """
 
 from __future__ import annotations
@@ -34,13 +34,16 @@ class Engine(Protocol):
     outputs: list[TensorSpec]
 
     # Optional hooks, with their defaults.
-    runs_locally: bool = True  # False: nothing runs here, every batch goes to an offload peer
     # What batches are built from when prepare changes the inputs (text -> token ids); None: inputs.
     batch_inputs: list[TensorSpec] | None = None
     prepare: PrepareHook | None = None  # None: requests run as clients send them
     # Exact memory figures (TensorRT allocates everything at load); None: estimate from the model file.
     memory_footprint: FootprintHook | None = None
     tokenizer: Any = None  # the text tokenizer of an engine that takes text (RAG reads it)
+    token_padding: Callable[[], dict[str, Any]] | None = None  # its batches' token padding (RAG's stats)
+    # True: a sequence input may have any length, so a batch is padded only to its longest member
+    # (scheduler/batch.py); False: only the bucket lengths (TensorRT optimisation profiles).
+    accepts_any_length: bool = False
 
     def __init__(self, config: ModelConfig) -> None: ...
 
@@ -55,7 +58,8 @@ class Engine(Protocol):
 
 
 HOOK_DEFAULTS: dict[str, Any] = {
-    "runs_locally": True, "batch_inputs": None, "prepare": None, "memory_footprint": None, "tokenizer": None,
+    "batch_inputs": None, "prepare": None, "memory_footprint": None, "tokenizer": None, "token_padding": None,
+    "accepts_any_length": False,
 }
 
 

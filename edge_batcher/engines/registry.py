@@ -1,7 +1,8 @@
 """Backends by name, imported lazily so a device without TensorRT or onnxruntime-gpu starts.
 
 model.toml's `backend` is one of the names below, or "package.module:Class" for a backend of
-your own that implements engines.base.Engine.
+your own that implements engines.base.Engine. Two kinds of model have no engine: services
+(SERVICES) and models served by offload peers only (backend "remote", offload/remote_model.py).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from .base import Engine, with_hook_defaults
 BACKENDS = {
     "onnxruntime": "edge_batcher.engines.onnxruntime:OnnxRuntimeEngine",
     "tensorrt": "edge_batcher.engines.tensorrt:TensorRTEngine",
-    "remote": "edge_batcher.engines.remote:RemoteEngine",  # served by offload peers only
 }
+
+REMOTE = "remote"  # served by offload peers only: offload/remote_model.py's RemoteModel, no engine
 
 
 # Services are models that are not one engine: pipelines over other models (RAG) and
@@ -37,6 +39,8 @@ def service_class(backend: str):
 
 
 def engine_class(backend: str) -> type[Engine]:
+    if backend == REMOTE:
+        raise ConfigError(f"backend {REMOTE!r} has no engine on this device: the model runs on offload peers only")
     return _import(BACKENDS.get(backend, backend), backend)
 
 
@@ -44,7 +48,8 @@ def _import(target: str, backend: str):
     module_name, sep, attr = target.partition(":")
     if not sep:
         raise ConfigError(
-            f"unknown backend {backend!r}: expected one of {', '.join(BACKENDS)} or 'module:Class'"
+            f"unknown backend {backend!r}: expected one of "
+            f"{', '.join([*BACKENDS, REMOTE, *SERVICES])} or 'module:Class'"
         )
     try:
         module = importlib.import_module(module_name)

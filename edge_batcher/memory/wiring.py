@@ -4,8 +4,11 @@ calibration, and its admission control, wired up in one call.
 `build_budget` turns [memory] into a MemoryBudget (once per daemon). `model_admission` is what
 loading one model does for memory: it picks the footprint source (the engine's own figures,
 else the ONNX liveness estimator), calibrates the estimate when asked, computes and publishes
-every batch's footprint, and counts the weights as resident. Blocking (the estimator reads
-the model file, calibration runs subprocesses): call it off the event loop, as the loader does.
+every batch's footprint, and counts the weights as resident. On a device (an engine on the
+CUDA EP, a probe that measures the device) it measures instead what the model really took
+(device.py): the load and every size's first run, all of it resident, and calibrates the
+estimate with it. Blocking (the estimator reads the model file, calibration runs subprocesses,
+device measurement runs batches): call it off the event loop, as the loader does.
 """
 
 from __future__ import annotations
@@ -14,11 +17,12 @@ import logging
 from typing import Callable
 
 from ..config import MemorySettings, ModelConfig
-from ..errors import ConfigError
 from ..engines.base import Engine
+from ..errors import ConfigError
 from ..metrics import Metrics
 from .admission import Admission
 from .budget import MemoryBudget
+from .device import DeviceLoad, measure_device, runs_on_device
 from .estimator import Footprint
 from .probe import detect_probe
 
@@ -50,9 +54,7 @@ def build_budget(settings: MemorySettings) -> MemoryBudget:
 def footprint_source(config: ModelConfig, engine: Engine):
     """Where a model's memory figures come from: (footprint function, estimator or None).
     The engine itself when it knows them exactly (TensorRT), else the ONNX liveness estimator,
-    else nothing (no admission control, and none needed for a model that runs on peers only)."""
-    if not engine.runs_locally:
-        return None, None
+    else nothing (no admission control)."""
     memory_footprint = engine.memory_footprint
     if memory_footprint is not None:
         # TensorRT allocates weights, activations and I/O buffers once at load: all of it is
@@ -73,21 +75,31 @@ def footprint_source(config: ModelConfig, engine: Engine):
     return None, None
 
 
-def model_admission(config: ModelConfig, engine: Engine, metrics: Metrics, budget: MemoryBudget | None,
-                    calibrate: bool = False) -> tuple[Admission | None, int]:
-    """(admission control, resident bytes) for a model whose first instance is `engine`:
-    (None, 0) without a budget or a footprint source. The resident bytes are already counted
-    in the budget; give them back (`release_resident`) when the model is unloaded."""
+def model_admission(config: ModelConfig, engines: list[Engine], metrics: Metrics, budget: MemoryBudget | None,
+                    calibrate: bool = False, load: DeviceLoad | None = None) -> tuple[Admission | None, int]:
+    """(admission control, resident bytes) for a model's loaded instances `engines`: (None, 0)
+    without a budget or a footprint source. `load` (created before the engines loaded) turns
+    on device measurement where it applies. The resident bytes are already counted in the
+    budget; give them back (`release_resident`) when the model is unloaded."""
     if budget is None:
         return None, 0
+    engine = engines[0]
     footprint, estimator = footprint_source(config, engine)
     if footprint is None:
         return None, 0
-    if calibrate and estimator is not None:
+    device = None
+    if load is not None and load.active and runs_on_device(engine) and engine.memory_footprint is None:
+        # TensorRT (memory_footprint) knows its sizes exactly; ONNX Runtime's arena is measured.
+        device = measure_device(config, engines, load)
+        if estimator is not None:
+            from .calibration import calibrate_on_device
+
+            calibrate_on_device(config, estimator, device)
+    elif calibrate and estimator is not None:
         from .calibration import calibrate_model
 
         calibrate_model(config, estimator)
-    admission = Admission(config.name, budget, footprint, estimator)
+    admission = Admission(config.name, budget, footprint, estimator, device)
     return admission, publish_estimates(config, admission, metrics, budget)
 
 
@@ -110,9 +122,19 @@ def publish_estimates(config: ModelConfig, admission: Admission, metrics: Metric
             label = str(size) if not bucket else f"{size}x{bucket}"
             for part, value in (("weights", f.weights), ("activations", f.activations), ("kv_cache", f.kv_cache)):
                 metrics.memory_estimate_bytes.set(value, model=config.name, batch=label, part=part)
-    resident = weights * config.instances
+    device = admission.device
+    resident = device.resident if device is not None else weights * config.instances
     budget.resident += resident
     budget.refresh()
+    if device is not None:
+        log.info(
+            "model %s: %.1f MiB of device memory measured (load %.1f MiB, arena %.1f MiB, %d instance(s)), "
+            "resident; largest batch needs %.1f MiB more; budget available %.1f MiB",
+            config.name, resident / MiB, device.load_bytes / MiB, device.arena_bytes / MiB, config.instances,
+            admission.batch_bytes(config.batching.preferred_batch_sizes[-1], buckets[-1]) / MiB,
+            budget.available() / MiB,
+        )
+        return resident
     log.info(
         "model %s: weights %.1f MiB x %d instance(s); largest batch needs %.1f MiB; budget available %.1f MiB",
         config.name, weights / MiB, config.instances,

@@ -59,10 +59,8 @@ class PeerPool:
 
     def __init__(self, settings: OffloadSettings, clock: Callable[[], float] = time.monotonic):
         self.settings = settings
-        # Models that always run on a peer: [offload] remote_only, and the runtime adds the
-        # models with no engine on this device (backend "remote", see add_remote_model).
-        self.remote_only: set[str] = set(settings.remote_only)
-        # Those models' inputs and outputs (as loaded), compared with each peer's metadata.
+        # The inputs and outputs of the models served by peers only (offload/remote_model.py),
+        # compared with each peer's metadata; the runtime adds and removes them (add_remote_model).
         self.declared: dict[str, tuple[list[TensorSpec], list[TensorSpec]]] = {}
         self.peers: list[Peer] = []
         for ps in settings.peers:
@@ -103,20 +101,16 @@ class PeerPool:
         await self.stop()
 
     def add_remote_model(self, model: str, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> None:
-        """A model that always runs on a peer (no engine here, or listed in remote_only): always
-        offloaded, and its inputs and outputs are compared with each healthy peer's metadata
-        (a mismatch is logged once)."""
-        self.remote_only.add(model)
+        """A model served by peers only (backend "remote", or listed in remote_only): its inputs
+        and outputs are compared with each healthy peer's metadata (a mismatch is logged once)."""
         self.declared[model] = (inputs, outputs)
         for peer in self.peers:  # a reloaded declaration is compared afresh
             peer.specs_checked.discard(model)
             peer.spec_mismatches.pop(model, None)
 
     def remove_remote_model(self, model: str) -> None:
-        """The model runs here again (reloaded with a local backend)."""
+        """The model runs here again (reloaded with a local backend), or was unloaded."""
         self.declared.pop(model, None)
-        if model not in self.settings.remote_only:
-            self.remote_only.discard(model)
 
     # -- queries for the policy
 
@@ -139,7 +133,6 @@ class PeerPool:
         return OffloadView(
             peer_available=peer is not None,
             peer_latency_s=None if peer is None else peer.client.latency_estimate(model),
-            remote_only=model in self.remote_only,
             on_backlog=self.settings.offload_on_backlog,
             max_rows=self.settings.max_rows,
         )

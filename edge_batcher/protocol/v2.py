@@ -29,40 +29,32 @@ holds it.
 Limits that numpy imposes are checked up front, so that they are reported as bad input rather
 than crash: at most :data:`MAX_DIMS` dimensions, and a shape whose non-zero dimensions multiply
 to more than :data:`MAX_ELEMENTS` is refused even when another dimension is 0.
+
+This module is the codec's public face (message framing, request/response fields); the tensor
+lists are decoded in protocol/tensor_decode.py and encoded in protocol/tensor_encode.py, and
+the binary extension's names and BYTES framing live in protocol/binary_extension.py.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import reprlib
-import struct
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidInput
-from ..types import DATATYPE_TO_NUMPY, datatype_of
+from .binary_extension import BINARY_CONTENT_TYPE, HEADER_LENGTH, JSON_CONTENT_TYPE
+from .preview import preview
+from .tensor_decode import MAX_DIMS, MAX_ELEMENTS, decode_tensors
+from .tensor_encode import encode_tensors
 
-HEADER_LENGTH = "Inference-Header-Content-Length"
-BINARY_CONTENT_TYPE = "application/octet-stream"
-JSON_CONTENT_TYPE = "application/json"
-
-_LENGTH_PREFIX = struct.Struct("<I")
-
-# numpy's limit on dimensions (NPY_MAXDIMS): 32 before numpy 2.0, 64 since.
-MAX_DIMS = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
-# numpy refuses arrays whose byte size, counting every non-zero dimension, overflows intp (even
-# when a 0 dimension makes them empty); 16 bytes covers the widest element we create.
-MAX_ELEMENTS = np.iinfo(np.intp).max // 16
-
-# Error messages quote what the client sent: bounded in length and depth, however large it is.
-_preview = reprlib.Repr()
-_preview.maxlevel = 3
-_preview.maxlist = _preview.maxdict = 8
-_preview.maxstring = _preview.maxother = 60
-
+__all__ = [
+    "BINARY_CONTENT_TYPE", "HEADER_LENGTH", "JSON_CONTENT_TYPE", "MAX_DIMS", "MAX_ELEMENTS",
+    "DecodedRequest", "DecodedResponse", "RequestedOutput",
+    "binary_outputs_for", "decode_request", "decode_response", "encode_request", "encode_response",
+    "parse_header_length",
+]
 
 # --------------------------------------------------------------------------- data types
 
@@ -121,13 +113,13 @@ def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequ
     if not isinstance(binary_default, bool):
         raise InvalidInput(
             f"request parameter 'binary_data_output' must be true or false, "
-            f"got {_preview.repr(binary_default)}"
+            f"got {preview.repr(binary_default)}"
         )
 
     entries = header.get("inputs")
     if entries is None or (isinstance(entries, list) and not entries):
         raise InvalidInput("request has no inputs")
-    inputs = _decode_tensors(entries, "input", binary, header_length is not None)
+    inputs = decode_tensors(entries, "input", binary, header_length is not None)
 
     return DecodedRequest(
         id=request_id,
@@ -163,7 +155,7 @@ def encode_request(
             params["binary_data_output"] = True
     if params:
         header["parameters"] = params
-    tensors, chunks = _encode_tensors(inputs, "input", binary_inputs, binary_names=None)
+    tensors, chunks = encode_tensors(inputs, "input", binary_inputs, binary_names=None)
     header["inputs"] = tensors
     if outputs is not None:
         header["outputs"] = [
@@ -188,7 +180,7 @@ def decode_response(body: bytes, header_length: int | None = None) -> DecodedRes
         model_name=model_name,
         model_version=_optional_str(header, "model_version", "response"),
         id=_optional_str(header, "id", "response"),
-        outputs=_decode_tensors(entries, "output", binary, header_length is not None),
+        outputs=decode_tensors(entries, "output", binary, header_length is not None),
         parameters=_optional_dict(header, "parameters", "response"),
     )
 
@@ -215,7 +207,7 @@ def encode_response(
         header["id"] = id
     if parameters:
         header["parameters"] = dict(parameters)
-    tensors, chunks = _encode_tensors(outputs, "output", False, binary_names=binary)
+    tensors, chunks = encode_tensors(outputs, "output", False, binary_names=binary)
     header["outputs"] = tensors
     return _join_body(header, chunks, "response")
 
@@ -270,7 +262,7 @@ def _split_body(body: bytes, header_length: int | None) -> tuple[Any, memoryview
 def _optional_str(header: dict[str, Any], key: str, what: str) -> str | None:
     value = header.get(key)
     if value is not None and not isinstance(value, str):
-        raise InvalidInput(f"{what} '{key}' must be a string, got {_preview.repr(value)}")
+        raise InvalidInput(f"{what} '{key}' must be a string, got {preview.repr(value)}")
     return value
 
 
@@ -279,7 +271,7 @@ def _optional_dict(header: dict[str, Any], key: str, what: str) -> dict[str, Any
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise InvalidInput(f"{what} '{key}' must be a JSON object, got {_preview.repr(value)}")
+        raise InvalidInput(f"{what} '{key}' must be a JSON object, got {preview.repr(value)}")
     return value
 
 
@@ -296,104 +288,6 @@ def _join_body(
     return b"".join([header_bytes, *chunks]), len(header_bytes)
 
 
-# --------------------------------------------------------------------------- decoding
-
-
-def _decode_tensors(
-    entries: Any, kind: str, binary: memoryview, has_header_length: bool
-) -> dict[str, np.ndarray]:
-    """Decode the ``inputs`` (or ``outputs``) list, taking binary tensors from ``binary``."""
-    if not isinstance(entries, list):
-        raise InvalidInput(f"'{kind}s' must be a list")
-
-    # First pass: validate every entry and account for the binary part as a whole, so that
-    # a short or over-long body is reported as such rather than as a per-tensor error.
-    parsed: list[tuple[str, str, list[int], int | None, Any]] = []
-    seen: set[str] = set()
-    for entry in entries:
-        if not isinstance(entry, dict):
-            raise InvalidInput(
-                f"each of '{kind}s' must be a JSON object, got {_preview.repr(entry)}"
-            )
-        name = entry.get("name")
-        if not isinstance(name, str) or not name:
-            raise InvalidInput(f"{kind} without a name")
-        where = f"{kind} {_preview.repr(name)}"
-        if name in seen:
-            raise InvalidInput(f"{where} appears twice")
-        seen.add(name)
-
-        datatype = entry.get("datatype")
-        if datatype is None:
-            raise InvalidInput(f"{where} has no datatype")
-        if not isinstance(datatype, str) or datatype not in DATATYPE_TO_NUMPY:
-            raise InvalidInput(
-                f"{where}: unknown datatype {_preview.repr(datatype)}; expected one of "
-                f"{', '.join(DATATYPE_TO_NUMPY)}"
-            )
-        shape = _check_shape(entry.get("shape"), where)
-
-        params = entry.get("parameters") or {}
-        if not isinstance(params, dict):
-            raise InvalidInput(f"{where}: parameters must be a JSON object")
-        size = params.get("binary_data_size")
-        has_data = "data" in entry
-        if size is not None:
-            if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-                raise InvalidInput(
-                    f"{where}: binary_data_size must be a non-negative integer, "
-                    f"got {_preview.repr(size)}"
-                )
-            if has_data:
-                raise InvalidInput(f"{where} has both data and binary_data_size")
-            if not has_header_length:
-                raise InvalidInput(
-                    f"{where} has binary_data_size but the message has no {HEADER_LENGTH}"
-                )
-        elif not has_data:
-            raise InvalidInput(f"{where} has neither data nor binary_data_size")
-        parsed.append((name, datatype, shape, size, entry.get("data")))
-
-    needed = sum(p[3] for p in parsed if p[3] is not None)
-    if needed > len(binary):
-        raise InvalidInput(f"binary body is {needed - len(binary)} bytes short")
-    if needed < len(binary):
-        raise InvalidInput(
-            f"binary body has {len(binary) - needed} bytes left over after the last "
-            f"binary tensor"
-        )
-
-    tensors: dict[str, np.ndarray] = {}
-    offset = 0
-    for name, datatype, shape, size, data in parsed:
-        where = f"{kind} {_preview.repr(name)}"
-        if size is None:
-            tensors[name] = _from_json(data, datatype, shape, where)
-        else:
-            tensors[name] = _from_binary(binary[offset : offset + size], datatype, shape, where)
-            offset += size
-    return tensors
-
-
-def _check_shape(shape: Any, where: str) -> list[int]:
-    if not isinstance(shape, list) or any(
-        isinstance(d, bool) or not isinstance(d, int) for d in shape
-    ):
-        raise InvalidInput(f"{where}: shape must be a list of integers, got {_preview.repr(shape)}")
-    if len(shape) > MAX_DIMS:
-        raise InvalidInput(
-            f"{where}: shape has {len(shape)} dimensions, more than the {MAX_DIMS} supported"
-        )
-    if any(d < 0 for d in shape):
-        raise InvalidInput(f"{where}: shape {_preview.repr(shape)} has a negative dimension")
-    if math.prod(d for d in shape if d) > MAX_ELEMENTS:
-        raise InvalidInput(
-            f"{where}: shape {_preview.repr(shape)} is too large (its non-zero dimensions "
-            f"multiply to more than {MAX_ELEMENTS})"
-        )
-    return shape
-
-
 def _decode_requested_outputs(entries: Any) -> list[RequestedOutput] | None:
     if entries is None:
         return None
@@ -406,274 +300,25 @@ def _decode_requested_outputs(entries: Any) -> list[RequestedOutput] | None:
     for entry in entries:
         if not isinstance(entry, dict):
             raise InvalidInput(
-                f"each of 'outputs' must be a JSON object, got {_preview.repr(entry)}"
+                f"each of 'outputs' must be a JSON object, got {preview.repr(entry)}"
             )
         name = entry.get("name")
         if not isinstance(name, str) or not name:
             raise InvalidInput("requested output without a name")
         if name in seen:
-            raise InvalidInput(f"requested output {_preview.repr(name)} appears twice")
+            raise InvalidInput(f"requested output {preview.repr(name)} appears twice")
         seen.add(name)
         params = entry.get("parameters") or {}
         if not isinstance(params, dict):
             raise InvalidInput(
-                f"requested output {_preview.repr(name)}: parameters must be a JSON object"
+                f"requested output {preview.repr(name)}: parameters must be a JSON object"
             )
         binary = params.get("binary_data")
         if binary is not None and not isinstance(binary, bool):
             raise InvalidInput(
-                f"requested output {_preview.repr(name)}: binary_data must be true or false, "
-                f"got {_preview.repr(binary)}"
+                f"requested output {preview.repr(name)}: binary_data must be true or false, "
+                f"got {preview.repr(binary)}"
             )
         result.append(RequestedOutput(name=name, binary=binary))
     return result
 
-
-def _from_binary(buf: memoryview, datatype: str, shape: list[int], where: str) -> np.ndarray:
-    count = math.prod(shape)
-    if datatype == "BYTES":
-        return _bytes_from_binary(buf, shape, count, where)
-    dtype = DATATYPE_TO_NUMPY[datatype]
-    expected = count * dtype.itemsize
-    if len(buf) != expected:
-        raise InvalidInput(
-            f"{where}: binary_data_size {len(buf)} does not match shape {shape} of "
-            f"{datatype} ({expected} bytes)"
-        )
-    if datatype == "BOOL":
-        # Any non-zero byte is true; comparing also yields a proper (writable) bool array.
-        return (np.frombuffer(buf, dtype=np.uint8) != 0).reshape(shape)
-    array = np.frombuffer(buf, dtype=dtype.newbyteorder("<"))
-    if not array.dtype.isnative or not array.flags.aligned:
-        array = array.astype(dtype)  # big-endian host or unaligned offset: one copy
-    return array.reshape(shape)
-
-
-def _bytes_from_binary(buf: memoryview, shape: list[int], count: int, where: str) -> np.ndarray:
-    items: list[bytes] = []
-    offset, end = 0, len(buf)
-    while offset < end:
-        if offset + 4 > end:
-            raise InvalidInput(
-                f"{where}: BYTES element {len(items)} is cut off inside its 4-byte length"
-            )
-        (length,) = _LENGTH_PREFIX.unpack_from(buf, offset)
-        offset += 4
-        if length > end - offset:
-            raise InvalidInput(
-                f"{where}: BYTES element {len(items)} claims {length} bytes but only "
-                f"{end - offset} remain"
-            )
-        items.append(bytes(buf[offset : offset + length]))
-        offset += length
-    if len(items) != count:
-        raise InvalidInput(
-            f"{where}: shape {shape} needs {count} elements, binary data has {len(items)}"
-        )
-    return _object_array(items, shape)
-
-
-def _from_json(data: Any, datatype: str, shape: list[int], where: str) -> np.ndarray:
-    if not isinstance(data, list):
-        raise InvalidInput(f"{where}: data must be a list, got {type(data).__name__}")
-    count = math.prod(shape)
-    if datatype == "BYTES":
-        items: list[bytes] = []
-        try:
-            _flatten_strings(data, items, where)
-        except RecursionError:
-            raise InvalidInput(f"{where}: data is nested too deeply") from None
-        if len(items) != count:
-            raise InvalidInput(
-                f"{where}: shape {shape} needs {count} elements, data has {len(items)}"
-            )
-        return _object_array(items, shape)
-
-    try:
-        array = np.asarray(data)
-    except (ValueError, TypeError, OverflowError, RecursionError):
-        raise InvalidInput(
-            f"{where}: data is not a regular nested list (ragged rows or nested too deeply)"
-        ) from None
-    if array.size != count:
-        raise InvalidInput(f"{where}: shape {shape} needs {count} elements, data has {array.size}")
-    return _numbers_from_json(data, array, datatype, where).reshape(shape)
-
-
-# Below this magnitude every integer is exact in float64.
-_FLOAT_EXACT = 2.0**53
-
-
-def _numbers_from_json(data: list, array: np.ndarray, datatype: str, where: str) -> np.ndarray:
-    """Convert the parsed JSON numbers to ``datatype``, refusing to silently change values.
-
-    ``np.asarray`` picks int64, uint64 or float64 for JSON numbers, and float64 (lossy!) for
-    integers beyond int64 mixed with others; those rare cases take an exact element-wise path.
-    """
-    target = DATATYPE_TO_NUMPY[datatype]
-    if array.size == 0:
-        return array.astype(target)  # np.asarray([]) is float64: nothing to check
-    kind = array.dtype.kind
-    if kind not in "biufO":
-        raise InvalidInput(f"{where}: data for {datatype} are not numbers")
-
-    if datatype == "BOOL":
-        if kind == "b":
-            return array
-        if kind in "iu" and bool(np.all((array == 0) | (array == 1))):
-            return array != 0  # 0/1 are accepted as false/true
-        raise InvalidInput(f"{where}: data for BOOL must be true/false")
-    if kind == "b":
-        raise InvalidInput(f"{where}: data for {datatype} are not numbers (got true/false)")
-
-    if target.kind == "f":
-        if kind == "O":  # e.g. integers too large for uint64: still numbers
-            try:
-                array = np.array(_exact_numbers(data, datatype, where), dtype=np.float64)
-            except OverflowError:  # an integer beyond float64's range: no float holds it
-                raise InvalidInput(
-                    f"{where}: data for {datatype} has an integer too large for any "
-                    f"floating-point number (beyond {np.finfo(np.float64).max:.3g})"
-                ) from None
-        # Any other number converts; FP16/FP32 may round or overflow to inf, as in Triton
-        # (documented above, so numpy's overflow warning would only be noise in the log).
-        with np.errstate(over="ignore"):
-            return array.astype(target)
-
-    info = np.iinfo(target)
-    if kind == "O" or (kind == "f" and bool(np.any(np.abs(array) >= _FLOAT_EXACT))):
-        values = _exact_numbers(data, datatype, where)
-        if any(isinstance(v, float) and not v.is_integer() for v in values):
-            raise InvalidInput(f"{where}: data for {datatype} are not integers")
-        exact = [int(v) for v in values]
-        _check_range(min(exact), max(exact), info, datatype, where)
-        return np.array(exact, dtype=target)
-    if kind == "f" and not bool(np.all(array == np.floor(array))):  # also false for NaN
-        raise InvalidInput(f"{where}: data for {datatype} are not integers")
-    # Exact: integer arrays, or floats below 2**53 in magnitude.
-    _check_range(int(array.min()), int(array.max()), info, datatype, where)
-    return array.astype(target)
-
-
-def _check_range(low: int, high: int, info: np.iinfo, datatype: str, where: str) -> None:
-    if low < info.min or high > info.max:
-        raise InvalidInput(
-            f"{where}: data for {datatype} are out of range [{info.min}, {info.max}]"
-        )
-
-
-def _exact_numbers(data: list, datatype: str, where: str) -> list[int | float]:
-    """The JSON elements as the Python numbers they were parsed to (slow path, only for
-    unusual data; ``data`` is known to be a regular nested list)."""
-    values = np.array(data, dtype=object).reshape(-1).tolist()
-    for v in values:
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise InvalidInput(f"{where}: data for {datatype} are not numbers")
-    return values
-
-
-def _flatten_strings(data: list, out: list[bytes], where: str) -> None:
-    for item in data:
-        if isinstance(item, str):
-            out.append(_utf8(item, where))
-        elif isinstance(item, list):
-            _flatten_strings(item, out, where)
-        else:
-            raise InvalidInput(
-                f"{where}: data for BYTES must be strings, got {type(item).__name__}"
-            )
-
-
-def _utf8(text: str, where: str) -> bytes:
-    try:
-        return text.encode("utf-8")
-    except UnicodeEncodeError:  # lone surrogates, e.g. a JSON "\ud800" escape
-        raise InvalidInput(
-            f"{where}: BYTES element {_preview.repr(text)} is not valid unicode"
-        ) from None
-
-
-def _object_array(items: list[bytes], shape: list[int]) -> np.ndarray:
-    # Filled element-wise: np.array(items, dtype=object) would turn equal-length bytes
-    # into a fixed-width array or nest lists.
-    array = np.empty(len(items), dtype=object)
-    array[:] = items
-    return array.reshape(shape)
-
-
-# --------------------------------------------------------------------------- encoding
-
-
-def _encode_tensors(
-    tensors: dict[str, np.ndarray],
-    kind: str,
-    all_binary: bool,
-    binary_names: set[str] | frozenset[str] | None,
-) -> tuple[list[dict[str, Any]], list[bytes]]:
-    """Build the header entries and the binary chunks (in header order)."""
-    if not isinstance(tensors, dict):
-        raise InvalidInput(f"{kind}s must be a dict of name -> array")
-    entries: list[dict[str, Any]] = []
-    chunks: list[bytes] = []
-    for name, value in tensors.items():
-        where = f"{kind} {name!r}"
-        if not isinstance(name, str) or not name:
-            raise InvalidInput(f"{kind} names must be non-empty strings, got {name!r}")
-        array = np.asarray(value)
-        datatype = _datatype(array, where)
-        entry: dict[str, Any] = {"name": name, "shape": list(array.shape), "datatype": datatype}
-        binary = all_binary or (binary_names is not None and name in binary_names)
-
-        if datatype == "BYTES":
-            items = _bytes_items(array, where)
-            strings = None
-            if not binary:
-                try:
-                    strings = [b.decode("utf-8") for b in items]
-                except UnicodeDecodeError:
-                    strings = None  # not representable as JSON strings: send it binary
-            if strings is not None:
-                entry["data"] = strings
-            else:
-                chunk = b"".join(
-                    part for b in items for part in (_LENGTH_PREFIX.pack(len(b)), b)
-                )
-                entry["parameters"] = {"binary_data_size": len(chunk)}
-                chunks.append(chunk)
-        elif binary:
-            if datatype == "BOOL":
-                chunk = array.astype(np.bool_, copy=False).tobytes()  # 1 byte 0/1 each
-            else:
-                little = DATATYPE_TO_NUMPY[datatype].newbyteorder("<")
-                chunk = array.astype(little, copy=False).tobytes()
-            entry["parameters"] = {"binary_data_size": len(chunk)}
-            chunks.append(chunk)
-        else:
-            entry["data"] = array.reshape(-1).tolist()
-        entries.append(entry)
-    return entries, chunks
-
-
-def _datatype(array: np.ndarray, where: str) -> str:
-    dtype = array.dtype
-    if dtype.kind in "biuf" and not dtype.isnative:
-        dtype = dtype.newbyteorder("=")  # e.g. '>f4' is still FP32
-    try:
-        return datatype_of(np.empty(0, dtype=dtype))
-    except InvalidInput as e:
-        raise InvalidInput(f"{where}: {e.message}") from None
-
-
-def _bytes_items(array: np.ndarray, where: str) -> list[bytes]:
-    """The elements of a BYTES tensor (object array of bytes/str, or numpy S/U array)."""
-    items: list[bytes] = []
-    for value in array.reshape(-1).tolist():
-        if isinstance(value, (bytes, bytearray)):
-            items.append(bytes(value))
-        elif isinstance(value, str):
-            items.append(_utf8(value, where))
-        else:
-            raise InvalidInput(
-                f"{where}: BYTES elements must be bytes or str, got {type(value).__name__}"
-            )
-    return items

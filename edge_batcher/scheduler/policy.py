@@ -24,7 +24,7 @@ FitsHook = Callable[[int, int], bool]  # (batch_size, seq_len) -> bool
 
 class Reason(str, Enum):
     """Why a batch was dispatched (metrics label `reason`, stats `dispatch_reasons` and
-    `offloaded`), or why requests were rejected (NO_PEER, DOES_NOT_FIT)."""
+    `offloaded`), or why requests were rejected (DOES_NOT_FIT)."""
 
     FULL = "full"
     DELAY = "delay"
@@ -35,8 +35,9 @@ class Reason(str, Enum):
     DOES_NOT_FIT = "does_not_fit"
     TOO_LARGE = "too_large"
     BACKLOG = "backlog"
+    # Not a policy decision: a model served by peers only (offload/remote_model.py) counts its
+    # requests under this reason.
     REMOTE_ONLY = "remote_only"
-    NO_PEER = "no_peer"  # rejected: the model runs on peers only and none is available
 
     def __str__(self) -> str:  # the plain value in metric labels, logs and f-strings
         return self.value
@@ -55,7 +56,6 @@ class Target(str, Enum):
 # The names tests and callers have used since the reasons were strings.
 FULL, DELAY, DEADLINE, DRAIN, OOM_SPLIT = Reason.FULL, Reason.DELAY, Reason.DEADLINE, Reason.DRAIN, Reason.OOM_SPLIT
 DOES_NOT_FIT, TOO_LARGE, BACKLOG, REMOTE_ONLY = Reason.DOES_NOT_FIT, Reason.TOO_LARGE, Reason.BACKLOG, Reason.REMOTE_ONLY
-NO_PEER = Reason.NO_PEER
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,6 @@ class OffloadView:
 
     peer_available: bool  # a peer is healthy and its breaker lets requests through
     peer_latency_s: float | None = None  # measured round trip; None: not measured yet
-    remote_only: bool = False  # this model always runs on a peer
     on_backlog: bool = True  # offload when the local backlog would miss deadlines
     max_rows: int = 64  # rows per request sent to a peer
 
@@ -124,7 +123,7 @@ class Reject:
     """These requests cannot run anywhere: answer them with an error of `kind`."""
 
     requests: list[QueuedRequest] = field(default_factory=list)
-    kind: Reason = Reason.DOES_NOT_FIT  # DOES_NOT_FIT or NO_PEER
+    kind: Reason = Reason.DOES_NOT_FIT
     reason: str = ""
     wake_at: float | None = None  # always None: the runner plans again after answering them
 
@@ -177,11 +176,6 @@ def decide(
     offload = state.offload
     peer = offload.peer_available
     for bq in queue.nonempty_buckets():
-        if offload.remote_only:
-            if peer:
-                return _peer_plan(queue, bq, offload, Reason.REMOTE_ONLY)
-            return Reject(queue.take(bq.bucket, bq.rows), Reason.NO_PEER,
-                          "the model is remote-only and no peer is available")
         sizes = allowed_sizes(settings, bq.bucket, fits)
         if not sizes and state.busy:
             continue  # memory held by batches in flight comes back when they finish
@@ -285,9 +279,8 @@ def oom_split(
 
 def retries_locally(reason: Reason, time_left_s: float, exec_time: ExecTimeModel, settings: PolicySettings) -> bool:
     """A request whose offload failed runs locally when it was offloaded for a reason that
-    allows local execution (not remote-only, not too large) and its deadline leaves time for
-    the smallest batch."""
-    if reason in (Reason.REMOTE_ONLY, Reason.TOO_LARGE):
+    allows local execution (not too large) and its deadline leaves time for the smallest batch."""
+    if reason is Reason.TOO_LARGE:
         return False
     return time_left_s > exec_time.estimate(settings.preferred_batch_sizes[0])
 

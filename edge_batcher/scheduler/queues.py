@@ -8,13 +8,17 @@ deadline heap, so checking for them costs nothing while none is due.
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import itertools
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
+import numpy as np
+
 from ..errors import Overloaded
+from ..types import InferRequest
 
 
 @dataclass(eq=False, slots=True)
@@ -30,6 +34,15 @@ class QueuedRequest:
     seq: int = field(default=0)
     taken: bool = False  # dispatched or expired: no longer in the queue
     local_only: bool = False  # its offload failed: retry locally, never send it back
+
+
+@dataclass(eq=False, slots=True)
+class Pending(QueuedRequest):
+    """A validated request in a runner's queue: what the policy plans with, and what answers it."""
+
+    request: InferRequest | None = None
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)  # as the engine takes them
+    future: asyncio.Future | None = None
 
 
 class BucketQueue:

@@ -7,7 +7,8 @@ per batch: `submit` queues a request and calls `_schedule` when the policy says 
 change its answer; `_schedule` runs the (pure) policy and hands each planned batch to its
 instance's worker; the worker's completion callback answers the batch's futures and calls
 `_schedule` again; a timer calls it when the policy said to look again later. Input checks
-live in validate.py, batch assembly in batch.py, counters and metrics in stats.py.
+live in validate.py, batch assembly in batch.py, counters and metrics in stats.py, warm-up in
+warmup.py, sending peer batches in offloading.py.
 """
 
 from __future__ import annotations
@@ -17,10 +18,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
-from typing import Protocol
-
-import numpy as np
+from dataclasses import dataclass
 
 from ..config import ModelConfig
 from ..cpu_affinity import thread_is_pinned
@@ -33,11 +31,13 @@ from ..metrics import Metrics
 from ..types import InferRequest, InferResponse, TensorSpec
 from . import batch as batching
 from . import policy
+from .offloading import Offloader, OffloadPort
 from .policy import Dispatch, Reason, Reject, Target
-from .queues import ModelQueue, QueuedRequest
+from .queues import ModelQueue, Pending
 from .stats import RunnerStats
 from .timing import ExecTimeModel
 from .validate import RequestValidator
+from .warmup import warm_up
 from .worker import EngineWorker
 
 log = logging.getLogger(__name__)
@@ -50,26 +50,6 @@ BATCHES_IN_FLIGHT_PER_INSTANCE = 2
 # Below it, sharing one CPU wins: the GIL changes hands several times per batch, cheaply on
 # one core. Where the two cross: tools/bench_engine_cost.py, docs/benchmarks.md.
 WORKER_ON_EVERY_CPU_FROM_S = 0.5e-3
-
-
-class OffloadPort(Protocol):
-    """What the runner needs of the offload peers (offload/peers.py's PeerPool)."""
-
-    def view(self, model: str) -> policy.OffloadView: ...
-
-    async def infer(self, model: str, inputs: dict[str, np.ndarray], timeout_s: float, *,
-                    conform_to: list[TensorSpec] | None = None) -> tuple[dict[str, np.ndarray], str]:
-        """(outputs shaped and typed as `conform_to` says, peer name)."""
-        ...
-
-
-@dataclass(eq=False, slots=True)
-class Pending(QueuedRequest):
-    """A validated request in the queue: what the policy plans with, and what answers it."""
-
-    request: InferRequest | None = None
-    inputs: dict[str, np.ndarray] = field(default_factory=dict)  # as the engine takes them
-    future: asyncio.Future | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -92,9 +72,6 @@ class ModelRunner:
         self.name = config.name
         self.engines: list[Engine] = [with_hook_defaults(e) for e in engines]
         first = self.engines[0]
-        # False for a model served by offload peers only (engines/remote.py): no worker
-        # threads, no warm-up, no local batch slots; the policy plans every batch for a peer.
-        self.runs_locally: bool = first.runs_locally
         self.inputs: list[TensorSpec] = first.inputs
         # An engine may turn what clients send into what the model runs on (text -> token ids);
         # batches are then built from its batch_inputs.
@@ -130,60 +107,25 @@ class ModelRunner:
         self._dispatched: list[deque[float]] = [deque() for _ in engines]  # dispatch times in flight
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None  # when the policy wants to look again; None: no timer
-        self._offloads: set[asyncio.Task] = set()  # requests on their way to a peer
         self._local_batches = 0  # batches with a worker (queued there or running)
         self._draining = False
         self._closed = False
         # Set when a batch or an offload finished, or requests were rejected: drain() waits on it.
         self._progress = asyncio.Event()
+        # Batches on their way to a peer; None: this daemon has no peers.
+        self._offloads = None if offload is None else Offloader(
+            self.name, offload, self.outputs, self._stats, requeue=self._retry_locally, fail=self._fail,
+            settled=self._schedule, progress=self._progress)
 
     # ------------------------------------------------------------------ lifecycle
 
     def warm_up(self) -> None:
-        """Run every allowed batch size (and bucket) on every instance once before serving, so
-        the first real request at a size is not the slow one; seeds the exec-time model.
+        """Run every allowed batch size on every instance once before serving (warmup.py).
         Blocking: call off the event loop."""
-        if not self.runs_locally:
-            log.info("model %s: runs on offload peers only: nothing to warm up here", self.name)
-            return
-        buckets = self.config.sequence.buckets if self.config.sequence else [0]
-        for bucket in buckets:
-            for size in policy.allowed_sizes(self.settings, bucket, self.fits):
-                batch = {spec.name: batching.zeros(spec, size, self.validator.seq_axis(spec.name), bucket)
-                         for spec in self.batch_inputs}
-                try:
-                    for engine in self.engines:
-                        timings = []
-                        for _ in range(3):
-                            t0 = time.perf_counter()
-                            engine.infer(batch)
-                            timings.append(time.perf_counter() - t0)
-                        self.exec_time.observe(size, sorted(timings)[1])
-                except OutOfMemory as exc:
-                    self._cap_batch_size(size, bucket, exc)
-                    break
-        log.info(
-            "model %s: warmed up sizes %s: %s", self.name, list(self.settings.preferred_batch_sizes),
-            ", ".join(f"{s}: {t * 1e3:.2f} ms" for s, t in sorted(self.exec_time.measured().items())),
-        )
-
-    def _cap_batch_size(self, size: int, bucket: int, error: OutOfMemory) -> None:
-        """Warm-up ran out of memory at `size`: serve only the smaller sizes from now on."""
-        capped = policy.capped_after_oom(self.settings, size)
-        if capped is None:
-            raise error
-        self.settings = capped
-        if self.admission is not None:
-            self.admission.raise_calibration()
-        log.warning(
-            "model %s: warm-up ran out of memory at batch %d%s; serving batch sizes up to %d (%s)",
-            self.name, size, f" (bucket {bucket})" if bucket else "", capped.max_batch_size, error,
-        )
+        warm_up(self)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
-        if not self.runs_locally:
-            return  # no workers and no free slot: every batch goes to a peer
         slowest = max(self.exec_time.measured().values(), default=0.0)  # from warm-up; none: not warmed up
         every_cpu = slowest >= WORKER_ON_EVERY_CPU_FROM_S
         if every_cpu and thread_is_pinned():
@@ -268,18 +210,15 @@ class ModelRunner:
     def _submit_oversized(self, queued: Pending) -> None:
         """More rows than the local engine takes: straight to a peer, or a clear error."""
         view = self._offload_view()
-        if not policy.sends_oversized_to_peer(queued.rows, self.settings, view):
-            if view.remote_only and not view.peer_available:
-                raise Unavailable(f"model {self.name!r} is remote-only and no peer is available")
+        if self._offloads is None or not policy.sends_oversized_to_peer(queued.rows, self.settings, view):
             peer_note = "" if self.offload is None else " and no peer can take it now"
             raise InvalidInput(
                 f"request has {queued.rows} rows, more than model {self.name!r} max_batch_size "
                 f"{self.settings.max_batch_size}{peer_note}; split it into smaller requests"
             )
         queued.taken = True
-        reason = Reason.REMOTE_ONLY if view.remote_only else Reason.TOO_LARGE  # why it is not local
-        plan = policy.BatchPlan([queued], queued.rows, queued.rows, queued.bucket, reason, target=Target.PEER)
-        self._start_offload(plan)
+        plan = policy.BatchPlan([queued], queued.rows, queued.rows, queued.bucket, Reason.TOO_LARGE, target=Target.PEER)
+        self._offloads.send(plan)
 
     def infer(self, request: InferRequest) -> asyncio.Future:
         """`await runner.infer(request)` -> InferResponse. Returns the request's future itself,
@@ -371,7 +310,7 @@ class ModelRunner:
 
     def _dispatch(self, plan: policy.BatchPlan, now: float) -> None:
         if plan.target is Target.PEER:
-            self._start_offload(plan)
+            self._offloads.send(plan)
             return
         instance = min(self._free_slots, key=lambda i: self._busy_until[i])
         self._free_slots.remove(instance)
@@ -394,15 +333,11 @@ class ModelRunner:
         return min(wait(i) for i in (self._free_slots or range(len(self.engines))))
 
     def _reject(self, decision: Reject) -> None:
-        error: EdgeBatcherError
-        if decision.kind is Reason.NO_PEER:
-            error = Unavailable(f"model {self.name!r}: {decision.reason}")
-        else:
-            reason = decision.reason
-            if self.admission is not None:
-                smallest = self.settings.preferred_batch_sizes[0]
-                reason = "does not fit in device memory: " + self.admission.explain(smallest, decision.requests[0].bucket)
-            error = DoesNotFit(f"model {self.name!r}: {reason}")
+        reason = decision.reason
+        if self.admission is not None:
+            smallest = self.settings.preferred_batch_sizes[0]
+            reason = "does not fit in device memory: " + self.admission.explain(smallest, decision.requests[0].bucket)
+        error = DoesNotFit(f"model {self.name!r}: {reason}")
         log.warning("model %s: rejecting %d request(s): %s", self.name, len(decision.requests), error)
         for req in decision.requests:
             self.stats.rejected += 1
@@ -504,8 +439,10 @@ class ModelRunner:
             return [None] * len(requests), 0.0, 0.0
         pad = self.config.sequence.pad_value if self.config.sequence else 0
         seq_axis = self.validator.seq_axis
+        any_length = self.engines[batch.instance].accepts_any_length
         inputs = {
-            spec.name: batching.stack([r.inputs[spec.name] for r in live], plan.size, seq_axis(spec.name), plan.bucket, pad)
+            spec.name: batching.stack([r.inputs[spec.name] for r in live], plan.size, seq_axis(spec.name), plan.bucket,
+                                      pad, any_length)
             for spec in self.batch_inputs
         }
         t1 = time.perf_counter()
@@ -526,65 +463,16 @@ class ModelRunner:
             self._count_status(error.status)
         self.stats.fail_ns += int((self._loop.time() - req.arrival) * 1e9)
 
-    # ------------------------------------------------------------------ offload
-
-    def _start_offload(self, plan: policy.BatchPlan) -> None:
-        task = asyncio.create_task(self._offload_batch(plan))
-        self._offloads.add(task)
-        task.add_done_callback(self._offload_done)
-
-    def _offload_done(self, task: asyncio.Task) -> None:
-        self._offloads.discard(task)
-        self._progress.set()  # only now can drain() see that the offload is over
-
-    async def _offload_batch(self, plan: policy.BatchPlan) -> None:
-        """Run a plan on a peer: each request as its own v2 request, concurrently over the
-        peer's pooled connection, with what the client sent (before any prepare hook). The peer
-        batches them with its own limits, which this daemon cannot know; and a peer's answer
-        about one request (a 4xx) concerns that request alone. A request whose offload fails
-        is retried locally while its deadline allows."""
-        loop = self._loop
-
-        async def send(r: Pending) -> None:
-            outputs, _ = await self.offload.infer(self.name, r.request.inputs, r.deadline - loop.time(),
-                                                  conform_to=self.outputs)
-            self._count_offload(plan.reason, "ok", [r])
-            if r.request.outputs is not None:
-                outputs = {name: outputs[name] for name in r.request.outputs if name in outputs}
-            if not r.future.done():
-                r.future.set_result(InferResponse(self.name, r.request.id, outputs))
-                self._stats.ok.inc()
-
-        results = await asyncio.gather(*(send(r) for r in plan.requests), return_exceptions=True)
-        for r, outcome in zip(plan.requests, results):
-            if isinstance(outcome, BaseException):
-                self._offload_failed(plan.reason, r, outcome)
-        self._schedule()
-
-    def _offload_failed(self, reason: Reason, r: Pending, error: BaseException) -> None:
-        now = self._loop.time()
-        if policy.retries_locally(reason, r.deadline - now, self.exec_time, self.settings):
-            retry = dataclasses.replace(r, taken=False, local_only=True)
-            try:
-                self.queue.push(retry)
-                self._count_offload(reason, "failed_local_retry", [r])
-                log.warning("model %s: offload failed (%s); retrying locally", self.name, error)
-                return
-            except Overloaded:
-                pass
-        self._count_offload(reason, "failed", [r])
-        if isinstance(error, EdgeBatcherError) and error.status < 500:
-            answer = error  # the peer's verdict on this request's input (400, 404): pass it on
-        else:
-            why_not_local = {Reason.REMOTE_ONLY: "the model is remote-only",
-                             Reason.TOO_LARGE: "the request is larger than the local engine takes"}
-            answer = Unavailable(f"model {self.name!r}: offload to the peer failed ({error}) and "
-                                 f"{why_not_local.get(reason, 'it cannot run locally in time')}")
-        log.warning("model %s: offload failed: %s", self.name, answer)
-        self._fail(r, answer)
-
-    def _count_offload(self, reason: Reason, outcome: str, group: list[Pending]) -> None:
-        self._stats.count_offload(reason, outcome, len(group))
+    def _retry_locally(self, r: Pending, reason: Reason) -> bool:
+        """A request whose offload failed goes back to the queue, never to a peer again, when
+        the policy says it may run here in time (and the queue has room)."""
+        if not policy.retries_locally(reason, r.deadline - self._loop.time(), self.exec_time, self.settings):
+            return False
+        try:
+            self.queue.push(dataclasses.replace(r, taken=False, local_only=True))
+        except Overloaded:
+            return False
+        return True
 
     # ------------------------------------------------------------------ introspection
 

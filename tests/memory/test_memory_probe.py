@@ -9,21 +9,10 @@ import psutil
 import pytest
 
 from edge_batcher.errors import ConfigError, EdgeBatcherError
-from edge_batcher.memory.probe import (
-    CpuProbe,
-    CudaProbe,
-    FixedProbe,
-    JetsonProbe,
-    MemoryProbe,
-    NvmlProbe,
-    cgroup_memory_limit,
-    detect_probe,
-    is_jetson,
-    own_cgroup_dirs,
-    parse_l4t_release,
-    parse_meminfo,
-    read_jetson_info,
-)
+from edge_batcher.memory.cgroup import cgroup_memory_limit, own_cgroup_dirs
+from edge_batcher.memory.gpu_probes import CudaProbe, NvmlProbe
+from edge_batcher.memory.jetson import JetsonProbe, is_jetson, parse_l4t_release, parse_meminfo, read_jetson_info
+from edge_batcher.memory.probe import CpuProbe, FixedProbe, MemoryProbe, detect_probe
 from tests.fakes.fake_cuda_bindings import fake_cuda_module
 from tests.fakes.fake_tensorrt import FakeCuda
 

@@ -56,7 +56,7 @@ async def test_infer_returns_outputs_and_the_peer_name(serve_peer, model_repo):
         latency = pool.estimated_latency("vibration")
         assert latency is not None and latency > 0
         view = pool.view("vibration")
-        assert view.peer_available and view.peer_latency_s == latency and not view.remote_only
+        assert view.peer_available and view.peer_latency_s == latency
         [status] = pool.status()
         assert status["name"] == "peer1" and status["url"] == server.url
         assert status["state"] == "closed" and status["healthy"] is True
@@ -252,13 +252,12 @@ async def test_batches_over_max_rows_go_in_slices(serve_peer, model_repo):
     assert len(infers) == 3  # 4 + 4 + 3 rows
 
 
-async def test_view_reports_remote_only_and_backlog_settings(serve_peer):
+async def test_view_reports_the_backlog_settings(serve_peer):
     server = await serve_peer()
-    pool = PeerPool(settings(server, remote_only=["vibration"], offload_on_backlog=False, max_rows=16))
+    pool = PeerPool(settings(server, offload_on_backlog=False, max_rows=16))
     view = pool.view("vibration")
-    assert view.remote_only and not view.on_backlog and view.max_rows == 16
+    assert not view.on_backlog and view.max_rows == 16
     assert view.peer_available  # not checked yet: usable until a check says otherwise
-    assert not pool.view("other").remote_only
     await pool.stop()
 
 
@@ -281,8 +280,7 @@ async def test_a_remote_model_s_declaration_is_compared_with_each_peer_s_metadat
         pool.add_remote_model("vibration", [TensorSpec("signal", "FP32", (-1, 256))], outputs)
         await pool.check_now()
         [status] = pool.status()
-        assert status["spec_mismatches"] == {}
-        assert pool.view("vibration").remote_only
+        assert status["spec_mismatches"] == {} and "vibration" in pool.declared
 
         pool.add_remote_model("vibration", [TensorSpec("signal", "FP16", (-1, 256))], outputs)  # as after a reload
         await pool.check_now()
@@ -293,4 +291,4 @@ async def test_a_remote_model_s_declaration_is_compared_with_each_peer_s_metadat
         assert len(warnings) == 1 and "peer1" in warnings[0] and "FP16 here" in warnings[0]
 
         pool.remove_remote_model("vibration")
-        assert not pool.view("vibration").remote_only
+        assert "vibration" not in pool.declared

@@ -1,5 +1,7 @@
-"""A model with backend "remote": declared in model.toml, no model file on the edge, every
-batch served by the peer (two real daemons on loopback for the end-to-end case)."""
+"""A model served by offload peers only (offload/remote_model.py's RemoteModel): backend "remote"
+declared in model.toml with no model file on the edge, or a model listed in remote_only; every
+request served by the peer (two real daemons on loopback for the end-to-end case, an in-process
+peer port computing the same answers for the servable alone)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,15 @@ import pytest
 from edge_batcher.client import ClientError
 from edge_batcher.config import DaemonConfig, PeerSettings, load_model_config
 from edge_batcher.engines.registry import create_engine
-from edge_batcher.errors import ConfigError
+from edge_batcher.errors import ConfigError, InvalidInput, Overloaded, Unavailable
+from edge_batcher.metrics import Metrics
+from edge_batcher.offload.remote_model import RemoteModel, declared_specs
 from edge_batcher.runtime import Runtime
-from edge_batcher.types import InferRequest
+from edge_batcher.types import InferRequest, TensorSpec
 from tests.offload.conftest import assert_matches_local, free_port
 from tests.offload.test_offload_two_daemons import edge_config, offloaded, peer_config, peer_status
 from tests.offload.test_offload_two_daemons import peer_repo  # noqa: F401  (the fixture: a peer with batches up to 16)
+from tests.scheduler.test_runner import PeerPort, config as rowsum_config, request as rowsum_request
 from tests.support.signals import windows
 
 REMOTE_VIBRATION = """
@@ -145,20 +150,20 @@ def test_reloaded_as_a_local_model_it_stops_being_remote_only(remote_repo, model
         runtime = Runtime(config)
         await runtime.start()
         try:
-            before = runtime.runner("vibration").runs_locally, "vibration" in runtime.offload.remote_only
+            before = isinstance(runtime.runner("vibration"), RemoteModel), "vibration" in runtime.offload.declared
             shutil.copy(model_repo / "vibration" / "model.onnx", remote_repo / "vibration" / "model.onnx")
             shutil.copy(model_repo / "vibration" / "model.toml", remote_repo / "vibration" / "model.toml")
             changes = await runtime.reload()
-            after = runtime.runner("vibration").runs_locally, "vibration" in runtime.offload.remote_only
+            after = isinstance(runtime.runner("vibration"), RemoteModel), "vibration" in runtime.offload.declared
             response = await runtime.infer(InferRequest("vibration", {"signal": x}))
             return before, changes, after, response
         finally:
             await runtime.close()
 
     before, changes, after, response = asyncio.run(run())
-    assert before == (False, True)
+    assert before == (True, True)
     assert changes["changed"] == ["vibration"]
-    assert after == (True, False)
+    assert after == (False, False)
     assert_matches_local(model_repo, x, response.outputs)
 
 
@@ -176,10 +181,14 @@ def test_reloaded_as_a_local_model_it_stops_being_remote_only(remote_repo, model
 def test_remote_specs_must_be_declared_whole(tmp_path, change, message):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "model.toml").write_text(change(REMOTE_VIBRATION))
-    engine = create_engine(load_model_config(tmp_path / "m"))
     with pytest.raises(ConfigError, match=message) as info:
-        engine.load()
+        declared_specs(load_model_config(tmp_path / "m"))
     assert str(tmp_path / "m" / "model.toml") in str(info.value)
+
+
+def test_backend_remote_has_no_engine_to_create(remote_repo):
+    with pytest.raises(ConfigError, match="backend 'remote' has no engine on this device: the model runs on offload"):
+        create_engine(load_model_config(remote_repo / "vibration"))
 
 
 async def test_a_model_listed_remote_only_is_checked_against_the_peers_too(serve_peer, model_repo):
@@ -195,7 +204,10 @@ async def test_a_model_listed_remote_only_is_checked_against_the_peers_too(serve
     runtime = Runtime(config)
     await runtime.start()
     try:
-        assert runtime.runner("vibration").runs_locally  # loaded here, but always offloaded
+        # Its specs come from its model file; nothing of it stays loaded or counts in the budget.
+        assert isinstance(runtime.runner("vibration"), RemoteModel)
+        assert runtime.runner("vibration").inputs == [TensorSpec("signal", "FP32", (-1, 256))]
+        assert runtime.budget.resident == 0
         assert set(runtime.offload.declared) == {"vibration"}
         [status] = runtime.offload.status()
         assert status["spec_mismatches"] == {}
@@ -204,3 +216,74 @@ async def test_a_model_listed_remote_only_is_checked_against_the_peers_too(serve
         assert_matches_local(model_repo, windows(1, seed=8), response.outputs)
     finally:
         await runtime.close()
+
+
+# ------------------------------------------------------------------ the servable alone
+
+ROWSUM_SPECS = [TensorSpec("x", "FP32", (-1, 4))], [TensorSpec("y", "FP32", (-1,))]
+
+
+async def started(peer, **batching) -> RemoteModel:
+    model = RemoteModel(rowsum_config(**batching), *ROWSUM_SPECS, peer, Metrics())
+    await model.start()
+    return model
+
+
+async def test_each_request_goes_to_the_peer_checked_and_counted():
+    peer = PeerPort()
+    model = await started(peer)
+    x, req = rowsum_request(rows=3)
+    out = await model.infer(req)
+    np.testing.assert_allclose(out.outputs["y"], x.sum(axis=1), rtol=1e-6)
+    with pytest.raises(InvalidInput, match="x"):
+        await model.infer(InferRequest("rowsum", {"x": np.zeros((1, 3), np.float32)}))
+    with pytest.raises(InvalidInput, match="100 rows, more than model 'rowsum' sends to a peer in one request"):
+        await model.infer(rowsum_request(rows=100)[1])  # over max_rows (64) and max_batch_size
+    assert peer.calls == [3]  # nothing invalid reached the peer
+    stats = model.statistics()
+    assert stats["offloaded"] == {"remote_only/ok": 1} and stats["execution_count"] == 0
+
+
+async def test_without_a_peer_or_when_it_fails_the_answer_is_a_503():
+    peer = PeerPort(available=False)
+    model = await started(peer)
+    with pytest.raises(Unavailable, match="'rowsum' is remote-only and no peer is available"):
+        await model.infer(rowsum_request()[1])
+    peer.available, peer.fail = True, True
+    with pytest.raises(Unavailable, match="offload to the peer failed .*peer is down.* and the model is remote-only"):
+        await model.infer(rowsum_request()[1])
+    stats = model.statistics()
+    assert stats["offloaded"] == {"remote_only/failed": 1} and stats["inference_stats"]["fail"]["count"] == 1
+
+
+async def test_a_peer_s_4xx_verdict_is_passed_on_as_is():
+    class StrictPeer(PeerPort):
+        async def infer(self, model, inputs, timeout_s, *, conform_to=None):
+            raise InvalidInput("the peer takes at most 2 rows")
+
+    model = await started(StrictPeer())
+    with pytest.raises(InvalidInput, match="the peer takes at most 2 rows"):
+        await model.infer(rowsum_request(rows=3)[1])
+
+
+async def test_drain_waits_for_requests_on_their_way_and_refuses_new_ones():
+    class SlowPeer(PeerPort):
+        async def infer(self, model, inputs, timeout_s, *, conform_to=None):
+            await asyncio.sleep(0.2)
+            return await super().infer(model, inputs, timeout_s)
+
+    model = await started(SlowPeer(), queue_capacity=1)
+    x, req = rowsum_request()
+    answer = asyncio.ensure_future(model.infer(req))
+    await asyncio.sleep(0.05)  # on its way to the peer
+    assert len(model.queue) == 1
+    with pytest.raises(Overloaded, match="queue_capacity 1"):
+        model.refuse_if_full()
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    await model.drain(timeout=5.0)
+    assert loop.time() - t0 < 1.0 and len(model.queue) == 0
+    np.testing.assert_allclose((await answer).outputs["y"], x.sum(axis=1), rtol=1e-6)
+    with pytest.raises(Unavailable, match="draining"):
+        await model.infer(rowsum_request()[1])
+    await model.close()

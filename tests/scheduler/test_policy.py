@@ -306,27 +306,10 @@ def test_max_batch_size_caps_preferred_sizes():
 # ------------------------------------------------------------------ offload to a peer
 
 from edge_batcher.scheduler.policy import (  # noqa: E402
-    BACKLOG, DOES_NOT_FIT, NO_PEER, REMOTE_ONLY, OffloadView, sends_oversized_to_peer,
+    BACKLOG, DOES_NOT_FIT, OffloadView, sends_oversized_to_peer,
 )  # fmt: skip
 
 PEER = OffloadView(peer_available=True, peer_latency_s=0.005)
-
-
-def test_remote_only_models_go_to_the_peer_at_once_unpadded():
-    clock, q = FakeClock(), make_queue()
-    push(q, clock, 3)
-    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits,
-               PlanState(offload=OffloadView(peer_available=True, remote_only=True)))
-    assert isinstance(d, Dispatch)
-    assert (d.plan.target, d.plan.reason, d.plan.rows, d.plan.size) == ("peer", REMOTE_ONLY, 3, 3)
-
-
-def test_remote_only_without_a_peer_is_rejected_with_its_reason():
-    clock, q = FakeClock(), make_queue()
-    reqs = push(q, clock, 2)
-    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits,
-               PlanState(offload=OffloadView(peer_available=False, remote_only=True)))
-    assert isinstance(d, Reject) and d.requests == reqs and d.kind == NO_PEER
 
 
 def test_what_fits_nowhere_locally_goes_to_the_peer():
@@ -452,7 +435,7 @@ def test_a_failed_offload_retries_locally_only_when_it_may_and_has_time():
     times = linear_times()
     assert retries_locally(BACKLOG, 0.5, times, SETTINGS)
     assert not retries_locally(BACKLOG, times.estimate(2) / 2, times, SETTINGS)  # no time left
-    assert not retries_locally(REMOTE_ONLY, 0.5, times, SETTINGS)
+    assert retries_locally(DOES_NOT_FIT, 0.5, times, SETTINGS)  # memory may be free by then
     assert not retries_locally(TOO_LARGE, 0.5, times, SETTINGS)
 
 

@@ -49,13 +49,12 @@ class RowSumEngine:
 class PeerPort:
     """An in-process peer with the offload port's interface: computes the same row sums."""
 
-    def __init__(self, available=True, latency_s=0.001, fail=False, remote_only=False):
-        self.available, self.latency_s, self.fail, self.remote_only = available, latency_s, fail, remote_only
+    def __init__(self, available=True, latency_s=0.001, fail=False):
+        self.available, self.latency_s, self.fail = available, latency_s, fail
         self.calls: list[int] = []
 
     def view(self, model):
-        return policy.OffloadView(peer_available=self.available, peer_latency_s=self.latency_s,
-                                  remote_only=self.remote_only)
+        return policy.OffloadView(peer_available=self.available, peer_latency_s=self.latency_s)
 
     async def infer(self, model, inputs, timeout_s, *, conform_to=None):
         self.calls.append(inputs["x"].shape[0])
@@ -99,21 +98,6 @@ async def test_larger_than_the_engine_without_a_peer_is_a_clear_error():
     await runner.start()
     with pytest.raises(InvalidInput, match="12 rows, more than model 'rowsum' max_batch_size 8 and no peer"):
         await runner.infer(request(rows=12)[1])
-    await runner.close()
-
-
-async def test_remote_only_model_runs_on_the_peer_and_a_failed_peer_is_503():
-    peer = PeerPort(remote_only=True)
-    engine = RowSumEngine()
-    runner = ModelRunner(config(), [engine], Metrics(), offload=peer)
-    await runner.start()
-    x, req = request(rows=1)
-    out = await runner.infer(req)
-    np.testing.assert_allclose(out.outputs["y"], x.sum(axis=1), rtol=1e-6)
-    assert engine.sizes == [] and peer.calls == [1]
-    peer.fail = True
-    with pytest.raises(Unavailable, match="offload to the peer failed"):
-        await runner.infer(request()[1])
     await runner.close()
 
 
@@ -252,9 +236,9 @@ async def test_drain_returns_as_soon_as_the_offloads_in_flight_are_answered():
             await asyncio.sleep(0.2)
             return await super().infer(model, inputs, timeout_s)
 
-    runner = ModelRunner(config(), [RowSumEngine()], Metrics(), offload=SlowPeer(remote_only=True))
+    runner = ModelRunner(config(), [RowSumEngine()], Metrics(), offload=SlowPeer())
     await runner.start()
-    x, req = request()
+    x, req = request(rows=12)  # larger than the engine: on its way to the peer
     answer = asyncio.ensure_future(runner.infer(req))
     await asyncio.sleep(0.05)  # on its way to the peer
     loop = asyncio.get_running_loop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 
@@ -13,7 +14,7 @@ else:  # Python 3.10 on JetPack 6
     import tomli as tomllib
 
 from edge_batcher.config import load_model_config
-from edge_batcher.engines import trt_build
+from edge_batcher.engines import trt_build, trt_builder
 from edge_batcher.engines.trt_settings import TensorRTSettings, tensorrt_settings
 from edge_batcher.errors import ConfigError
 from tests.fakes.fake_tensorrt import FakeTensorRT, tensorrt_installed
@@ -163,6 +164,22 @@ def test_progress_is_printed_by_phase(repo, trt, cuda, capsys):
     assert f"wrote {repo / 'vibration-trt' / 'model.plan'}" in out
 
 
+def test_on_a_terminal_the_build_phases_are_one_redrawn_bar(repo, trt, cuda):
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    terminal, lines = Terminal(), []
+    trt_build.build_engine(request(repo), trt, cuda, write=lines.append, bar=terminal)
+    drawn = terminal.getvalue()
+    assert "\n" not in drawn  # redrawn in place, never a new line
+    for n, phase in enumerate(["Parsing network", "Building optimization profiles", "Serializing engine"], 1):
+        assert f"] {n}/3 Building engine: {phase} (" in drawn
+    assert drawn.endswith("\r\033[K")  # the bar is cleared when the build is done
+    assert not any("Parsing network" in line for line in lines)  # no phase lines beside the bar
+    assert any(line.startswith("Building engine: done in") for line in lines)
+
+
 def test_quiet_build_prints_no_phases(repo, trt, cuda, capsys):
     assert trt_build.build_engine_main([str(repo / "vibration" / "model.onnx"), "--quiet"], trt, cuda) == 0
     assert "Building engine" not in capsys.readouterr().out
@@ -214,8 +231,8 @@ def test_tools_build_engine_script_runs(repo):
 
 
 def test_model_toml_values_are_valid_toml():
-    assert trt_build._toml_value('say "hi"\\') == '"say \\"hi\\"\\\\"'
-    assert tomllib.loads(f"x = {trt_build._toml_value(['a', 1, 2.5, True])}")["x"] == ["a", 1, 2.5, True]
+    assert trt_builder._toml_value('say "hi"\\') == '"say \\"hi\\"\\\\"'
+    assert tomllib.loads(f"x = {trt_builder._toml_value(['a', 1, 2.5, True])}")["x"] == ["a", 1, 2.5, True]
 
 
 # ------------------------------------------------------------------ TensorRT 10.x and 11.x

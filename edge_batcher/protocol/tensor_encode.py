@@ -1,0 +1,90 @@
+"""numpy arrays -> the entries of a v2 message's ``inputs``/``outputs`` list, and binary chunks.
+
+Each tensor becomes JSON ``data`` or a chunk of the binary extension (in header order), as
+the caller asks; a BYTES tensor that is not valid utf-8 always goes binary. protocol/v2.py
+calls :func:`encode_tensors` for requests and responses alike.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidInput
+from ..types import DATATYPE_TO_NUMPY, datatype_of
+from .binary_extension import encode_utf8, pack_bytes_elements
+
+
+def encode_tensors(
+    tensors: dict[str, np.ndarray],
+    kind: str,
+    all_binary: bool,
+    binary_names: set[str] | frozenset[str] | None,
+) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """Build the header entries and the binary chunks (in header order)."""
+    if not isinstance(tensors, dict):
+        raise InvalidInput(f"{kind}s must be a dict of name -> array")
+    entries: list[dict[str, Any]] = []
+    chunks: list[bytes] = []
+    for name, value in tensors.items():
+        where = f"{kind} {name!r}"
+        if not isinstance(name, str) or not name:
+            raise InvalidInput(f"{kind} names must be non-empty strings, got {name!r}")
+        array = np.asarray(value)
+        datatype = _datatype(array, where)
+        entry: dict[str, Any] = {"name": name, "shape": list(array.shape), "datatype": datatype}
+        binary = all_binary or (binary_names is not None and name in binary_names)
+
+        if datatype == "BYTES":
+            items = _bytes_items(array, where)
+            strings = None
+            if not binary:
+                try:
+                    strings = [b.decode("utf-8") for b in items]
+                except UnicodeDecodeError:
+                    strings = None  # not representable as JSON strings: send it binary
+            if strings is not None:
+                entry["data"] = strings
+            else:
+                chunk = pack_bytes_elements(items)
+                entry["parameters"] = {"binary_data_size": len(chunk)}
+                chunks.append(chunk)
+        elif binary:
+            if datatype == "BOOL":
+                chunk = array.astype(np.bool_, copy=False).tobytes()  # 1 byte 0/1 each
+            else:
+                little = DATATYPE_TO_NUMPY[datatype].newbyteorder("<")
+                chunk = array.astype(little, copy=False).tobytes()
+            entry["parameters"] = {"binary_data_size": len(chunk)}
+            chunks.append(chunk)
+        else:
+            entry["data"] = array.reshape(-1).tolist()
+        entries.append(entry)
+    return entries, chunks
+
+
+def _datatype(array: np.ndarray, where: str) -> str:
+    dtype = array.dtype
+    if dtype.kind in "biuf" and not dtype.isnative:
+        dtype = dtype.newbyteorder("=")  # e.g. '>f4' is still FP32
+    try:
+        return datatype_of(np.empty(0, dtype=dtype))
+    except InvalidInput as e:
+        raise InvalidInput(f"{where}: {e.message}") from None
+
+
+def _bytes_items(array: np.ndarray, where: str) -> list[bytes]:
+    """The elements of a BYTES tensor (object array of bytes/str, or numpy S/U array)."""
+    items: list[bytes] = []
+    for value in array.reshape(-1).tolist():
+        if isinstance(value, (bytes, bytearray)):
+            items.append(bytes(value))
+        elif isinstance(value, str):
+            items.append(encode_utf8(value, where))
+        else:
+            raise InvalidInput(
+                f"{where}: BYTES elements must be bytes or str, got {type(value).__name__}"
+            )
+    return items
+
