@@ -199,6 +199,14 @@ class GenerationService(ServiceAccounting):
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))
 
+    def step_times(self) -> tuple[float, float] | None:
+        """(mean seconds of a prefill, mean seconds of a decode step) measured so far, or None
+        before both were measured. The rag service estimates a local generation's time from them."""
+        g = self._loop.snapshot().counters
+        if not g["prefills"] or not g["decode_steps"]:
+            return None
+        return g["prefill_ns"] / g["prefills"] / 1e9, g["decode_ns"] / g["decode_steps"] / 1e9
+
     async def events(self, seq: Sequence) -> AsyncIterator[tuple[str, object]]:
         """The sequence's events: ("token", piece) ..., then ("done", GenerationResult).
         An ("error", exc) is raised. Leaving early cancels the sequence."""

@@ -1,4 +1,5 @@
-"""A generator on a nearby server: an OpenAI-compatible chat-completions endpoint, streamed.
+"""A generator on a nearby server: an OpenAI-compatible chat-completions endpoint or Triton's
+generate extension, streamed.
 
 Where the device is too small for the language model, retrieval stays here and generation runs
 on a peer that speaks `POST /v1/chat/completions` with `"stream": true` (what vLLM, llama.cpp's
@@ -6,11 +7,15 @@ server, Ollama, TensorRT-LLM's and Edge-LLM's servers expose). The prompt the ra
 assembled goes as one user message; the peer's server-sent events (`data: {...}` lines with
 `choices[0].delta.content`, ended by `data: [DONE]`) become the same ("token", text) ...
 ("done", result) events a local generator gives, so HTTP generate_stream and MQTT stream them
-unchanged. model.toml of the rag model::
+unchanged. With `kind = "triton"` the peer is a Triton-style server instead and the prompt goes
+to `/v2/models/{model}/generate_stream` (peer_protocols.py has both APIs). model.toml of the
+rag model::
 
     [rag.peer]
+    kind = "openai"                  # or "triton": Triton's generate extension (another edge-batcher too)
     url = "http://10.0.0.5:8000"     # base URL; /v1/chat/completions is appended
     model = "qwen2.5-0.5b-instruct"  # the peer's model name
+    parameter_names = {}             # triton: our parameter -> the peer's key ({} = TensorRT-LLM's names)
     token = ""                       # or token_file = "/etc/edge-batcher/peer-token": Bearer token
     ca_file = ""                     # verify https:// peers against this CA (default: system CAs)
     tls_insecure = false             # testing only
@@ -18,6 +23,7 @@ unchanged. model.toml of the rag model::
     first_token_timeout_s = 10.0     # also the longest silence between two events
     request_timeout_s = 120.0        # a whole generation, at most (the request's deadline is tighter)
     health_path = "/v1/models"       # GET every health_interval_s; "" turns health checks off
+                                     # (triton: /v2/models/{model}/ready unless set otherwise)
     health_interval_s = 5.0
     breaker_failures = 3             # consecutive failures that open the circuit breaker
     breaker_reset_s = 10.0
@@ -35,7 +41,7 @@ import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from .. import __version__
@@ -43,16 +49,17 @@ from ..config import PeerSettings, read_secret
 from ..errors import ConfigError
 from ..offload.breaker import Breaker
 from ..offload.client import PeerError, client_ssl_context
+from .peer_protocols import KINDS, TRITON_PARAMETER_NAMES, OpenAIChat, protocol
 
 log = logging.getLogger(__name__)
-
-CHAT_PATH = "/v1/chat/completions"
 
 
 @dataclass
 class ChatPeerSettings:
     url: str = ""
     model: str = ""
+    kind: str = "openai"  # or "triton" (peer_protocols.py)
+    parameter_names: dict[str, str] = field(default_factory=dict)  # triton: {} = TRITON_PARAMETER_NAMES
     name: str = ""
     token: str = ""
     token_file: str = ""
@@ -92,6 +99,18 @@ class ChatPeer:
                     "breaker_reset_s"):
             if getattr(settings, key) <= 0:
                 raise ConfigError(f"{where} {key}: must be > 0, got {getattr(settings, key)}")
+        if settings.kind not in KINDS:
+            raise ConfigError(f"{where} kind: expected one of {', '.join(KINDS)}, got {settings.kind!r}")
+        unknown = set(settings.parameter_names) - set(TRITON_PARAMETER_NAMES)
+        if unknown:
+            raise ConfigError(f"{where} parameter_names: unknown {', '.join(sorted(unknown))}; the parameters sent are "
+                              f"{', '.join(TRITON_PARAMETER_NAMES)}")
+        self.protocol = protocol(settings.kind)
+        self.parameter_names = settings.parameter_names or dict(TRITON_PARAMETER_NAMES)
+        self.health_path = settings.health_path
+        if settings.health_path == OpenAIChat.health_path and settings.kind != "openai":
+            self.health_path = self.protocol.health_path  # the default follows the kind
+        self.health_path = self.health_path.replace("{model}", settings.model)
         self.url = settings.url.rstrip("/")
         self.name = settings.name or self.url
         token = read_secret(settings.token, settings.token_file, f"{where} token")
@@ -109,7 +128,7 @@ class ChatPeer:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        if self.settings.health_path and self._task is None:
+        if self.health_path and self._task is None:
             self._task = asyncio.create_task(self._health_loop(), name=f"rag-peer-health-{self.name}")
 
     async def close(self) -> None:
@@ -136,25 +155,15 @@ class ChatPeer:
         return self.healthy is not False and self.breaker.would_allow()
 
     def status(self) -> dict:
-        return {"name": self.name, "url": self.url, "model": self.settings.model, "healthy": self.healthy,
-                "breaker": self.breaker.snapshot(), "last_error": self.last_error}
+        return {"name": self.name, "kind": self.settings.kind, "url": self.url, "model": self.settings.model,
+                "healthy": self.healthy, "breaker": self.breaker.snapshot(), "last_error": self.last_error}
 
     # ------------------------------------------------------------------ generation
-
-    def _body(self, prompt: str, generation: dict) -> dict:
-        body: dict = {"model": self.settings.model, "messages": [{"role": "user", "content": prompt}], "stream": True,
-                      "stream_options": {"include_usage": True}}
-        if "max_new_tokens" in generation:
-            body["max_tokens"] = generation["max_new_tokens"]
-        for key in ("temperature", "top_p", "seed"):
-            if key in generation:
-                body[key] = generation[key]
-        return body
 
     async def stream(self, prompt: str, generation: dict, timeout_s: float | None = None
                      ) -> AsyncIterator[tuple[str, object]]:
         """("token", text) ..., ("done", PeerResult). Raises PeerError when the peer is not usable,
-        fails, times out or answers something that is not a chat-completions stream."""
+        fails, times out or answers something that is not a stream of its kind."""
         import aiohttp
 
         if not self.breaker.allow():
@@ -167,7 +176,8 @@ class ChatPeer:
         pieces: list[str] = []
         verdict = False
         try:
-            async with self._client().post(self.url + CHAT_PATH, json=self._body(prompt, generation),
+            body = self.protocol.body(s.model, prompt, generation, self.parameter_names)
+            async with self._client().post(self.url + self.protocol.path(s.model), json=body,
                                            timeout=timeout, ssl=self._ssl) as response:
                 if response.status != 200:
                     detail = (await response.text())[:300]
@@ -181,17 +191,19 @@ class ChatPeer:
                     except ValueError:
                         raise PeerError(f"generation peer {self.name}: an event is not JSON: {event[:100]!r}",
                                         peer=self.name) from None
-                    if "error" in chunk:
-                        raise PeerError(f"generation peer {self.name}: {chunk['error']}", peer=self.name)
-                    usage = chunk.get("usage") or usage
-                    for choice in chunk.get("choices") or ():
-                        text = (choice.get("delta") or {}).get("content") or ""
-                        if text:
-                            if not pieces:
-                                first = time.monotonic() - started
-                            pieces.append(text)
-                            yield "token", text
-                        finish = choice.get("finish_reason") or finish
+                    if not isinstance(chunk, dict):
+                        raise PeerError(f"generation peer {self.name}: an event is not a JSON object: {event[:100]!r}",
+                                        peer=self.name)
+                    update = self.protocol.read(chunk)
+                    if update.error is not None:
+                        raise PeerError(f"generation peer {self.name}: {update.error}", peer=self.name)
+                    usage = update.usage or usage
+                    finish = update.finish_reason or finish
+                    if update.text:
+                        if not pieces:
+                            first = time.monotonic() - started
+                        pieces.append(update.text)
+                        yield "token", update.text
             self.breaker.record_success()
             verdict = True
             self._set_healthy(True)
@@ -222,11 +234,11 @@ class ChatPeer:
         timeout = aiohttp.ClientTimeout(total=max(1.0, min(self.settings.health_interval_s, 10.0)),
                                         connect=self.settings.connect_timeout_s)
         try:
-            async with self._client().get(self.url + self.settings.health_path, timeout=timeout,
+            async with self._client().get(self.url + self.health_path, timeout=timeout,
                                           ssl=self._ssl) as response:
                 ok = response.status == 200
                 if not ok:
-                    self.last_error = f"health check {self.settings.health_path}: HTTP {response.status}"
+                    self.last_error = f"health check {self.health_path}: HTTP {response.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
             ok = False
             self.last_error = f"health check: {type(exc).__name__}: {exc}".rstrip(": ")

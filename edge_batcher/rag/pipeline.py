@@ -40,6 +40,8 @@ from ..types import InferRequest, InferResponse, TensorSpec
 from .fusion import DEFAULT_FUSION, METHODS, MODES, Fusion
 from .index import Hit, Index, IndexWatcher, default_index_dir, load_index
 from ..offload.client import PeerError
+from ..scheduler.runner import ModelRunner
+from .deadline import estimate as estimate_local, too_slow
 from .extract import answer_text, choose, sentences
 from .peer import ChatPeer, ChatPeerSettings
 from .prompt import DEFAULT_PASSAGE_TEMPLATE, DEFAULT_TEMPLATE, assemble, check_template, render
@@ -256,8 +258,7 @@ class RagService(ServiceAccounting):
 
     def _embedding_tokenizer(self):
         runner = self.runtime.runners.get(self.settings.embedding_model)
-        engines = getattr(runner, "engines", None)
-        return getattr(engines[0], "tokenizer", None) if engines else None
+        return runner.engines[0].tokenizer if isinstance(runner, ModelRunner) else None
 
     async def _embed(self, texts: list[str], request: InferRequest):
         """Embeddings of texts through the core scheduler (batched with every other request),
@@ -314,22 +315,33 @@ class RagService(ServiceAccounting):
         self.counters["extract_ns"] += int((time.perf_counter() - t0) * 1e9)
         return answer_text(chosen, hits)
 
-    async def _start_generation(self, question: str, hits: list[Hit], generation: dict, request: InferRequest):
-        """Decide where this answer is generated, and start it there: (route, passages used,
-        generation events or None for an extractive answer, why not generated or None).
+    def _deadline(self, request: InferRequest, started: float) -> float:
+        """The request's deadline on the time.monotonic() clock (its timeout, else the model's)."""
+        timeout = request.timeout_s if request.timeout_s is not None else self.config.batching.default_timeout_ms / 1000
+        return started + timeout
 
-        The local generator when its KV cache fits the memory budget now (or when it is the only
-        generator), else the peer when it is usable and answers, else extractive."""
+    async def _start_generation(self, question: str, hits: list[Hit], generation: dict, request: InferRequest,
+                                deadline: float):
+        """Decide where this answer is generated, and start it there: (route, passages used,
+        generation events or None for an extractive answer, why the earlier choices were passed
+        over or None).
+
+        The local generator when it would finish before the deadline (deadline.py) and its KV
+        cache fits the memory budget now (or when it is the only generator), else the peer when
+        it is usable and answers, else extractive."""
         s = self.settings
-        reason = None
+        reasons: list[str] = []
+        fallback = None  # what an extractive answer is counted as in the stats' fallbacks
         if s.generator:
             gen = self._generator()
             prompt, used = self._prompt(gen, question, hits, generation)
             max_new = generation.get("max_new_tokens", gen.settings.max_new_tokens)
-            if self.peer is None or gen.fits_now(gen.count_tokens(prompt), max_new):
+            late = too_slow(s.generator, estimate_local(gen.step_times(), max_new), deadline - time.monotonic())
+            if late is None and (self.peer is None or gen.fits_now(gen.count_tokens(prompt), max_new)):
                 seq = gen.submit(prompt, generation, timeout_s=request.timeout_s, apply_template=False)
                 return "local", used, gen.events(seq), None
-            reason = f"local generator {s.generator!r}: no room in the KV memory budget now"
+            reasons.append(late or f"local generator {s.generator!r}: no room in the KV memory budget now")
+            fallback = "deadline" if late else "local"
         if self.peer is not None:
             if self.peer.usable():
                 events = self.peer.stream(render(s.prompt_template, s.passage_template, question, hits),
@@ -338,15 +350,16 @@ class RagService(ServiceAccounting):
                     first = await events.__anext__()  # the peer is judged before anything is sent on
                 except PeerError as exc:
                     await events.aclose()
-                    reason = exc.message
+                    reasons.append(exc.message)
                 else:
-                    return "peer", hits, _prepended(first, events), None
+                    return "peer", hits, _prepended(first, events), "; ".join(reasons) or None
             else:
-                reason = (f"generation peer {self.peer.name}: "
-                          + ("unhealthy" if self.peer.healthy is False else f"circuit breaker {self.peer.breaker.state}"))
-        if reason:
-            key = "peer" if self.peer is not None and "peer" in reason else "local"
-            self.fallbacks[key] = self.fallbacks.get(key, 0) + 1
+                reasons.append(f"generation peer {self.peer.name}: "
+                               + ("unhealthy" if self.peer.healthy is False else f"circuit breaker {self.peer.breaker.state}"))
+            fallback = "peer"
+        reason = "; ".join(reasons) or None
+        if fallback:
+            self.fallbacks[fallback] = self.fallbacks.get(fallback, 0) + 1
             log.debug("model %s: answering extractively: %s", self.name, reason)
         return "extractive", hits, None, reason
 
@@ -355,8 +368,8 @@ class RagService(ServiceAccounting):
         return {"route": route, **({"route_reason": reason} if reason else {})}
 
     async def _answer(self, question: str, vector, hits: list[Hit], generation: dict,
-                      request: InferRequest) -> tuple[str, list[Hit], dict]:
-        route, used, events, reason = await self._start_generation(question, hits, generation, request)
+                      request: InferRequest, deadline: float) -> tuple[str, list[Hit], dict]:
+        route, used, events, reason = await self._start_generation(question, hits, generation, request, deadline)
         if events is None:
             answer = await self._extract(vector, hits, request)
             self.counters["extractive"] += 1
@@ -380,7 +393,8 @@ class RagService(ServiceAccounting):
             questions = self._questions(request, self._max_rows)
             top_k, generation = self._parameters(request.parameters)
             hits, vectors = await self._retrieve(questions, top_k, request)
-            answers = await asyncio.gather(*(self._answer(q, v, h, generation, request)
+            deadline = self._deadline(request, started)
+            answers = await asyncio.gather(*(self._answer(q, v, h, generation, request, deadline)
                                              for q, v, h in zip(questions, vectors, hits)))
         except BaseException as exc:
             self._failed(started, exc)
@@ -405,7 +419,8 @@ class RagService(ServiceAccounting):
             top_k, generation = self._parameters(request.parameters)
             hits, vectors = await self._retrieve(questions, top_k, request)
             hits = hits[0]
-            route, used, events, reason = await self._start_generation(questions[0], hits, generation, request)
+            route, used, events, reason = await self._start_generation(questions[0], hits, generation, request,
+                                                                       self._deadline(request, started))
             if events is None:
                 answer = await self._extract(vectors[0], hits, request)
                 self.counters["extractive"] += 1
@@ -456,9 +471,8 @@ class RagService(ServiceAccounting):
         if self.peer is not None:
             out["peer"] = self.peer.status()
         runner = self.runtime.runners.get(self.settings.embedding_model)
-        engines = getattr(runner, "engines", None)
-        if engines and hasattr(engines[0], "token_padding"):
-            padding = engines[0].token_padding()
+        if isinstance(runner, ModelRunner) and runner.engines[0].token_padding is not None:
+            padding = runner.engines[0].token_padding()
             padding["padding_ratio_rows"] = runner.statistics().get("padding_ratio", 0.0)
             out["embedding"] = padding
         return out

@@ -59,3 +59,17 @@ def test_check_outputs_names_a_missing_output_and_a_short_one():
     with pytest.raises(EngineError, match=r"shape \[\]"):
         check_outputs({"y": np.float32(1.0)}, ["y"], 1, "m")
     check_outputs({"y": np.zeros((4, 2))}, ["y"], 4, "m")  # enough rows: no error
+
+
+def test_any_length_pads_only_to_the_longest_member_never_beyond_the_bucket(monkeypatch):
+    import edge_batcher.scheduler.batch as batching
+
+    short = np.array([[1, 2]], dtype=np.int64)
+    long_ = np.array([[3, 4, 5]], dtype=np.int64)
+    out = stack([short, long_], 3, 1, 16, 0, any_length=True)
+    assert out.tolist() == [[1, 2, 0], [3, 4, 5], [3, 4, 5]]
+    assert stack([short, long_], 3, 1, 16, 0).shape == (3, 16)  # engines on buckets: unchanged
+    monkeypatch.setattr(batching, "ANY_LENGTH_MULTIPLE", 4)
+    assert stack([short, long_], 2, 1, 16, 0, any_length=True).shape == (2, 4)
+    monkeypatch.setattr(batching, "ANY_LENGTH_MULTIPLE", 8)
+    assert stack([short, long_], 2, 1, 6, 0, any_length=True).shape == (2, 6)  # rounding stops at the bucket

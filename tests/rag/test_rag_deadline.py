@@ -1,0 +1,96 @@
+"""The route decision checks the deadline: a local generation estimated (from the generator's
+measured prefill and decode-step times) to take longer than the request has left goes to the
+peer, or is answered extractively, and route_reason says why.
+
+The generator is a slower random-weight decoder than tinylm (tools/build_tiny_decoder.py at
+hidden 512, 4 layers: a few ms per decode step here), so that 256 new tokens take long enough
+that a deadline below the estimate still leaves retrieval plenty of time. The peer is the real
+aiohttp chat-completions app of test_rag_peer.py."""
+
+from __future__ import annotations
+
+import pytest
+import pytest_asyncio
+from aiohttp.test_utils import TestClient, TestServer
+
+from edge_batcher.config import DaemonConfig, MemorySettings, ModelsSettings
+from edge_batcher.rag.deadline import LocalEstimate, estimate, too_slow
+from edge_batcher.runtime import Runtime
+from edge_batcher.transports.http import create_app
+from edge_batcher.transports.http_generate import add_generate_routes
+from tests.rag.conftest import RAG_TOML, _tool
+from tests.rag.test_rag_peer import PEER_TOML, PIECES, QUESTION, TOKEN, ChatPeerApp
+
+LONG = 256  # new tokens asked for: the estimate grows with them
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def setup(rag_repo, tmp_path_factory):
+    peer = ChatPeerApp()
+    server = TestServer(peer.app)
+    await server.start_server()
+    repo = tmp_path_factory.mktemp("deadline_repo")
+    (repo / "minilm").symlink_to(rag_repo / "minilm")
+    _tool("build_tiny_decoder").build(repo, "slowlm", quiet=True, hidden=512, layers=4, heads=8, kv_heads=4,
+                                      ffn=2048)
+    url = str(server.make_url("")).rstrip("/")
+    (repo / "ragslow").mkdir()
+    (repo / "ragslow" / "model.toml").write_text(RAG_TOML.format(index=rag_repo / "index", generator="slowlm"))
+    (repo / "ragslowpeer").mkdir()
+    (repo / "ragslowpeer" / "model.toml").write_text(
+        PEER_TOML.format(index=rag_repo / "index", generator="slowlm", url=url, token=TOKEN))
+    runtime = Runtime(DaemonConfig(models=ModelsSettings(repository=str(repo), warmup=False),
+                                   memory=MemorySettings(probe="fixed", budget_mb=1024)))
+    await runtime.start()
+    app = create_app(runtime, max_body_bytes=1 << 20)
+    add_generate_routes(app)
+    async with TestClient(TestServer(app)) as client:
+        yield client, runtime
+    await runtime.close()
+    await server.close()
+
+
+async def generate(client, model: str, max_new_tokens: int, timeout_ms: float) -> dict:
+    r = await client.post(f"/v2/models/{model}/generate", json={"text_input": QUESTION, "parameters": {
+        "max_new_tokens": max_new_tokens, "ignore_stop": True, "timeout_ms": timeout_ms}})
+    body = await r.json()
+    assert r.status == 200, body
+    return body
+
+
+def test_the_estimate_is_one_prefill_and_a_step_per_new_token():
+    local = estimate((0.1, 0.005), 200)
+    assert local == LocalEstimate(0.1, 0.005, 200) and local.seconds == pytest.approx(1.1)
+    assert too_slow("g", local, 2.0) is None
+    reason = too_slow("g", local, 0.5)
+    assert "~1.10 s" in reason and "200 steps x 5.00 ms" in reason and "0.50 s left" in reason
+    assert estimate(None, 200) is None and too_slow("g", None, 0.0) is None  # nothing measured: no veto
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_generation_that_would_miss_the_deadline_goes_to_the_peer_else_extractive(setup):
+    client, runtime = setup
+    gen = runtime.runners["slowlm"]
+    assert gen.step_times() is None
+    # Nothing measured yet: the deadline cannot veto, and this first request measures.
+    first = await generate(client, "ragslowpeer", 8, 60_000)
+    assert first["route"] == "local" and "route_reason" not in first
+    local = estimate(gen.step_times(), LONG)
+    assert local is not None and local.seconds > 0.2, local
+    roomy = await generate(client, "ragslowpeer", LONG, 60_000 + local.seconds * 4000)
+    assert roomy["route"] == "local" and roomy["completion_tokens"] == LONG
+
+    local = estimate(gen.step_times(), LONG)  # now from 264 steps
+    tight_ms = local.seconds * 600  # 60% of the estimate: retrieval still has long enough
+    offloaded = await generate(client, "ragslowpeer", LONG, tight_ms)
+    assert offloaded["route"] == "peer" and offloaded["answer"] == "".join(PIECES)
+    assert "local generator 'slowlm': generation would take ~" in offloaded["route_reason"]
+    assert "s left" in offloaded["route_reason"]
+
+    alone = await generate(client, "ragslow", LONG, tight_ms)  # no peer: extractive, in time
+    assert alone["route"] == "extractive" and alone["mode"] == "extractive"
+    assert "generation would take" in alone["route_reason"] and "3.3 V" in alone["answer"]
+    stats = (await (await client.get("/v2/models/ragslow/stats")).json())["model_stats"][0]
+    assert stats["routes"]["extractive"] == 1 and stats["fallbacks"] == {"deadline": 1}
+    # A short answer fits the same deadline: local again.
+    short = await generate(client, "ragslow", 4, tight_ms)
+    assert short["route"] == "local" and short["completion_tokens"] == 4
