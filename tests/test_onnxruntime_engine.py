@@ -1,6 +1,7 @@
-"""The ONNX Runtime backend's execution-provider chain on this CPU-only machine: a provider
-the installed build lacks is skipped with a warning, and a CPU build shadowing an installed
-GPU build (the Jetson pip trap) is named in that warning."""
+"""The ONNX Runtime backend's execution-provider chain: a provider the installed build lacks is
+skipped with a warning, and a CPU build shadowing an installed GPU build (the Jetson pip trap)
+is named in that warning. The missing provider is one that no onnxruntime build has, so the
+tests hold on a GPU machine with onnxruntime-gpu too."""
 
 from __future__ import annotations
 
@@ -10,19 +11,23 @@ from importlib import metadata
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from edge_batcher.config import load_model_config
 from edge_batcher.engines import onnxruntime as ort_backend
 from edge_batcher.engines.onnxruntime import OnnxRuntimeEngine, shadowed_build
 
+# No onnxruntime build registers this provider (the real ones: onnxruntime.get_all_providers()).
+MISSING_PROVIDER = "NoSuchTestExecutionProvider"
 
-def model_asking_for_cuda(model_repo: Path, tmp_path: Path) -> Path:
+
+def model_asking_for_missing_provider(model_repo: Path, tmp_path: Path) -> Path:
     model = tmp_path / "vibration"
     shutil.copytree(model_repo / "vibration", model)
     toml = (model / "model.toml").read_text()
     toml = toml.replace('execution_providers = ["CPUExecutionProvider"]',
-                        'execution_providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]')
-    assert "CUDAExecutionProvider" in toml
+                        f'execution_providers = ["{MISSING_PROVIDER}", "CPUExecutionProvider"]')
+    assert MISSING_PROVIDER in toml
     (model / "model.toml").write_text(toml)
     return model
 
@@ -48,7 +53,15 @@ def pretend_installed(monkeypatch, names: dict[str, Path]) -> None:
     monkeypatch.setattr(metadata, "distribution", distribution)
 
 
-def test_only_the_cpu_build_here_shadows_nothing():
+def test_the_missing_provider_is_in_no_build():
+    import onnxruntime
+
+    assert MISSING_PROVIDER not in onnxruntime.get_all_providers()
+
+
+def test_only_one_build_here_shadows_nothing():
+    if shadowed_build() is not None:
+        pytest.skip(f"{shadowed_build()[0]} is installed beside the CPU build on this machine: the case under test")
     assert shadowed_build() is None
 
 
@@ -60,19 +73,20 @@ def test_a_gpu_build_beside_the_cpu_build_is_found(monkeypatch, tmp_path):
 
 
 def test_a_missing_provider_is_skipped_and_the_model_runs_on_cpu(model_repo, tmp_path, caplog):
-    engine = OnnxRuntimeEngine(load_model_config(model_asking_for_cuda(model_repo, tmp_path)))
+    engine = OnnxRuntimeEngine(load_model_config(model_asking_for_missing_provider(model_repo, tmp_path)))
     with caplog.at_level(logging.WARNING, logger=ort_backend.__name__):
         engine.load()
     assert engine.providers == ["CPUExecutionProvider"]
-    assert "execution provider CUDAExecutionProvider is not in this onnxruntime build" in caplog.text
-    assert "pip uninstall onnxruntime" not in caplog.text  # nothing is shadowed here
+    assert f"execution provider {MISSING_PROVIDER} is not in this onnxruntime build" in caplog.text
+    if shadowed_build() is None:
+        assert "pip uninstall onnxruntime" not in caplog.text  # nothing is shadowed here
     out = engine.infer({engine.inputs[0].name: np.zeros((2, 256), np.float32)})
     assert all(v.shape[0] == 2 for v in out.values())
 
 
 def test_the_warning_names_a_shadowed_gpu_build_and_the_fix(model_repo, tmp_path, monkeypatch, caplog):
     pretend_installed(monkeypatch, {"onnxruntime": tmp_path / "venv", "onnxruntime-gpu": Path("/usr/lib/python3/dist-packages")})
-    engine = OnnxRuntimeEngine(load_model_config(model_asking_for_cuda(model_repo, tmp_path)))
+    engine = OnnxRuntimeEngine(load_model_config(model_asking_for_missing_provider(model_repo, tmp_path)))
     with caplog.at_level(logging.WARNING, logger=ort_backend.__name__):
         engine.load()
     assert "onnxruntime-gpu is installed too (in /usr/lib/python3/dist-packages)" in caplog.text

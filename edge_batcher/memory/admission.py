@@ -1,9 +1,11 @@
 """Admission: the scheduler's `fits(size, seq_len)` hook for one model, backed by the budget.
 
 A batch's own cost is its activations (peak, calibrated) plus its KV cache; the model's
-weights are resident already (loaded once, see budget.resident). A batch fits when that cost
-is within what the budget has available now; batches dispatched reserve their cost until they
-finish, so concurrent batches are never admitted against the same free memory.
+weights are resident already (loaded once, see budget.resident). On a device measured at load
+(device.py) a measured size costs only its transient bytes: the arena already holds the rest,
+counted once as resident. A batch fits when its cost is within what the budget has available
+now; batches dispatched reserve their cost until they finish, so concurrent batches are never
+admitted against the same free memory.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 from typing import Callable
 
 from .budget import MemoryBudget
+from .device import DeviceProfile
 from .estimator import Footprint
 
 log = logging.getLogger(__name__)
@@ -23,16 +26,21 @@ OOM_CALIBRATION_STEP = 1.25
 
 class Admission:
     def __init__(self, model: str, budget: MemoryBudget, footprint: Callable[[int, int | None], Footprint],
-                 estimator=None):
+                 estimator=None, device: DeviceProfile | None = None):
         self.model = model
         self.budget = budget
         self._footprint = footprint
         self.estimator = estimator  # has a settable .calibration when the estimate is an ONNX one
+        self.device = device  # measured at load on a device; None: the estimate is the cost
 
     def footprint(self, size: int, seq_len: int) -> Footprint:
         return self._footprint(size, seq_len or None)
 
     def batch_bytes(self, size: int, seq_len: int) -> int:
+        if self.device is not None:
+            transient = self.device.transient(size, seq_len)
+            if transient is not None:
+                return transient
         f = self.footprint(size, seq_len)
         return f.activations + f.kv_cache
 
@@ -48,6 +56,14 @@ class Admission:
         self.budget.release(nbytes)
 
     def explain(self, size: int, seq_len: int) -> str:
+        if self.device is not None and self.device.transient(size, seq_len) is not None:
+            return (
+                f"a batch of {size}{f' at length {seq_len}' if seq_len else ''} needs "
+                f"{self.batch_bytes(size, seq_len) / MiB:.1f} MiB beyond the model's measured device memory "
+                f"({self.device.resident / MiB:.1f} MiB resident); the memory budget has "
+                f"{self.budget.available() / MiB:.1f} MiB available ({self.budget.reserved / MiB:.1f} MiB "
+                "reserved by batches in flight)"
+            )
         f = self.footprint(size, seq_len)
         return (
             f"a batch of {size}{f' at length {seq_len}' if seq_len else ''} needs "

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from ..config import ModelConfig
-from .measure import KiB, MiB, RESOLUTION_BYTES, ActivationMeasurement, measure_activation_peak
+from .device import DeviceProfile
+from .measure import (
+    RESOLUTION_BYTES,
+    ActivationMeasurement,
+    KiB,
+    MiB,
+    measure_activation_peak,
+)
 
 log = logging.getLogger(__name__)
 
@@ -108,3 +115,28 @@ def calibrate_model(config: ModelConfig, estimator) -> None:
                  "measured" if result.applied else f"not applied: {result.reason}")
         if i == 0 and not result.applied:
             break  # the longest bucket could not be measured: the shorter ones cannot either
+
+
+def calibrate_on_device(config: ModelConfig, estimator, device: DeviceProfile) -> None:
+    """Scale the liveness estimate to what the device measured at load, for sizes that were not
+    measured (measured sizes cost what they cost). Per bucket: what the arena grew by from the
+    smallest size to the largest, over the raw estimate's difference, which leaves out what only
+    the first run pays; the largest factor becomes the default (the safe side)."""
+    buckets = config.sequence.buckets if config.sequence else [0]
+    factors = []
+    for bucket in buckets:
+        found = device.growth_above_smallest(bucket)
+        if found is None:
+            continue
+        small, large, grown = found
+        raw = estimator.activation_peak(large, bucket or None) - estimator.activation_peak(small, bucket or None)
+        factor, reason = trusted_factor(raw, grown, grown)
+        log.info("model %s: activation estimate %s on the device%s (%s, batch %d to %d)", config.name,
+                 f"calibrated {factor:.2f}" if factor is not None else "not calibrated",
+                 f" at length {bucket}" if bucket else "", reason, small, large)
+        if factor is not None:
+            factors.append(factor)
+            if bucket:
+                estimator.set_calibration(factor, bucket)
+    if factors:
+        estimator.set_calibration(max(factors))

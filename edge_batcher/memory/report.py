@@ -13,16 +13,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
-import sys
 from pathlib import Path
 from typing import Any, Callable
 
 from ..config import DaemonConfig, discover_models, load_config
 from ..errors import ConfigError, EdgeBatcherError
+from .budget import MemoryBudget
 from .calibration import trusted_factor
-from .measure import DEFAULT_TIMEOUT_S, KiB, MiB, RESOLUTION_BYTES, measure_activation_peak
+from .device import measure_fresh_engine, measures_device
+from .measure import (
+    DEFAULT_TIMEOUT_S,
+    RESOLUTION_BYTES,
+    KiB,
+    MiB,
+    measure_activation_peak,
+)
 from .wiring import build_budget
+
+log = logging.getLogger(__name__)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,24 +55,29 @@ def run(args: argparse.Namespace) -> int:
         config.models.repository = str(Path(args.models).resolve())
     if args.repeat < 1:
         raise ConfigError(f"--repeat must be >= 1, got {args.repeat}")
-    progress = None
-    if args.measure and not args.json and sys.stderr.isatty():
-        def progress(text: str) -> None:
-            print(f"\r\033[K{text}", end="", file=sys.stderr, flush=True)
+    bar = None
+    if args.measure:  # a bar on a terminal, a line per size in logs and CI (edge_batcher/progress.py)
+        from ..progress import Progress
 
-    report = build_report(
-        config, only=args.model, measure=args.measure, repeat=args.repeat,
-        timeout_s=args.timeout, progress=progress,
-    )
-    if progress is not None:
-        print("\r\033[K", end="", file=sys.stderr, flush=True)
+        measured = [mc for mc in discover_models(Path(config.models.repository), args.model or config.models.load)
+                    if mc.model_path.suffix == ".onnx"]
+        bar = Progress("estimate --measure", sum(
+            len(mc.batching.preferred_batch_sizes) * len(mc.sequence.buckets if mc.sequence else [0]) for mc in measured))
+    try:
+        report = build_report(
+            config, only=args.model, measure=args.measure, repeat=args.repeat,
+            timeout_s=args.timeout, progress=bar.step if bar is not None else None,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 1 if any(r.get("measure_error") for m in report["models"] for r in m["rows"]) else 0
 
 
-def budget_json(config: DaemonConfig) -> dict[str, Any]:
+def budget_json(config: DaemonConfig, budget: MemoryBudget | None = None) -> dict[str, Any]:
     """The daemon's budget right now (wiring.build_budget, so the same as `serve` would use)."""
-    budget = build_budget(config.memory)
+    budget = budget or build_budget(config.memory)
     snapshot = budget.refresh()
     return {
         "probe": config.memory.probe,
@@ -85,12 +100,17 @@ def build_report(
     repeat: int = 1,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     progress: Callable[[str], None] | None = None,
+    memory_budget: MemoryBudget | None = None,
 ) -> dict[str, Any]:
-    """The report as a JSON-able dict: budget, models (with rows), skipped models."""
+    """The report as a JSON-able dict: budget, models (with rows), skipped models. With
+    `measure` on a device (a probe that measures it, a model on a device provider) every row
+    also gets the device's growth around its first run (device.measure_fresh_engine)."""
     from .estimator import OnnxFootprintEstimator
 
-    budget = budget_json(config)
+    memory_budget = memory_budget or build_budget(config.memory)
+    budget = budget_json(config, memory_budget)
     available = budget["available_bytes"]
+    on_device = measure and measures_device(memory_budget.probe)
     configs = discover_models(Path(config.models.repository), only or config.models.load)
     report: dict[str, Any] = {"budget": budget, "models": [], "skipped": []}
     if measure:
@@ -126,8 +146,12 @@ def build_report(
                 if f.unknown_shapes:
                     row["unknown_tensors"] = list(estimator.unknown_tensors)
                 if measure:
+                    where = f"{mc.name} batch {size}" + (f" x {bucket}" if bucket else "")
+                    log.info("measuring %s", where)
                     if progress is not None:
-                        progress(f"measuring {mc.name} batch {size}" + (f" x {bucket}" if bucket else "") + " ...")
+                        progress(f"measuring {where}")
+                    if on_device:
+                        _add_device_measurement(row, mc, memory_budget, size, bucket)
                     try:
                         m = measure_activation_peak(mc, size, bucket, repeat=repeat, timeout_s=timeout_s)
                     except EdgeBatcherError as e:
@@ -138,12 +162,42 @@ def build_report(
                 rows.append(row)
         if measure:
             _add_calibrated_errors(rows, buckets)
+            _add_device_errors(rows, buckets)
         report["models"].append({
             "name": mc.name, "backend": mc.backend, "model_path": str(mc.model_path),
             "weights_bytes": estimator.weights_bytes(), "calibration": estimator.calibration,
             "rows": rows,
         })
     return report
+
+
+def _add_device_measurement(row: dict[str, Any], mc, budget: MemoryBudget, size: int, bucket: int | None) -> None:
+    """row["device"]: the device's growth around a fresh engine's load and first run; absent
+    when the model's engine does not run on the device (CPU EP: the RSS measurement stands)."""
+    try:
+        measured = measure_fresh_engine(mc, budget.probe, size, bucket or 0)
+    except EdgeBatcherError as e:
+        row["device_error"] = str(e)
+        return
+    if measured is not None:
+        row["device"] = measured
+
+
+def _add_device_errors(rows: list[dict[str, Any]], buckets: list[int | None]) -> None:
+    """Per bucket, against its smallest size: what a size holds more (first + second run) next
+    to what the estimate says it needs more. The difference leaves out the one-time costs that
+    every fresh engine's first run pays (library workspaces: ~64 MiB on an H200)."""
+    for bucket in buckets:
+        measured = [r for r in rows if r["seq_len"] == bucket and "device" in r and "out_of_memory" not in r["device"]]
+        if len(measured) < 2:
+            continue
+        base = measured[0]
+        base_held = base["device"]["first_run"] + base["device"]["second_run"]
+        for r in measured[1:]:
+            held = r["device"]["first_run"] + r["device"]["second_run"] - base_held
+            estimated = r["activations"] - base["activations"]
+            r["device_above_smallest"] = held
+            r["device_estimate_error"] = (estimated - held) / held if held > 0 else None
 
 
 def runs_onnx_graph(backend: str) -> bool:
@@ -259,8 +313,44 @@ def format_report(report: dict[str, Any]) -> str:
                     notes.append(f"{where}: not calibrated: {cal['reason']}")
         if factors:
             lines.append("calibration factors (measured / estimated at the cal. point): " + ", ".join(factors))
+    lines += _device_table(report)
     for s in report["skipped"]:
         notes.append(f"skipped {s['name']}: {s['reason']}")
     if notes:
         lines += [""] + notes
     return "\n".join(lines)
+
+
+def _device_table(report: dict[str, Any]) -> list[str]:
+    """The device's own figures, for the rows measured on it: growth around a fresh engine's
+    load and first run (what the daemon counts as resident), next to the raw estimate."""
+    table = [["model", "batch", "seq", "load MiB", "run 1 MiB", "run 2 MiB", "run 3 MiB", "held MiB",
+              "above smallest", "activ. above", "error"]]
+    for model in report["models"]:
+        for r in model["rows"]:
+            d = r.get("device")
+            if d is None:
+                continue
+            if "out_of_memory" in d:
+                table.append([model["name"], str(r["batch"]), str(r["seq_len"] or "-"), "-", "out of memory"]
+                             + ["-"] * 6)
+                continue
+            above = r.get("device_above_smallest")
+            smallest = next(x for x in model["rows"] if x["seq_len"] == r["seq_len"])
+            table.append([model["name"], str(r["batch"]), str(r["seq_len"] or "-"), _mib(d["load_bytes"]),
+                          _mib(d["first_run"]), _mib(d["second_run"]), _mib(d["repeat_run"]),
+                          _mib(d["first_run"] + d["second_run"]),
+                          "-" if above is None else _mib(above),
+                          "-" if above is None else _mib(r["activations"] - smallest["activations"]),
+                          _pct(r.get("device_estimate_error"))])
+    if len(table) == 1:
+        return []
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    lines = ["", f"Device memory ({report['budget']['source']}): growth around a fresh engine's load and its first "
+             "three runs at each size"]
+    for row in table:
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+    lines.append("held = run 1 + run 2 (a memory pattern, where it is on, is allocated on the second run); above smallest:")
+    lines.append("  held minus the bucket's smallest size's (one-time workspaces cancel out); error = (activ. above - above")
+    lines.append("  smallest) / above smallest. The daemon counts load and held as resident, run 3 per batch.")
+    return lines

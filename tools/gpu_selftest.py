@@ -1,0 +1,296 @@
+#!/usr/bin/env python3
+"""The first thing to run on a GPU machine or a Jetson: does edge-batcher see the device right?
+
+One run prints four tables and exits non-zero when a check fails:
+
+  1. probes: every memory probe that applies here (cuda, nvml; jetson on a Jetson) next to
+     `nvidia-smi` (discrete GPU) or `tegrastats` (Jetson); a free figure more than
+     PROBE_TOLERANCE_MIB off fails;
+  2. parity: every ONNX model of the repository run on the CUDA EP and on the CPU EP with the
+     same random inputs; outputs further apart than rtol/atol 1e-3 fail;
+  3. device memory: each model loaded the way the daemon loads it (runtime.load_runner, CUDA EP,
+     the daemon's budget, warm-up), what admission counts as resident next to what the device
+     lost (the probe before and after), and per size the liveness estimate next to the
+     measured first-run growth (memory/device.py); resident more than 10% off fails;
+  4. bench: a few seconds of raw engine throughput per size on the CUDA EP, rows/s.
+
+Without a GPU (no CUDA execution provider, no nvidia-smi, not a Jetson) it says so, runs the
+CPU probe only, and exits 0 (2 with --require-gpu). Its checks are in docs/memory.md.
+
+    python tools/gpu_selftest.py [--models engines] [--model NAME ...] [--bench-s 2] [--require-gpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from edge_batcher.config import (  # noqa: E402
+    ExecutionProvider,
+    ModelConfig,
+    discover_models,
+    load_config,
+)
+from edge_batcher.memory import probe as probes  # noqa: E402
+from edge_batcher.memory.device import device_used, warmup_batch  # noqa: E402
+
+MiB = 1 << 20
+PROBE_TOLERANCE_MIB = 64  # nvidia-smi reports MiB; the probe's own context and others' churn move it
+RESIDENT_TOLERANCE = 0.10
+PARITY_RTOL = PARITY_ATOL = 1e-3
+CUDA_EP = "CUDAExecutionProvider"
+
+
+@dataclasses.dataclass
+class Check:
+    section: str
+    name: str
+    ok: bool | None  # None: information, not a check
+    detail: str
+
+
+def parse_nvidia_smi(text: str) -> list[dict[str, int]]:
+    """`nvidia-smi --query-gpu=memory.total,memory.used,memory.free --format=csv,noheader,nounits`
+    -> [{"total": bytes, "used": bytes, "free": bytes}] per GPU."""
+    gpus = []
+    for line in text.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 3 and all(p.isdigit() for p in parts):
+            total, used, free = (int(p) * MiB for p in parts)
+            gpus.append({"total": total, "used": used, "free": free})
+    return gpus
+
+
+def parse_tegrastats(line: str) -> dict[str, int] | None:
+    """'RAM 2391/7620MB (lfb ...' -> {"used": bytes, "total": bytes}; None if absent."""
+    marker = line.find("RAM ")
+    if marker < 0:
+        return None
+    try:
+        used, total = line[marker + 4:].split("MB", 1)[0].split("/")
+        return {"used": int(used) * MiB, "total": int(total) * MiB}
+    except ValueError:
+        return None
+
+
+def gpu_present() -> tuple[bool, str]:
+    """(True, what) when a GPU can be tested here; (False, why not)."""
+    import onnxruntime as ort
+
+    available = ort.get_available_providers()
+    if probes.is_jetson():
+        return CUDA_EP in available, "Jetson" + ("" if CUDA_EP in available else f", but {CUDA_EP} is not in this onnxruntime build")
+    if CUDA_EP not in available:
+        return False, f"{CUDA_EP} is not in this onnxruntime build ({', '.join(available)})"
+    if shutil.which("nvidia-smi") is None:
+        return False, "nvidia-smi not found (no NVIDIA driver)"
+    return True, "discrete NVIDIA GPU"
+
+
+def check_probes(on_gpu: bool) -> list[Check]:
+    checks: list[Check] = []
+    if not on_gpu:
+        snap = probes.CpuProbe().read()
+        checks.append(Check("probes", "cpu", None, f"{snap.free_bytes / MiB:.0f} MiB free of {snap.total_bytes / MiB:.0f} MiB ({snap.source})"))
+        return checks
+    if probes.is_jetson():
+        snap = probes.JetsonProbe().read()
+        stats = _tegrastats()
+        if stats is None:
+            checks.append(Check("probes", "jetson vs tegrastats", False, "tegrastats gave no RAM figure"))
+        else:
+            used = snap.total_bytes - snap.details["memavailable"]
+            ok = abs(stats["used"] - used) <= 4 * PROBE_TOLERANCE_MIB * MiB
+            checks.append(Check("probes", "jetson vs tegrastats", ok, f"probe used {used / MiB:.0f} MiB (MemTotal - MemAvailable), "
+                                f"tegrastats RAM {stats['used'] / MiB:.0f}/{stats['total'] / MiB:.0f} MiB; free {snap.free_bytes / MiB:.0f} MiB"))
+        return checks
+    for kind in ("cuda", "nvml"):
+        try:
+            snap = probes.detect_probe(kind).read()
+        except Exception as e:  # a missing binding is a failed check here, with its reason
+            checks.append(Check("probes", kind, False, f"cannot read: {e}"))
+            continue
+        smi = parse_nvidia_smi(_run(["nvidia-smi", "--query-gpu=memory.total,memory.used,memory.free",
+                                     "--format=csv,noheader,nounits"]))
+        if not smi:
+            checks.append(Check("probes", kind, False, "nvidia-smi gave no memory figures"))
+            continue
+        diff = abs(smi[0]["free"] - snap.free_bytes)
+        checks.append(Check("probes", f"{kind} vs nvidia-smi", diff <= PROBE_TOLERANCE_MIB * MiB,
+                            f"free {snap.free_bytes / MiB:.0f} vs {smi[0]['free'] / MiB:.0f} MiB, "
+                            f"total {snap.total_bytes / MiB:.0f} vs {smi[0]['total'] / MiB:.0f} MiB"))
+    return checks
+
+
+def on_cuda(mc: ModelConfig) -> ModelConfig:
+    ort_settings = dataclasses.replace(mc.onnxruntime, execution_providers=[ExecutionProvider(CUDA_EP), ExecutionProvider("CPUExecutionProvider")])
+    return dataclasses.replace(mc, onnxruntime=ort_settings)
+
+
+def random_feeds(session, mc: ModelConfig, size: int, seq_len: int | None) -> dict[str, np.ndarray]:
+    from edge_batcher.memory.measure import _input_shapes
+
+    spec = {"batch": size, "seq_len": seq_len, "sequence_inputs": list(mc.sequence.inputs) if mc.sequence else [],
+            "sequence_axis": mc.sequence.axis if mc.sequence else None,
+            "overrides": {o.name: list(o.shape) for o in mc.inputs if o.shape}}
+    rng = np.random.default_rng(0)
+    return {name: (rng.standard_normal(shape).astype(dtype) if dtype.startswith("float") else np.ones(shape, dtype))
+            for name, (dtype, shape) in _input_shapes(session.get_inputs(), spec).items()}
+
+
+def check_parity(models: list[ModelConfig]) -> list[Check]:
+    import onnxruntime as ort
+
+    checks = []
+    for mc in models:
+        size = mc.batching.preferred_batch_sizes[-1]
+        seq_len = mc.sequence.buckets[-1] if mc.sequence else None
+        cpu = ort.InferenceSession(str(mc.model_path), providers=["CPUExecutionProvider"])
+        gpu = ort.InferenceSession(str(mc.model_path), providers=[CUDA_EP, "CPUExecutionProvider"])
+        if gpu.get_providers()[0] != CUDA_EP:
+            checks.append(Check("parity", mc.name, False, f"the session fell back to {gpu.get_providers()}"))
+            continue
+        feeds = random_feeds(cpu, mc, size, seq_len)
+        worst = 0.0
+        ok = True
+        for a, b in zip(cpu.run(None, feeds), gpu.run(None, feeds)):
+            if np.issubdtype(np.asarray(a).dtype, np.floating):
+                worst = max(worst, float(np.max(np.abs(a - b))) if a.size else 0.0)
+                ok = ok and bool(np.allclose(a, b, rtol=PARITY_RTOL, atol=PARITY_ATOL))
+            else:
+                ok = ok and bool(np.array_equal(a, b))
+        checks.append(Check("parity", mc.name, ok, f"batch {size}{f' x {seq_len}' if seq_len else ''}: max |CUDA - CPU| {worst:.2e}"))
+    return checks
+
+
+def check_device_memory(models: list[ModelConfig], daemon_config) -> tuple[list[Check], dict[str, Any]]:
+    from edge_batcher.memory.wiring import build_budget, release_resident
+    from edge_batcher.metrics import Metrics
+    from edge_batcher.runtime import load_runner
+
+    checks = []
+    runners = {}
+    budget = build_budget(daemon_config.memory)
+    for mc in models:
+        before = device_used(budget.probe)
+        runner = load_runner(on_cuda(mc), Metrics(), warmup=True, budget=budget)
+        lost = device_used(budget.probe) - before
+        admission = runner.admission
+        if admission is None or admission.device is None:
+            checks.append(Check("memory", mc.name, False, f"not measured on the device (probe {budget.probe.name}, "
+                                f"providers {runner.engines[0].providers})"))
+        else:
+            error = (runner.resident_bytes - lost) / lost if lost else 0.0
+            checks.append(Check("memory", f"{mc.name} resident", abs(error) <= RESIDENT_TOLERANCE,
+                                f"counted {runner.resident_bytes / MiB:.1f} MiB, device lost {lost / MiB:.1f} MiB ({error * 100:+.1f}%); "
+                                f"load {admission.device.load_bytes / MiB:.1f} MiB, arena {admission.device.arena_bytes / MiB:.1f} MiB"))
+            for (size, bucket), m in sorted(admission.device.sizes.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+                est = admission.estimator.activation_peak(size, bucket or None) if admission.estimator else 0
+                checks.append(Check("memory", f"{mc.name} {size}{f'x{bucket}' if bucket else ''}", None,
+                                    f"runs 1, 2, 3: +{m.first_run[0] / MiB:.1f}, +{m.second_run[0] / MiB:.1f}, "
+                                    f"+{m.repeat_run / MiB:.1f} MiB; "
+                                    f"liveness estimate x{admission.estimator.calibration_for(bucket or None) if admission.estimator else 0:.2f} "
+                                    f"= {est / MiB:.1f} MiB"))
+                if m.repeat_run > 0:
+                    checks.append(Check("memory", f"{mc.name} {size} settled", False, f"a third run still grew {m.repeat_run / MiB:.1f} MiB"))
+        runners[mc.name] = runner
+    for runner in runners.values():
+        release_resident(budget, runner.resident_bytes)
+    return checks, runners
+
+
+def bench(runners: dict[str, Any], seconds: float) -> list[Check]:
+    checks = []
+    for name, runner in runners.items():
+        engine = runner.engines[0]
+        config = runner.config
+        bucket = config.sequence.buckets[-1] if config.sequence else 0
+        for size in config.batching.preferred_batch_sizes:
+            batch = warmup_batch(engine.batch_inputs or engine.inputs, config, size, bucket)
+            runs, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds / len(config.batching.preferred_batch_sizes):
+                engine.infer(batch)
+                runs += 1
+            elapsed = time.perf_counter() - t0
+            checks.append(Check("bench", f"{name} {size}{f'x{bucket}' if bucket else ''}", None,
+                                f"{runs * size / elapsed:.0f} rows/s, {elapsed / runs * 1e3:.2f} ms a batch ({runs} runs)"))
+        for engine in runner.engines:
+            engine.close()
+    return checks
+
+
+def format_checks(checks: list[Check]) -> str:
+    rows = [("section", "check", "result", "detail")] + [
+        (c.section, c.name, "info" if c.ok is None else "ok" if c.ok else "FAIL", c.detail) for c in checks]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return "\n".join(f"{r[0]:<{widths[0]}}  {r[1]:<{widths[1]}}  {r[2]:<{widths[2]}}  {r[3]}" for r in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", help="daemon config (its [memory] section is the budget)")
+    ap.add_argument("--models", default=str(ROOT / "engines"), help="model repository (default: engines/)")
+    ap.add_argument("--model", action="append", metavar="NAME", help="only this model (repeatable)")
+    ap.add_argument("--bench-s", type=float, default=2.0, help="seconds of bench per model (default 2)")
+    ap.add_argument("--require-gpu", action="store_true", help="exit 2 when there is no GPU to test")
+    args = ap.parse_args(argv)
+
+    import onnxruntime as ort
+
+    on_gpu, what = gpu_present()
+    print(f"edge-batcher GPU self-test: Python {sys.version.split()[0]}, onnxruntime {ort.__version__}")
+    print(f"device: {what}" if on_gpu else f"NO GPU: {what}. Degraded mode: CPU probe only; parity, device "
+          "memory and bench need a GPU and were skipped.")
+    config = load_config(args.config)
+    models = [mc for mc in discover_models(Path(args.models), args.model or []) if mc.model_path.suffix == ".onnx"]
+    checks = check_probes(on_gpu)
+    if on_gpu:
+        checks += check_parity(models)
+        memory, runners = check_device_memory(models, config)
+        checks += memory
+        checks += bench(runners, args.bench_s)
+    else:
+        checks.append(Check("gpu", "parity, device memory, bench", None, "skipped: no GPU"))
+    print(format_checks(checks))
+    failed = [c for c in checks if c.ok is False]
+    if failed:
+        print(f"{len(failed)} check(s) failed")
+        return 1
+    if not on_gpu and args.require_gpu:
+        return 2
+    return 0
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+def _tegrastats() -> dict[str, int] | None:
+    try:
+        proc = subprocess.Popen(["tegrastats", "--interval", "200"], stdout=subprocess.PIPE, text=True)
+    except OSError:
+        return None
+    try:
+        line = proc.stdout.readline() if proc.stdout else ""
+    finally:
+        proc.terminate()
+        proc.wait(timeout=5)
+    return parse_tegrastats(line)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
