@@ -41,7 +41,8 @@ import numpy as np
 
 from .bench_report import format_report, plot_report, pyplot
 from .config import load_config
-from .cpu_affinity import choose as choose_cpu, pin_this_thread
+from .cpu_affinity import choose as choose_cpu
+from .cpu_affinity import pin_this_thread
 from .errors import EdgeBatcherError
 from .metrics import Metrics
 from .progress import Progress
@@ -403,7 +404,7 @@ class _DaemonSubprocess:
         env = dict(os.environ, EDGE_BATCHER_MODELS_LOAD=model, **(extra_env or {}))
         self.proc = subprocess.Popen(cmd, env=env)
 
-    async def __aenter__(self) -> "_DaemonSubprocess":
+    async def __aenter__(self) -> _DaemonSubprocess:
         from .client import AsyncClient
 
         async with AsyncClient(f"unix://{self.socket}") as client:

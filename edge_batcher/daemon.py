@@ -19,7 +19,8 @@ from pathlib import Path
 from aiohttp import web
 
 from .config import DaemonConfig, parse_host_port, read_secret
-from .cpu_affinity import choose as choose_cpu, pin_this_thread
+from .cpu_affinity import choose as choose_cpu
+from .cpu_affinity import pin_this_thread
 from .errors import ConfigError
 from .runtime import Runtime
 from .scheduler.runner import WORKER_ON_EVERY_CPU_FROM_S

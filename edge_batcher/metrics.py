@@ -61,7 +61,7 @@ class _Metric:
 class _Child:
     __slots__ = ("metric", "key")
 
-    def __init__(self, metric: "_Metric", key: tuple[str, ...]):
+    def __init__(self, metric: _Metric, key: tuple[str, ...]):
         self.metric = metric
         self.key = key
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from .config import DaemonConfig, ModelConfig, discover_models
 from .cpu_affinity import full_affinity

@@ -9,7 +9,8 @@ stream also have `stream(request)` (an async iterator of InferResponse chunks).
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Protocol, Sized
+from collections.abc import Awaitable, Sized
+from typing import Any, Protocol
 
 from .config import ModelConfig
 from .types import InferRequest, InferResponse, TensorSpec

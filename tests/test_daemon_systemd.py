@@ -29,7 +29,7 @@ def receive_all(sock: socket.socket, until: float) -> list[tuple[float, str]]:
         sock.settimeout(max(0.01, until - time.monotonic()))
         try:
             data = sock.recv(4096)
-        except socket.timeout:
+        except TimeoutError:
             break
         out.append((time.monotonic(), data.decode()))
     return out

@@ -18,11 +18,8 @@ import pytest
 
 from edge_batcher.client import AsyncClient, ClientError
 from tests.support import rawhttp
-from tests.support.signals import windows
 from tests.support.faulty_engine import FAIL, SLOW
-
-
-
+from tests.support.signals import windows
 
 
 def alone(model_repo, x: np.ndarray) -> dict[str, np.ndarray]:

@@ -74,7 +74,7 @@ def closed_by_peer(s: socket.socket, within_s: float) -> bool:
         while s.recv(65536):
             pass
         return True
-    except (TimeoutError, socket.timeout):
+    except TimeoutError:
         return False
     except ConnectionResetError:
         return True

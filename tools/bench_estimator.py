@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edge_batcher.config import load_model_config  # noqa: E402
-from edge_batcher.memory.estimator import OnnxFootprintEstimator  # noqa: E402
 from edge_batcher.memory.calibration import MIN_CALIBRATION_BYTES, calibration_factor  # noqa: E402
+from edge_batcher.memory.estimator import OnnxFootprintEstimator  # noqa: E402
 from edge_batcher.memory.measure import RESOLUTION_BYTES, measure_activation_peak  # noqa: E402
 
 MiB = 1 << 20

@@ -70,7 +70,8 @@ def nvmap_used(meminfo: dict[str, int]) -> int | None:
 
 def parse_l4t_release(text: str) -> str:
     """'# R36 (release), REVISION: 4.3, GCID: ...' -> 'L4T R36.4.3 (JetPack 6.1/6.2)'; '' if unknown."""
-    from edge_batcher.memory.jetson import jetpack_for_l4t, parse_l4t_release as parse  # noqa: PLC0415
+    from edge_batcher.memory.jetson import jetpack_for_l4t  # noqa: PLC0415
+    from edge_batcher.memory.jetson import parse_l4t_release as parse
 
     release = parse(text)
     if release is None:
@@ -279,8 +280,8 @@ def _time(fn, iterations: int) -> float:
 def run_selftest(args: argparse.Namespace, trt: Any, cuda: Any, workdir: Path) -> Report:
     import onnxruntime as ort  # noqa: PLC0415
 
-    from edge_batcher.engines import trt_build  # noqa: PLC0415
     from edge_batcher.config import load_model_config  # noqa: PLC0415
+    from edge_batcher.engines import trt_build  # noqa: PLC0415
     from edge_batcher.engines.tensorrt import TensorRTEngine  # noqa: PLC0415
     from edge_batcher.types import DATATYPE_TO_NUMPY  # noqa: PLC0415
 

@@ -14,13 +14,13 @@ defaults once, at creation, so callers read the hooks directly instead of probin
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from ..config import ModelConfig
 from ..types import TensorSpec
-
 
 # prepare(inputs as clients send them) -> (inputs as the model runs on them, sequence length)
 PrepareHook = Callable[[dict[str, np.ndarray]], "tuple[dict[str, np.ndarray], int]"]

@@ -20,8 +20,12 @@ from ..types import DATATYPE_TO_NUMPY, TensorSpec
 from . import trt_profiles as tp
 from .base import apply_overrides
 from .cuda_api import CudaApi, DeviceBuffer, HostBuffer
-from .trt_api import TensorRTCapabilities, import_tensorrt, make_logger
-from .trt_api import tensorrt_capabilities  # noqa: F401 - re-exported: tools/jetson_selftest.py imports it here
+from .trt_api import (
+    TensorRTCapabilities,
+    import_tensorrt,
+    make_logger,
+    tensorrt_capabilities,  # noqa: F401 - re-exported: tools/jetson_selftest.py imports it here
+)
 from .trt_settings import TensorRTSettings, plan_info_path, read_plan_info, rebuild_command, tensorrt_settings
 
 log = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ admitted against the same free memory.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from .budget import MemoryBudget
 from .device import DeviceProfile

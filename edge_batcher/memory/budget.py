@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 from ..errors import ConfigError
 from .probe import MemoryProbe, MemorySnapshot

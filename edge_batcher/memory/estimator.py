@@ -20,7 +20,13 @@ from onnx.external_data_helper import load_external_data_for_tensor
 
 from ..errors import ConfigError
 from .liveness import (
-    Activations, LivenessWalk, collect_types, constant_nbytes, is_constant, subgraphs, tensor_nbytes,
+    Activations,
+    LivenessWalk,
+    collect_types,
+    constant_nbytes,
+    is_constant,
+    subgraphs,
+    tensor_nbytes,
     tensor_proto_nbytes,
 )  # fmt: skip
 

@@ -15,8 +15,9 @@ import argparse
 import json
 import logging
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..config import DaemonConfig, discover_models, load_config
 from ..errors import ConfigError, EdgeBatcherError

@@ -6,9 +6,10 @@ memory/jetson.py and memory/gpu_probes.py; memory/budget.py reads whichever was 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Mapping, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ device measurement runs batches): call it off the event loop, as the loader does
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 from ..config import MemorySettings, ModelConfig
 from ..engines.base import Engine

@@ -25,7 +25,7 @@ locks (everything runs on the event loop thread).
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 CLOSED = "closed"
 OPEN = "open"

@@ -21,16 +21,16 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
 from ..config import OffloadSettings
 from ..errors import InvalidInput, ModelNotFound
 from ..scheduler.policy import OffloadView
-from .breaker import Breaker
 from ..types import TensorSpec
+from .breaker import Breaker
 from .client import PeerClient, PeerError
 from .conform import conform_outputs, spec_mismatches
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from ..config import ModelConfig, backend_settings
 from ..cpu_affinity import full_affinity

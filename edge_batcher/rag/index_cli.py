@@ -23,7 +23,14 @@ from pathlib import Path
 from ..config import load_config, load_model_config
 from ..errors import ConfigError, EdgeBatcherError
 from .index import (
-    DEFAULT_MAX_CHARS, Passage, SentenceVectors, default_index_dir, embed_passages, load_index, read_meta, split_file,
+    DEFAULT_MAX_CHARS,
+    Passage,
+    SentenceVectors,
+    default_index_dir,
+    embed_passages,
+    load_index,
+    read_meta,
+    split_file,
     write_index,
 )
 
@@ -103,7 +110,7 @@ def _locate(args: argparse.Namespace) -> tuple[Path, str, Path]:
     return index_dir, embedding_model, repo
 
 
-def _current(index_dir: Path) -> tuple[list[Passage], "object", dict, SentenceVectors | None]:
+def _current(index_dir: Path) -> tuple[list[Passage], object, dict, SentenceVectors | None]:
     import numpy as np
 
     index = load_index(index_dir)

@@ -41,8 +41,8 @@ import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 from .. import __version__
 from ..config import PeerSettings, read_secret

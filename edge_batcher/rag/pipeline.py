@@ -29,24 +29,32 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator, Optional
 
 from ..config import ModelConfig, backend_settings
 from ..errors import ConfigError, InvalidInput, Unavailable
-from ..types import InferRequest, InferResponse, TensorSpec
-from .fusion import DEFAULT_FUSION, METHODS, MODES, Fusion
-from .index import Hit, Index, IndexWatcher, default_index_dir, load_index
 from ..offload.client import PeerError
 from ..scheduler.runner import ModelRunner
-from .deadline import estimate as estimate_local, too_slow
+from ..types import InferRequest, InferResponse, TensorSpec
+from .deadline import estimate as estimate_local
+from .deadline import too_slow
 from .extract import answer_text, choose, sentences
+from .fusion import DEFAULT_FUSION, METHODS, MODES, Fusion
+from .index import Hit, Index, IndexWatcher, default_index_dir, load_index
 from .peer import ChatPeer, ChatPeerSettings
 from .prompt import DEFAULT_PASSAGE_TEMPLATE, DEFAULT_TEMPLATE, assemble, check_template, render
 from .service import (
-    FINAL, InFlight, ServiceAccounting, ServiceStats, bytes_array, final_response, text_rows, token_responses,
+    FINAL,
+    InFlight,
+    ServiceAccounting,
+    ServiceStats,
+    bytes_array,
+    final_response,
+    text_rows,
+    token_responses,
     wait_idle,
 )
 
@@ -79,7 +87,7 @@ class RagSettings:
     rrf_k: float = DEFAULT_FUSION.rrf_k  # "rrf" only: rank offset; small values let the first places dominate
     answer_sentences: int = 2  # extractive answers: at most this many sentences ...
     sentence_margin: float = 0.1  # ... each within this cosine of the best one
-    peer: Optional[ChatPeerSettings] = None  # [rag.peer]: an OpenAI-compatible generation server
+    peer: ChatPeerSettings | None = None  # [rag.peer]: an OpenAI-compatible generation server
 
 
 def fusion_from(s: RagSettings) -> Fusion:

@@ -8,7 +8,7 @@ lowest-ranked passages are left out until they do (the caller says what fits).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from .index import Hit
 

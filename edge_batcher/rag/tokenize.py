@@ -59,7 +59,7 @@ class TextTokenizer:
         self.add_special_tokens = add_special_tokens
 
     @classmethod
-    def from_model(cls, config: ModelConfig, default_max_length: int = 512) -> "TextTokenizer":
+    def from_model(cls, config: ModelConfig, default_max_length: int = 512) -> TextTokenizer:
         """The tokenizer of a model, from its [tokenizer] table (errors name file and key)."""
         s = backend_settings(config, "tokenizer", TokenizerSettings)
         if "max_length" not in config.tokenizer:

@@ -12,13 +12,12 @@ ANY_LENGTH_MULTIPLE: the bucket stays the scheduling key, only the padded width 
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from ..errors import EngineError
 from ..types import DATATYPE_TO_NUMPY, TensorSpec
-
 
 # Width granularity for engines that accept any length. 1 (no rounding): on the 90 technician
 # questions batched by bucket it gives 1.20 padded/real tokens against 1.26 for multiples of 4

@@ -12,9 +12,10 @@ docs/architecture.md ("The batching policy") states the rules with examples.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Callable, Sequence, Union
+from typing import Union
 
 from .queues import BucketQueue, ModelQueue, QueuedRequest
 from .timing import ExecTimeModel

@@ -12,8 +12,9 @@ import asyncio
 import heapq
 import itertools
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 

@@ -24,7 +24,13 @@ from ..config import ModelConfig
 from ..cpu_affinity import thread_is_pinned
 from ..engines.base import Engine, with_hook_defaults
 from ..errors import (
-    DeadlineExceeded, DoesNotFit, EdgeBatcherError, EngineError, InvalidInput, OutOfMemory, Overloaded,
+    DeadlineExceeded,
+    DoesNotFit,
+    EdgeBatcherError,
+    EngineError,
+    InvalidInput,
+    OutOfMemory,
+    Overloaded,
     Unavailable,
 )  # fmt: skip
 from ..metrics import Metrics

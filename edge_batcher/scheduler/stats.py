@@ -9,8 +9,9 @@ through the batch's completion callback).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from ..metrics import Metrics
 from .policy import BatchPlan

@@ -12,7 +12,8 @@ import asyncio
 import logging
 import queue
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ..cpu_affinity import pin_this_thread
 

@@ -21,8 +21,8 @@ import asyncio
 import ctypes
 import ctypes.util
 import logging
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import AsyncIterator
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError

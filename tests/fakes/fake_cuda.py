@@ -112,10 +112,10 @@ class FakeCuda:
         self.initialized = True
 
     @property
-    def Device(self) -> "_DeviceClass":  # noqa: N802 - pycuda's name: Device(i), Device.count()
+    def Device(self) -> _DeviceClass:  # noqa: N802 - pycuda's name: Device(i), Device.count()
         return _DeviceClass(self)
 
-    def get_device(self, index: int) -> "FakeDevice":
+    def get_device(self, index: int) -> FakeDevice:
         if not self.initialized:
             raise CudaLogicError("cuDeviceGet failed: cuInit has not been called")
         if not 0 <= index < self.device_count:
@@ -143,7 +143,7 @@ class FakeCuda:
     def used_memory(self) -> int:
         return sum(a.size for a in self.allocations.values() if a.live)
 
-    def mem_alloc(self, nbytes: int) -> "DeviceAllocation":
+    def mem_alloc(self, nbytes: int) -> DeviceAllocation:
         self.require_context("cuMemAlloc")
         self.counters["mem_alloc"] += 1
         return DeviceAllocation(self, self._allocate(nbytes, "user"))
@@ -189,7 +189,7 @@ class FakeCuda:
 
     # ------------------------------------------------------------------ copies and streams
 
-    def Stream(self, flags: int = 0) -> "FakeStream":  # noqa: N802 - pycuda's name
+    def Stream(self, flags: int = 0) -> FakeStream:  # noqa: N802 - pycuda's name
         self.require_context("cuStreamCreate")
         with self._lock:
             handle = self._next_stream
@@ -198,7 +198,7 @@ class FakeCuda:
         self.streams[handle] = stream
         return stream
 
-    def memcpy_htod_async(self, dest, src: np.ndarray, stream: "FakeStream | None" = None) -> None:
+    def memcpy_htod_async(self, dest, src: np.ndarray, stream: FakeStream | None = None) -> None:
         self.require_context("cuMemcpyHtoDAsync")
         if not isinstance(src, np.ndarray) or not src.flags.c_contiguous:
             raise CudaLogicError("memcpy_htod_async: source must be a C-contiguous numpy array")
@@ -210,7 +210,7 @@ class FakeCuda:
         # Read the host buffer when the stream runs, not now: that is what an async copy does.
         self._enqueue(stream, lambda: self.write(ptr, src))
 
-    def memcpy_dtoh_async(self, dest: np.ndarray, src, stream: "FakeStream | None" = None) -> None:
+    def memcpy_dtoh_async(self, dest: np.ndarray, src, stream: FakeStream | None = None) -> None:
         self.require_context("cuMemcpyDtoHAsync")
         if not isinstance(dest, np.ndarray) or not dest.flags.c_contiguous:
             raise CudaLogicError("memcpy_dtoh_async: destination must be a C-contiguous numpy array")
@@ -225,13 +225,13 @@ class FakeCuda:
 
         self._enqueue(stream, copy)
 
-    def _enqueue(self, stream: "FakeStream | None", op) -> None:
+    def _enqueue(self, stream: FakeStream | None, op) -> None:
         if stream is None:
             op()
         else:
             stream.pending.append(op)
 
-    def stream_by_handle(self, handle: int) -> "FakeStream | None":
+    def stream_by_handle(self, handle: int) -> FakeStream | None:
         return self.streams.get(int(handle))
 
 
@@ -241,7 +241,7 @@ class _DeviceClass:
     def __init__(self, cuda: FakeCuda):
         self._cuda = cuda
 
-    def __call__(self, index: int) -> "FakeDevice":
+    def __call__(self, index: int) -> FakeDevice:
         return self._cuda.get_device(index)
 
     def count(self) -> int:
@@ -300,7 +300,7 @@ class FakeDevice:
     def total_memory(self) -> int:
         return self._cuda.total_memory
 
-    def retain_primary_context(self) -> "FakeContext":
+    def retain_primary_context(self) -> FakeContext:
         self._cuda.primary_retained += 1
         return FakeContext(self._cuda, self)
 

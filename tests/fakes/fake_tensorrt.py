@@ -59,15 +59,39 @@ from __future__ import annotations
 from edge_batcher.engines.tensorrt import TensorRTEngine
 from edge_batcher.engines.trt_api import import_tensorrt_module
 from tests.fakes.fake_cuda import (
-    CudaError, CudaLaunchError, CudaLogicError, CudaMemoryError, CudaRuntimeError, DeviceAllocation, FakeContext,
-    FakeCuda, FakeDevice, FakeStream,
+    CudaError,
+    CudaLaunchError,
+    CudaLogicError,
+    CudaMemoryError,
+    CudaRuntimeError,
+    DeviceAllocation,
+    FakeContext,
+    FakeCuda,
+    FakeDevice,
+    FakeStream,
 )
 from tests.fakes.fake_trt_builder import FakeBuilder, FakeOnnxParser
 from tests.fakes.fake_trt_runtime import FakeRuntime
 from tests.fakes.fake_trt_types import (
-    FAKE_PLAN_MAGIC, REMOVED_IN_11, TRT_TO_NUMPY, BuilderFlag, BuilderFlag11, DataType, DeviceType, EngineStat,
-    ExecutionContextAllocationStrategy, IInt8Calibrator, IInt8EntropyCalibrator2, ILogger, IProgressMonitor, Logger,
-    MemoryPoolType, NetworkDefinitionCreationFlag, NetworkDefinitionCreationFlag11, TensorIOMode, TensorLocation,
+    FAKE_PLAN_MAGIC,
+    REMOVED_IN_11,
+    TRT_TO_NUMPY,
+    BuilderFlag,
+    BuilderFlag11,
+    DataType,
+    DeviceType,
+    EngineStat,
+    ExecutionContextAllocationStrategy,
+    IInt8Calibrator,
+    IInt8EntropyCalibrator2,
+    ILogger,
+    IProgressMonitor,
+    Logger,
+    MemoryPoolType,
+    NetworkDefinitionCreationFlag,
+    NetworkDefinitionCreationFlag11,
+    TensorIOMode,
+    TensorLocation,
 )
 
 __all__ = [

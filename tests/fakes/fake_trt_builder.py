@@ -19,8 +19,21 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from tests.fakes.fake_trt_types import (
-    FAKE_PLAN_MAGIC, ONNX_TO_TRT, REMOVED_IN_11, TRT_TO_NUMPY, BuilderFlag, DataType, DeviceType, Generational,
-    IInt8Calibrator, ILogger, IProgressMonitor, MemoryPoolType, Severity, check_logger, log_to,
+    FAKE_PLAN_MAGIC,
+    ONNX_TO_TRT,
+    REMOVED_IN_11,
+    TRT_TO_NUMPY,
+    BuilderFlag,
+    DataType,
+    DeviceType,
+    Generational,
+    IInt8Calibrator,
+    ILogger,
+    IProgressMonitor,
+    MemoryPoolType,
+    Severity,
+    check_logger,
+    log_to,
 )  # fmt: skip
 
 if TYPE_CHECKING:
@@ -45,7 +58,7 @@ class _TimingCache:
     def serialize(self) -> bytes:
         return json.dumps(self.entries).encode()
 
-    def combine(self, input_cache: "_TimingCache", ignore_mismatch: bool) -> bool:
+    def combine(self, input_cache: _TimingCache, ignore_mismatch: bool) -> bool:
         self.entries = sorted(set(self.entries) | set(input_cache.entries))
         return True
 

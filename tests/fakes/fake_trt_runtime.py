@@ -19,8 +19,19 @@ import numpy as np
 
 from tests.fakes.fake_cuda import CudaLaunchError, CudaLogicError, CudaMemoryError, FakeAllocation
 from tests.fakes.fake_trt_types import (
-    FAKE_PLAN_MAGIC, REMOVED_IN_11, TRT_TO_NUMPY, DataType, EngineStat, ExecutionContextAllocationStrategy, Generational,
-    ILogger, Severity, TensorIOMode, TensorLocation, check_logger, log_to,
+    FAKE_PLAN_MAGIC,
+    REMOVED_IN_11,
+    TRT_TO_NUMPY,
+    DataType,
+    EngineStat,
+    ExecutionContextAllocationStrategy,
+    Generational,
+    ILogger,
+    Severity,
+    TensorIOMode,
+    TensorLocation,
+    check_logger,
+    log_to,
 )  # fmt: skip
 
 if TYPE_CHECKING:
@@ -47,7 +58,7 @@ class FakeRuntime:
     def DLA_core(self, value: int) -> None:  # noqa: N802
         self._dla_core = int(value)
 
-    def deserialize_cuda_engine(self, serialized_engine) -> "_Engine | None":
+    def deserialize_cuda_engine(self, serialized_engine) -> _Engine | None:
         data = bytes(serialized_engine)
         try:
             plan = json.loads(data.decode("utf-8"))
@@ -183,7 +194,7 @@ class _Engine(Generational):
             raise RuntimeError(f"{name} is not an input")
         return [tuple(s) for s in self._profiles[profile_index][name]]
 
-    def create_execution_context(self, strategy=ExecutionContextAllocationStrategy.STATIC) -> "_Context | None":
+    def create_execution_context(self, strategy=ExecutionContextAllocationStrategy.STATIC) -> _Context | None:
         context = _Context(self, strategy)
         if strategy is not ExecutionContextAllocationStrategy.USER_MANAGED:
             try:

@@ -25,8 +25,8 @@ memory.device.DeviceLoad). Set `FakeCudaEpEngine.device` to the FakeCuda the tes
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import numpy as np
 

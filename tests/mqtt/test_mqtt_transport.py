@@ -14,8 +14,8 @@ from edge_batcher.errors import ConfigError
 from edge_batcher.protocol import v2
 from edge_batcher.transports.mqtt import MqttTransport
 from edge_batcher.types import InferRequest
-
 from tests.support.mqtt import INFER, PREFIX, Broker, TestClient, make_tls_files, signal_rows, v2_json, wait_until
+
 
 def direct(served, rows: np.ndarray) -> dict[str, np.ndarray]:
     lt, runtime = served

@@ -13,8 +13,8 @@ import pytest
 
 from edge_batcher.client import AsyncClient, Client, ClientError
 from tests.offload.conftest import TOKEN, assert_matches_local, free_port
-from tests.support.signals import windows
 from tests.support.faulty_engine import SLOW
+from tests.support.signals import windows
 
 MiB = 1 << 20
 

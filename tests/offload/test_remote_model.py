@@ -21,9 +21,16 @@ from edge_batcher.offload.remote_model import RemoteModel, declared_specs
 from edge_batcher.runtime import Runtime
 from edge_batcher.types import InferRequest, TensorSpec
 from tests.offload.conftest import assert_matches_local, free_port
-from tests.offload.test_offload_two_daemons import edge_config, offloaded, peer_config, peer_status
-from tests.offload.test_offload_two_daemons import peer_repo  # noqa: F401  (the fixture: a peer with batches up to 16)
-from tests.scheduler.test_runner import PeerPort, config as rowsum_config, request as rowsum_request
+from tests.offload.test_offload_two_daemons import (
+    edge_config,
+    offloaded,
+    peer_config,
+    peer_repo,  # noqa: F401  (the fixture: a peer with batches up to 16)
+    peer_status,
+)
+from tests.scheduler.test_runner import PeerPort
+from tests.scheduler.test_runner import config as rowsum_config
+from tests.scheduler.test_runner import request as rowsum_request
 from tests.support.signals import windows
 
 REMOTE_VIBRATION = """

@@ -12,9 +12,15 @@ from edge_batcher.errors import Unavailable
 from edge_batcher.rag import index_cli
 from edge_batcher.rag.embed import TextEmbeddingEngine
 from edge_batcher.rag.index import (
-    Index, IndexWatcher, Passage, load_index, read_meta, split_file, split_markdown, write_index,
+    Index,
+    IndexWatcher,
+    Passage,
+    load_index,
+    read_meta,
+    split_file,
+    split_markdown,
+    write_index,
 )  # fmt: skip
-
 from tests.support.models import ROOT
 
 CORPUS = ROOT / "docs" / "corpus"

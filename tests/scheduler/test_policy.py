@@ -6,7 +6,17 @@ import pytest
 
 from edge_batcher.errors import Overloaded
 from edge_batcher.scheduler.policy import (
-    DEADLINE, DELAY, DRAIN, FULL, Dispatch, PlanState, PolicySettings, Reject, Wait, cheapest_cover, decide,
+    DEADLINE,
+    DELAY,
+    DRAIN,
+    FULL,
+    Dispatch,
+    PlanState,
+    PolicySettings,
+    Reject,
+    Wait,
+    cheapest_cover,
+    decide,
 )  # fmt: skip
 from edge_batcher.scheduler.queues import ModelQueue, QueuedRequest
 from edge_batcher.scheduler.timing import ExecTimeModel
@@ -306,7 +316,10 @@ def test_max_batch_size_caps_preferred_sizes():
 # ------------------------------------------------------------------ offload to a peer
 
 from edge_batcher.scheduler.policy import (  # noqa: E402
-    BACKLOG, DOES_NOT_FIT, OffloadView, sends_oversized_to_peer,
+    BACKLOG,
+    DOES_NOT_FIT,
+    OffloadView,
+    sends_oversized_to_peer,
 )  # fmt: skip
 
 PEER = OffloadView(peer_available=True, peer_latency_s=0.005)
@@ -388,7 +401,14 @@ def test_extrapolated_times_stay_positive_and_ordered():
 # ------------------------------------------------------------------ the runner's rules, as pure functions
 
 from edge_batcher.scheduler.policy import (  # noqa: E402
-    OOM_SPLIT, TOO_LARGE, Reason, Target, capped_after_oom, decision_may_change, oom_split, retries_locally,
+    OOM_SPLIT,
+    TOO_LARGE,
+    Reason,
+    Target,
+    capped_after_oom,
+    decision_may_change,
+    oom_split,
+    retries_locally,
 )
 
 
