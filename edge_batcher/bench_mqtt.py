@@ -19,6 +19,7 @@ import threading
 import time
 import uuid
 from collections import Counter
+from typing import Any
 
 import numpy as np
 
@@ -65,7 +66,7 @@ def bench_mqtt(
     lock = threading.Lock()
     sent: dict[bytes, float] = {}
     done: list[tuple[float, float, str]] = []  # (published, answered, status) of counted requests
-    state = {"measuring_from": None, "stop": False, "seq": 0, "counted": 0}
+    state: dict[str, Any] = {"measuring_from": None, "stop": False, "seq": 0, "counted": 0}
     connected, subscribed, drained = threading.Event(), threading.Event(), threading.Event()
 
     client = Client(CallbackAPIVersion.VERSION2, client_id=f"eb-bench-{uuid.uuid4().hex[:8]}",
@@ -92,7 +93,7 @@ def bench_mqtt(
         corr = getattr(msg.properties, "CorrelationData", None)
         status = dict(getattr(msg.properties, "UserProperty", None) or []).get("status", "?")
         with lock:
-            started = sent.pop(corr, None)
+            started = sent.pop(corr, None) if corr is not None else None
             if started is None:
                 return  # a duplicate
             since = state["measuring_from"]
@@ -170,8 +171,10 @@ def format_mqtt_report(results: dict) -> str:
     return "\n".join([
         f"MQTT via {results['address']} ({results['topic']}, qos {results['qos']}, "
         f"{'binary' if results['binary'] else 'JSON'}, {results['concurrency']} outstanding)",
-        f"  throughput  {results['throughput_rps']:.0f} req/s ({results['completed']} in {results['duration_s']:.1f} s)",
-        f"  latency     p50 {lat['p50']:.2f} ms, p95 {lat['p95']:.2f} ms, p99 {lat['p99']:.2f} ms, max {lat['max']:.2f} ms",
+        f"  throughput  {results['throughput_rps']:.0f} req/s "
+        f"({results['completed']} in {results['duration_s']:.1f} s)",
+        f"  latency     p50 {lat['p50']:.2f} ms, p95 {lat['p95']:.2f} ms, "
+        f"p99 {lat['p99']:.2f} ms, max {lat['max']:.2f} ms",
         f"  status      {status}" + (f"; {results['unanswered']} unanswered" if results["unanswered"] else ""),
     ])
 

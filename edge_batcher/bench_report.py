@@ -27,7 +27,8 @@ def _phases(r: dict) -> list[tuple[str, dict]]:
     if "mqtt" in r:
         m = r["mqtt"]
         lat = m["latency_ms"]
-        rows.append(("MQTT 5 request/response", {**m, "p50_ms": lat["p50"], "p95_ms": lat["p95"], "p99_ms": lat["p99"]}))
+        rows.append(("MQTT 5 request/response",
+                     {**m, "p50_ms": lat["p50"], "p95_ms": lat["p95"], "p99_ms": lat["p99"]}))
     return rows
 
 
@@ -75,7 +76,8 @@ def format_report(r: dict) -> str:
     lines.append(f"speedup over no batching: {r['speedup_over_no_batching']:.2f}x")
     lines.append(f"throughput / raw ceiling: {r['ratio_to_ceiling']:.2f} "
                  f"(the minimal batcher: {r['minimal_batcher_rps'] / r['raw_ceiling_rps']:.2f}; "
-                 f"the runtime / the minimal batcher: {r['in_process_closed']['throughput_rps'] / r['minimal_batcher_rps']:.2f})")
+                 f"the runtime / the minimal batcher: "
+                 f"{r['in_process_closed']['throughput_rps'] / r['minimal_batcher_rps']:.2f})")
     if "in_process_closed_any_cpu" in r:
         gain = r["in_process_closed"]["throughput_rps"] / r["in_process_closed_any_cpu"]["throughput_rps"]
         lines.append(f"one shared CPU vs threads on any CPU: {gain:.2f}x")
@@ -90,7 +92,9 @@ def pyplot():
     try:
         import matplotlib
     except ImportError:
-        raise ConfigError("--plot needs matplotlib: pip install 'edge-batcher[plot]' (or pip install matplotlib)") from None
+        raise ConfigError(
+            "--plot needs matplotlib: pip install 'edge-batcher[plot]' (or pip install matplotlib)"
+        ) from None
     matplotlib.use("Agg")  # files only: no display on a device or in CI
     import matplotlib.pyplot as plt
 
@@ -106,7 +110,8 @@ def plot_report(r: dict, path: Path) -> None:
     legend = {"loc": "upper center", "bbox_to_anchor": (0.5, -0.16), "ncol": 2, "fontsize": 8, "frameon": False}
     fig, (ax_rps, ax_lat, ax_mix) = plt.subplots(1, 3, figsize=(15, 0.55 * len(phases) + 2.8), sharey=True)
     ax_rps.barh(y, [p["throughput_rps"] for _, p in phases], color="tab:blue")
-    for value, name, style in ((r["raw_ceiling_rps"], f"raw engine ceiling (size {r['preferred_batch_sizes'][-1]})", "--"),
+    for value, name, style in ((r["raw_ceiling_rps"],
+                                f"raw engine ceiling (size {r['preferred_batch_sizes'][-1]})", "--"),
                                (r["minimal_batcher_rps"], "minimal asyncio batcher", ":")):
         ax_rps.axvline(value, color="black", linestyle=style, linewidth=1, label=name)
     ax_rps.set_xlabel("requests/s (median run)")

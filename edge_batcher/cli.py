@@ -51,7 +51,9 @@ def package_version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="edge-batcher", description="Memory-aware batching inference daemon for edge devices.")
+    parser = argparse.ArgumentParser(
+        prog="edge-batcher", description="Memory-aware batching inference daemon for edge devices."
+    )
     parser.add_argument("--version", action="version", version=f"edge-batcher {package_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -91,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request", metavar="FILE.json", help="a whole KServe v2 JSON request instead of --input")
     p.add_argument("--json", action="store_true", help="print outputs as JSON")
     p.add_argument("--timeout-ms", type=float, help="request deadline")
-    p.add_argument("--priority", type=int, help="Triton's scale: 1 is the highest; 0 or none: the model's default level")
+    p.add_argument("--priority", type=int,
+                   help="Triton's scale: 1 is the highest; 0 or none: the model's default level")
     add_target(p)
     p.set_defaults(func=cmd_infer)
 
@@ -106,7 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_estimate_arguments(p)
     p.set_defaults(func=cmd_estimate)
 
-    p = sub.add_parser("build-engine", help="build a TensorRT engine with profiles for the preferred sizes (docs/tensorrt.md)")
+    p = sub.add_parser("build-engine",
+                       help="build a TensorRT engine with profiles for the preferred sizes (docs/tensorrt.md)")
     from .engines import trt_build
 
     trt_build.add_arguments(p)

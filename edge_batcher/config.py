@@ -1,4 +1,4 @@
-"""Typed settings: the daemon's TOML config and each model's model.toml.
+"""Typed settings: the daemon's TOML config (model.toml's settings are in model_config.py).
 
 Everything is validated on load. An unknown key, a wrong type or an impossible value raises
 ConfigError with a message naming the file, the key and what was expected, so start-up stops
@@ -7,6 +7,9 @@ directory of that file.
 
 Environment overrides: EDGE_BATCHER_<SECTION>_<KEY>, e.g. EDGE_BATCHER_SERVER_UNIX_SOCKET or
 EDGE_BATCHER_MODELS_REPOSITORY. CLI flags (applied by the CLI) override both.
+
+The model settings and the shared builder are re-exported here: `from edge_batcher.config import
+ModelConfig, load_model_config, build_dataclass` keeps working.
 """
 
 from __future__ import annotations
@@ -14,17 +17,35 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, get_args, get_origin, get_type_hints
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10 on JetPack 6
-    import tomli as tomllib
+from typing import Any, get_origin, get_type_hints
 
 from .errors import ConfigError
+from .model_config import (
+    MODEL_KEYS,
+    BatchingSettings,
+    ExecutionProvider,
+    ModelConfig,
+    OnnxRuntimeSettings,
+    SequenceSettings,
+    TensorOverride,
+    backend_settings,
+    discover_models,
+    load_model_config,
+)
+from .toml_settings import build_dataclass, check_positive, read_toml
+
+__all__ = [
+    "ENV_PREFIX", "LOG_LEVELS", "DAEMON_SECTIONS", "ServerSettings", "ModelsSettings", "MemorySettings",
+    "StreamMapping", "MqttSettings", "PeerSettings", "OffloadSettings", "DaemonConfig", "resolve_socket_path",
+    "load_config", "read_secret", "parse_host_port",
+    # re-exported from model_config.py and toml_settings.py
+    "MODEL_KEYS", "ExecutionProvider", "OnnxRuntimeSettings", "SequenceSettings", "BatchingSettings",
+    "TensorOverride", "ModelConfig", "backend_settings", "load_model_config", "discover_models",
+    "build_dataclass",
+]  # fmt: skip
 
 ENV_PREFIX = "EDGE_BATCHER_"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -198,7 +219,7 @@ def load_config(path: str | Path | None, environ: dict[str, str] | None = None) 
     base = Path.cwd()
     if path is not None:
         path = Path(path)
-        raw = _read_toml(path)
+        raw = read_toml(path)
         source = str(path)
         base = path.resolve().parent
     config = DaemonConfig(source=source)
@@ -234,7 +255,9 @@ def _validate_daemon(config: DaemonConfig, source: str) -> None:
             f"{source}: [server] log_format: expected auto, plain, journald or json, got {s.log_format!r}"
         )
     if s.loop_cpu not in ("auto", "off") and not s.loop_cpu.isdigit():
-        raise ConfigError(f"{source}: [server] loop_cpu: expected \"auto\", \"off\" or a CPU number like \"3\", got {s.loop_cpu!r}")
+        raise ConfigError(
+            f"{source}: [server] loop_cpu: expected \"auto\", \"off\" or a CPU number like \"3\", got {s.loop_cpu!r}"
+        )
     try:
         mode = int(s.socket_mode, 8)
     except ValueError:
@@ -250,16 +273,16 @@ def _validate_daemon(config: DaemonConfig, source: str) -> None:
             parse_host_port(address, f"{source}: [server] grpc")
         elif len(address) == len("unix:"):
             raise ConfigError(f"{source}: [server] grpc: expected unix:PATH, got {address!r}")
-    _positive(s.max_body_bytes, f"{source}: [server] max_body_bytes")
-    _positive(s.max_inflight_body_bytes, f"{source}: [server] max_inflight_body_bytes", allow_zero=True)
+    check_positive(s.max_body_bytes, f"{source}: [server] max_body_bytes")
+    check_positive(s.max_inflight_body_bytes, f"{source}: [server] max_inflight_body_bytes", allow_zero=True)
     if s.max_inflight_body_bytes == 0:
         s.max_inflight_body_bytes = 4 * s.max_body_bytes
     elif s.max_inflight_body_bytes < s.max_body_bytes:
         raise ConfigError(f"{source}: [server] max_inflight_body_bytes ({s.max_inflight_body_bytes}) must be at "
                           f"least max_body_bytes ({s.max_body_bytes}), or no body of the largest size is ever accepted")
-    _positive(s.max_connections, f"{source}: [server] max_connections")
-    _positive(s.idle_timeout_s, f"{source}: [server] idle_timeout_s")
-    _positive(s.body_timeout_s, f"{source}: [server] body_timeout_s")
+    check_positive(s.max_connections, f"{source}: [server] max_connections")
+    check_positive(s.idle_timeout_s, f"{source}: [server] idle_timeout_s")
+    check_positive(s.body_timeout_s, f"{source}: [server] body_timeout_s")
     if bool(s.tls_cert) != bool(s.tls_key):
         raise ConfigError(f"{source}: [server] tls_cert and tls_key go together: set both or neither")
     o = config.offload
@@ -267,21 +290,23 @@ def _validate_daemon(config: DaemonConfig, source: str) -> None:
         raise ConfigError(f"{source}: [offload] enabled = true needs at least one [[offload.peers]] entry")
     for i, peer in enumerate(o.peers):
         if not peer.url.startswith(("http://", "https://")):
-            raise ConfigError(f"{source}: [[offload.peers]] #{i + 1} url: expected http://HOST:PORT or https://..., got {peer.url!r}")
-    _positive(o.health_interval_s, f"{source}: [offload] health_interval_s")
-    _positive(o.request_timeout_s, f"{source}: [offload] request_timeout_s")
-    _positive(o.breaker_failures, f"{source}: [offload] breaker_failures")
-    _positive(o.breaker_reset_s, f"{source}: [offload] breaker_reset_s")
-    _positive(o.max_rows, f"{source}: [offload] max_rows")
-    _positive(s.drain_timeout_s, f"{source}: [server] drain_timeout_s", allow_zero=True)
+            raise ConfigError(
+                f"{source}: [[offload.peers]] #{i + 1} url: expected http://HOST:PORT or https://..., got {peer.url!r}"
+            )
+    check_positive(o.health_interval_s, f"{source}: [offload] health_interval_s")
+    check_positive(o.request_timeout_s, f"{source}: [offload] request_timeout_s")
+    check_positive(o.breaker_failures, f"{source}: [offload] breaker_failures")
+    check_positive(o.breaker_reset_s, f"{source}: [offload] breaker_reset_s")
+    check_positive(o.max_rows, f"{source}: [offload] max_rows")
+    check_positive(s.drain_timeout_s, f"{source}: [server] drain_timeout_s", allow_zero=True)
     m = config.memory
     if not 0.0 <= m.reserve_fraction < 1.0:
         raise ConfigError(
             f"{source}: [memory] reserve_fraction: expected 0 <= value < 1, got {m.reserve_fraction}"
         )
-    _positive(m.budget_mb, f"{source}: [memory] budget_mb", allow_zero=True)
-    _positive(m.headroom_mb, f"{source}: [memory] headroom_mb", allow_zero=True)
-    _positive(m.refresh_interval_s, f"{source}: [memory] refresh_interval_s")
+    check_positive(m.budget_mb, f"{source}: [memory] budget_mb", allow_zero=True)
+    check_positive(m.headroom_mb, f"{source}: [memory] headroom_mb", allow_zero=True)
+    check_positive(m.refresh_interval_s, f"{source}: [memory] refresh_interval_s")
 
 
 def read_secret(value: str, file: str, where: str) -> str:
@@ -301,249 +326,7 @@ def parse_host_port(value: str, where: str = "address") -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-# --------------------------------------------------------------------------- model config
-
-
-@dataclass
-class ExecutionProvider:
-    name: str
-    options: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass
-class OnnxRuntimeSettings:
-    # Tried in order; providers this onnxruntime build lacks are skipped with a warning.
-    execution_providers: list[ExecutionProvider] = field(
-        default_factory=lambda: [ExecutionProvider("CPUExecutionProvider")]
-    )
-    intra_op_threads: int = 1
-    inter_op_threads: int = 1
-    graph_optimization_level: str = "all"  # disable | basic | extended | all
-
-
-@dataclass
-class SequenceSettings:
-    """Variable-length inputs: requests batch with others of their length bucket."""
-
-    inputs: list[str]  # inputs that share the dynamic sequence axis
-    axis: int = 1
-    buckets: list[int] = field(default_factory=list)  # ascending boundaries
-    pad_value: float = 0.0
-
-
-@dataclass
-class BatchingSettings:
-    preferred_batch_sizes: list[int] = field(default_factory=lambda: [2, 4, 8])
-    max_batch_size: int = 0  # 0: the largest preferred size
-    max_queue_delay_ms: float = 2.0
-    priority_levels: int = 1  # priorities 0..levels-1, higher first
-    default_priority: int = 0
-    default_timeout_ms: float = 5000.0
-    max_timeout_ms: float = 60000.0
-    queue_capacity: int = 256  # requests waiting per model; beyond it: "overloaded" at once
-
-
-@dataclass
-class TensorOverride:
-    """Narrow what the model file declares: a dynamic dim fixed, or a datatype checked."""
-
-    name: str
-    datatype: str = ""
-    shape: list[int] = field(default_factory=list)
-
-
-@dataclass
-class ModelConfig:
-    name: str
-    directory: Path
-    backend: str = "onnxruntime"
-    model_file: str = "model.onnx"
-    instances: int = 1
-    description: str = ""
-    labels: list[str] = field(default_factory=list)
-    onnxruntime: OnnxRuntimeSettings = field(default_factory=OnnxRuntimeSettings)
-    batching: BatchingSettings = field(default_factory=BatchingSettings)
-    sequence: SequenceSettings | None = None
-    inputs: list[TensorOverride] = field(default_factory=list)
-    outputs: list[TensorOverride] = field(default_factory=list)
-    # Backend-specific tables, kept as written and validated by their backend with
-    # backend_settings() (so the errors still name the file and key).
-    tensorrt: dict[str, Any] = field(default_factory=dict)
-    tokenizer: dict[str, Any] = field(default_factory=dict)
-    rag: dict[str, Any] = field(default_factory=dict)
-    generator: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def model_path(self) -> Path:
-        return self.directory / self.model_file
-
-
-MODEL_KEYS = {
-    "backend", "model_file", "instances", "description", "labels",
-    "onnxruntime", "batching", "sequence", "inputs", "outputs",
-    "tensorrt", "tokenizer", "rag", "generator",
-}  # fmt: skip
-
-
-def backend_settings(config: ModelConfig, table: str, cls: type) -> Any:
-    """Build a backend's own settings dataclass from its model.toml table, e.g.
-    backend_settings(config, "tensorrt", TensorRTSettings); errors name the file and key."""
-    return build_dataclass(cls, getattr(config, table), f"{config.directory / 'model.toml'}: [{table}]")
-
-
-def load_model_config(model_dir: Path) -> ModelConfig:
-    """Load <repository>/<model>/model.toml; the directory name is the model name."""
-    path = model_dir / "model.toml"
-    raw = _read_toml(path)
-    where = str(path)
-    for key in raw:
-        if key not in MODEL_KEYS:
-            raise ConfigError(f"{where}: unknown key {key!r}; expected one of {', '.join(sorted(MODEL_KEYS))}")
-    raw = dict(raw)
-    providers = raw.get("onnxruntime", {}).get("execution_providers") if isinstance(raw.get("onnxruntime"), dict) else None
-    if providers is not None:
-        # Accept plain names as shorthand for {name = "..."}.
-        if not isinstance(providers, list):
-            raise ConfigError(f"{where}: [onnxruntime] execution_providers: expected a list")
-        raw["onnxruntime"] = dict(raw["onnxruntime"])
-        raw["onnxruntime"]["execution_providers"] = [
-            {"name": p} if isinstance(p, str) else p for p in providers
-        ]
-    raw["name"] = model_dir.name
-    raw["directory"] = model_dir
-    config = build_dataclass(ModelConfig, raw, where)
-    _validate_model(config, where)
-    return config
-
-
-def discover_models(repository: Path, only: list[str] | None = None) -> list[ModelConfig]:
-    """Every <repository>/<name>/model.toml, validated (only the named ones when `only` is set)."""
-    if not repository.is_dir():
-        raise ConfigError(f"model repository {repository} is not a directory")
-    found = {d.name: d for d in sorted(repository.iterdir()) if (d / "model.toml").is_file()}
-    if only:
-        missing = [n for n in only if n not in found]
-        if missing:
-            raise ConfigError(
-                f"[models] load names {', '.join(map(repr, missing))}, not found in {repository} "
-                f"(it has {', '.join(found) or 'no models'})"
-            )
-        found = {n: found[n] for n in only}
-    return [load_model_config(d) for d in found.values()]
-
-
-def _validate_model(c: ModelConfig, where: str) -> None:
-    if not c.name.replace("-", "").replace("_", "").replace(".", "").isalnum():
-        raise ConfigError(f"{where}: model name {c.name!r} must use letters, digits, '-', '_' or '.'")
-    _positive(c.instances, f"{where}: instances")
-    b = c.batching
-    sizes = b.preferred_batch_sizes
-    if not sizes or any(s <= 0 for s in sizes) or sorted(set(sizes)) != sizes:
-        raise ConfigError(
-            f"{where}: [batching] preferred_batch_sizes: expected ascending distinct positive sizes "
-            f"like [2, 4, 8], got {sizes}"
-        )
-    if b.max_batch_size == 0:
-        b.max_batch_size = sizes[-1]
-    if b.max_batch_size < sizes[0]:
-        raise ConfigError(
-            f"{where}: [batching] max_batch_size {b.max_batch_size} is smaller than the smallest "
-            f"preferred batch size {sizes[0]}"
-        )
-    _positive(b.max_queue_delay_ms, f"{where}: [batching] max_queue_delay_ms", allow_zero=True)
-    _positive(b.priority_levels, f"{where}: [batching] priority_levels")
-    if not 0 <= b.default_priority < b.priority_levels:
-        raise ConfigError(
-            f"{where}: [batching] default_priority: expected 0..{b.priority_levels - 1}, got {b.default_priority}"
-        )
-    _positive(b.default_timeout_ms, f"{where}: [batching] default_timeout_ms")
-    if b.max_timeout_ms < b.default_timeout_ms:
-        raise ConfigError(
-            f"{where}: [batching] max_timeout_ms {b.max_timeout_ms} is below default_timeout_ms {b.default_timeout_ms}"
-        )
-    _positive(b.queue_capacity, f"{where}: [batching] queue_capacity")
-    if c.sequence is not None:
-        s = c.sequence
-        if not s.inputs:
-            raise ConfigError(f"{where}: [sequence] inputs: name at least one input")
-        if s.axis < 1:
-            raise ConfigError(f"{where}: [sequence] axis: expected >= 1 (axis 0 is the batch), got {s.axis}")
-        if not s.buckets or any(x <= 0 for x in s.buckets) or sorted(set(s.buckets)) != s.buckets:
-            raise ConfigError(
-                f"{where}: [sequence] buckets: expected ascending distinct positive lengths, got {s.buckets}"
-            )
-    if c.onnxruntime.graph_optimization_level not in ("disable", "basic", "extended", "all"):
-        raise ConfigError(
-            f"{where}: [onnxruntime] graph_optimization_level: expected disable, basic, extended or all, "
-            f"got {c.onnxruntime.graph_optimization_level!r}"
-        )
-
-
-# --------------------------------------------------------------------------- generic builder
-
-
-def build_dataclass(cls: type, table: dict[str, Any], where: str) -> Any:
-    """Build dataclass `cls` from a TOML table, checking keys and types; errors name the key."""
-    if not isinstance(table, dict):
-        raise ConfigError(f"{where}: expected a table, got {type(table).__name__}")
-    hints = get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in table:
-        if key not in fields:
-            raise ConfigError(
-                f"{where}: unknown key {key!r}; expected one of {', '.join(n for n in fields if n not in ('source', 'name', 'directory'))}"
-            )
-    values = {}
-    for name, f in fields.items():
-        if name in table:
-            values[name] = _coerce(table[name], hints[name], f"{where} {name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{where}: missing required key {name!r}")
-    return cls(**values)
-
-
-def _coerce(value: Any, hint: Any, where: str) -> Any:
-    origin = get_origin(hint)
-    if origin is not None and type(None) in get_args(hint):  # Optional[X]
-        if value is None:
-            return None
-        (inner,) = [a for a in get_args(hint) if a is not type(None)]
-        return _coerce(value, inner, where)
-    if dataclasses.is_dataclass(hint):
-        return build_dataclass(hint, value, where)
-    if origin is list:
-        if not isinstance(value, list):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
-        (inner,) = get_args(hint)
-        return [_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a table, got {value!r}")
-        return dict(value)
-    if hint is Path:
-        return Path(value)
-    if hint is Any:
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if hint is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    raise ConfigError(f"{where}: unsupported setting type {hint}")  # a bug in this module
-
-
-def _env_overrides(section: str, cls: type, env: dict[str, str]) -> dict[str, Any]:
+def _env_overrides(section: str, cls: type, env: Mapping[str, str]) -> dict[str, Any]:
     hints = get_type_hints(cls)
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
@@ -570,18 +353,3 @@ def _env_overrides(section: str, cls: type, env: dict[str, str]) -> dict[str, An
         except ValueError:
             raise ConfigError(f"environment {var}: expected {getattr(hint, '__name__', hint)}, got {text!r}") from None
     return out
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, "rb") as fh:
-            return tomllib.load(fh)
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: file not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-
-
-def _positive(value: float, where: str, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{where}: expected a {'non-negative' if allow_zero else 'positive'} number, got {value}")

@@ -68,7 +68,7 @@ def thread_is_pinned() -> bool:
 def full_affinity() -> Iterator[None]:
     """Run the block with every CPU of the process, then restore the thread's mask. Engines
     are created inside it, so the native thread pools they start may use every core."""
-    if _set is None or PROCESS_CPUS is None:
+    if _get is None or _set is None or PROCESS_CPUS is None:  # _get is set whenever PROCESS_CPUS is
         yield
         return
     before = _get(0)

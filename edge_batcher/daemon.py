@@ -15,6 +15,7 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -30,6 +31,9 @@ from .transports.http import create_app
 from .transports.http_connections import GuardedAppRunner
 from .transports.listeners import bind_tcp_socket, bind_unix_socket, remove_socket_file
 from .transports.mqtt import MqttTransport
+
+if TYPE_CHECKING:
+    from .transports.grpc_v2.server import GrpcServer
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +70,10 @@ class Daemon:
         self._sites: list[web.BaseSite] = []
         self._socket_file: tuple[Path, int] | None = None  # (path, inode) we created
         self._tasks: list[asyncio.Task] = []
-        self.grpc = None  # transports/grpc_v2/server.py's GrpcServer when [server] grpc is set
+        self.grpc: GrpcServer | None = None  # transports/grpc_v2/server.py's GrpcServer when [server] grpc is set
         # Built here so a bad [mqtt] section stops start-up before any model loads.
-        self.mqtt = MqttTransport(config.mqtt, self.runtime) if config.mqtt.enabled else None
-        self.health_checks = {"mqtt": (lambda: self.mqtt.state) if self.mqtt else (lambda: "disabled")}
+        self.mqtt = mqtt = MqttTransport(config.mqtt, self.runtime) if config.mqtt.enabled else None
+        self.health_checks = {"mqtt": (lambda: mqtt.state) if mqtt else (lambda: "disabled")}
         self.runtime.metrics.watch_transports(mqtt=self.mqtt, offload=self.runtime.offload)
 
     def request_stop(self) -> None:
@@ -102,9 +106,11 @@ class Daemon:
             pin_this_thread(cpu)  # before any thread is started from here: they inherit it
             if cpu is not None:
                 log.info("event loop on CPU %d ([server] loop_cpu); engine worker threads share it, "
-                         "except those of models whose batches take %.1f ms or more", cpu, WORKER_ON_EVERY_CPU_FROM_S * 1e3)
+                         "except those of models whose batches take %.1f ms or more",
+                         cpu, WORKER_ON_EVERY_CPU_FROM_S * 1e3)
         except OSError as exc:  # a slower daemon, not a broken one
-            log.warning("could not keep the event loop on CPU %s ([server] loop_cpu): %s; threads run on any CPU", cpu, exc)
+            log.warning("could not keep the event loop on CPU %s ([server] loop_cpu): %s; threads run on any CPU",
+                        cpu, exc)
         log.info(
             "transports: unix socket %s, tcp %s, mqtt %s; offload %s",
             c.socket_path(), c.server.http or "off",
@@ -147,7 +153,7 @@ class Daemon:
 
     async def _listen(self) -> None:
         s = self.config.server
-        middlewares = ()
+        middlewares: tuple = ()  # create_app's
         if s.http:
             # TCP reaches beyond this device: a bearer token is required there (the Unix socket
             # is guarded by its file mode and needs none).
@@ -194,7 +200,9 @@ class Daemon:
             raise ConfigError(f"[server] grpc needs the grpc extra: pip install 'edge-batcher[grpc]' ({exc})") from None
         token = read_secret(s.token, s.token_file, "[server] token")
         if not token and any(not a.startswith("unix:") for a in s.grpc):
-            raise ConfigError("[server] grpc has a TCP address: a bearer token is required on TCP; set token_file (or token)")
+            raise ConfigError(
+                "[server] grpc has a TCP address: a bearer token is required on TCP; set token_file (or token)"
+            )
         self.grpc = GrpcServer(self.runtime, s.grpc, token=token, tls=(s.tls_cert, s.tls_key) if s.tls_cert else None,
                                max_message_bytes=s.max_body_bytes, max_concurrent_rpcs=s.max_connections,
                                socket_mode=int(s.socket_mode, 8))

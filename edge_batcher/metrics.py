@@ -13,6 +13,7 @@ import bisect
 import math
 import os
 import resource
+from typing import Any
 
 PREFIX = "edge_batcher_"
 
@@ -57,12 +58,17 @@ class _Metric:
     def header(self) -> list[str]:
         return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
 
+    def render(self) -> list[str]:
+        raise NotImplementedError
+
 
 class _Child:
     __slots__ = ("metric", "key")
 
     def __init__(self, metric: _Metric, key: tuple[str, ...]):
-        self.metric = metric
+        # Any: a child serves counters, gauges and histograms alike, and each caller uses only its
+        # own metric's method; a cast per update would cost a call on the hot path.
+        self.metric: Any = metric
         self.key = key
 
     def inc(self, amount: float = 1.0) -> None:
@@ -206,7 +212,8 @@ class Metrics:
             "memory_estimate_bytes", "Estimated footprint per model, batch size and part.", ("model", "batch", "part")
         )
         self.offloaded_requests_total = Counter(
-            "offloaded_requests_total", "Requests sent to a peer, by reason and outcome.", ("model", "reason", "outcome")
+            "offloaded_requests_total", "Requests sent to a peer, by reason and outcome.",
+            ("model", "reason", "outcome")
         )
         self.oom_retries_total = Counter(
             "oom_retries_total", "Batches split and retried after the engine ran out of memory.", ("model",)

@@ -165,7 +165,8 @@ class Runtime:
         log.info(
             "model %s loaded: %s, sizes %s, inputs %s", mc.name,
             placement,
-            mc.batching.preferred_batch_sizes, ", ".join(f"{s.name}{list(s.shape)}:{s.datatype}" for s in runner.inputs),
+            mc.batching.preferred_batch_sizes,
+            ", ".join(f"{s.name}{list(s.shape)}:{s.datatype}" for s in runner.inputs),
         )
         return runner
 
@@ -188,6 +189,7 @@ class Runtime:
             inputs, outputs = declared_specs(mc)
         else:
             inputs, outputs = await asyncio.get_running_loop().run_in_executor(None, _model_file_specs, mc)
+        assert self.offload is not None  # _served_by_peers() checked
         self.offload.add_remote_model(mc.name, inputs, outputs)
         return RemoteModel(mc, inputs, outputs, self.offload, self.metrics)
 

@@ -23,7 +23,11 @@ class Servable(Protocol):
     outputs: list[TensorSpec]
     # Bytes of the memory budget its weights hold while loaded (given back when unloaded).
     resident_bytes: int
-    queue: Sized  # len(): its requests not answered yet (the daemon's status line)
+
+    @property
+    def queue(self) -> Sized:
+        """len(): its requests not answered yet (the daemon's status line). Read-only here, so that
+        each servable's own container type satisfies it."""
 
     async def start(self) -> None:
         """Start serving (on the event loop, after a blocking load)."""

@@ -29,7 +29,8 @@ def fixed_budget(model_repo, batch_bytes: int, models=("vibration",)) -> str:
     """A config whose fixed budget leaves `batch_bytes` for batches after the models' weights."""
     weights = sum(estimates(model_repo, m)[2].weights for m in models)
     budget_mb = (weights + batch_bytes) / MiB
-    return f"[models]\nload = {list(models)!r}\n[memory]\nprobe = \"fixed\"\nbudget_mb = {budget_mb!r}\n".replace("'", '"')
+    return (f"[models]\nload = {list(models)!r}\n"
+            f"[memory]\nprobe = \"fixed\"\nbudget_mb = {budget_mb!r}\n").replace("'", '"')
 
 
 def test_a_tight_budget_serves_a_burst_in_smaller_batches_that_fit(start_daemon, model_repo):

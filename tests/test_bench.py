@@ -28,12 +28,14 @@ def test_bench_reports_every_phase(model_repo):
     assert set(r["in_process_closed"]["batch_sizes"]) <= {"2", "4", "8"}
     assert set(r["in_process_no_batching"]["batch_sizes"]) == {"1"}
     assert r["in_process_closed"]["overhead_us_per_request"] > 0
-    assert r["speedup_over_no_batching"] == r["in_process_closed"]["throughput_rps"] / r["in_process_no_batching"]["throughput_rps"]
+    assert r["speedup_over_no_batching"] == (
+        r["in_process_closed"]["throughput_rps"] / r["in_process_no_batching"]["throughput_rps"])
 
 
 def test_gil_bench_times_the_engine_alone_and_beside_a_python_thread(model_repo):
     proc = subprocess.run(
-        [sys.executable, "tools/bench_gil.py", "--model", str(model_repo / "vibration" / "model.onnx"), "--seconds", "0.3"],
+        [sys.executable, "tools/bench_gil.py", "--model", str(model_repo / "vibration" / "model.onnx"),
+         "--seconds", "0.3"],
         capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[1],
     )
     assert proc.returncode == 0, proc.stderr
@@ -44,7 +46,8 @@ def test_gil_bench_times_the_engine_alone_and_beside_a_python_thread(model_repo)
 
 def test_engine_cost_bench_builds_checked_spectrum_models_and_measures_each():
     proc = subprocess.run(
-        [sys.executable, "tools/bench_engine_cost.py", "--sizes", "64,128", "--duration", "0.3", "--repeat", "1", "--json"],
+        [sys.executable, "tools/bench_engine_cost.py", "--sizes", "64,128", "--duration", "0.3",
+         "--repeat", "1", "--json"],
         capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
     )
     assert proc.returncode == 0, proc.stderr

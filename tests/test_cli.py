@@ -12,7 +12,8 @@ from edge_batcher.client import Client
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "edge_batcher.cli", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "edge_batcher.cli", *args],
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_infer_with_the_sample_request_prints_the_classes(daemon, model_repo):

@@ -69,8 +69,10 @@ def test_relative_repository_is_resolved_against_the_config_file(tmp_path):
 
 
 def test_auto_socket_path_prefers_systemd_then_xdg_then_tmp():
-    assert resolve_socket_path("auto", {"RUNTIME_DIRECTORY": "/run/edge-batcher"}) == Path("/run/edge-batcher/edge-batcher.sock")
-    assert resolve_socket_path("auto", {"XDG_RUNTIME_DIR": "/run/user/1000"}) == Path("/run/user/1000/edge-batcher/edge-batcher.sock")
+    assert resolve_socket_path("auto", {"RUNTIME_DIRECTORY": "/run/edge-batcher"}) == Path(
+        "/run/edge-batcher/edge-batcher.sock")
+    assert resolve_socket_path("auto", {"XDG_RUNTIME_DIR": "/run/user/1000"}) == Path(
+        "/run/user/1000/edge-batcher/edge-batcher.sock")
     assert str(resolve_socket_path("auto", {})).startswith("/tmp/edge-batcher-")
     assert resolve_socket_path("/x/y.sock", {"RUNTIME_DIRECTORY": "/run"}) == Path("/x/y.sock")
 

@@ -56,7 +56,8 @@ def test_ready_only_when_serving_then_watchdog_then_stopping(tmp_path, model_rep
                 # READY comes after engines are warm and the socket listens: it serves right now.
                 with Client(f"unix://{sock_path}") as client:
                     assert client.ready()
-                    assert client.infer("vibration", {"signal": np.zeros((1, 256), np.float32)})["class_id"].shape == (1,)
+                    out = client.infer("vibration", {"signal": np.zeros((1, 256), np.float32)})
+                    assert out["class_id"].shape == (1,)
         assert ready_at is not None, messages
         before_ready = "".join(messages[:-1])
         assert "EXTEND_TIMEOUT_USEC=300000000" in before_ready and "STATUS=loading model vibration" in before_ready
@@ -84,7 +85,8 @@ def test_socket_activation_serves_on_the_socket_systemd_passes(tmp_path, model_r
     # bash puts our socket on fd 3 and sets LISTEN_PID to its own pid, which exec keeps.
     script = f'exec 3<&{fd}; exec {fd}<&-; export LISTEN_PID=$$ LISTEN_FDS=1; exec "$@"'
     env = dict(os.environ, PYTHONPATH=str(ROOT), EDGE_BATCHER_MODELS_LOAD="vibration")
-    proc = subprocess.Popen(["bash", "-c", script, "bash", *serve_cmd(model_repo, "--unix-socket", str(tmp_path / "unused.sock"))],
+    serve = serve_cmd(model_repo, "--unix-socket", str(tmp_path / "unused.sock"))
+    proc = subprocess.Popen(["bash", "-c", script, "bash", *serve],
                             env=env, pass_fds=[fd], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     listener.close()  # the daemon holds it now
     try:

@@ -164,7 +164,8 @@ def test_token_file_protects_the_tcp_listener(tmp_path, model_repo):
 def test_index_add_on_a_missing_file_names_it(tmp_path):
     proc = cli("index", "add", str(tmp_path / "manual.md"), "--index", str(tmp_path / "index"))
     assert proc.returncode == 2  # a usage error, as the CLI's others
-    assert proc.stderr.strip() == f"edge-batcher index add: no such file: {tmp_path / 'manual.md'} (nothing was indexed)"
+    assert proc.stderr.strip() == (
+        f"edge-batcher index add: no such file: {tmp_path / 'manual.md'} (nothing was indexed)")
     assert not (tmp_path / "index").exists()
     proc = cli("index", "info", "--index", str(tmp_path / "index"))
     assert proc.returncode == 2 and "build one with `edge-batcher index add FILE...`" in proc.stderr

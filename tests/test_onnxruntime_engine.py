@@ -85,7 +85,8 @@ def test_a_missing_provider_is_skipped_and_the_model_runs_on_cpu(model_repo, tmp
 
 
 def test_the_warning_names_a_shadowed_gpu_build_and_the_fix(model_repo, tmp_path, monkeypatch, caplog):
-    pretend_installed(monkeypatch, {"onnxruntime": tmp_path / "venv", "onnxruntime-gpu": Path("/usr/lib/python3/dist-packages")})
+    pretend_installed(monkeypatch, {"onnxruntime": tmp_path / "venv",
+                                    "onnxruntime-gpu": Path("/usr/lib/python3/dist-packages")})
     engine = OnnxRuntimeEngine(load_model_config(model_asking_for_missing_provider(model_repo, tmp_path)))
     with caplog.at_level(logging.WARNING, logger=ort_backend.__name__):
         engine.load()

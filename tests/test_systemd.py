@@ -464,7 +464,7 @@ def test_journald_formatter_priorities_and_multiline():
     log.critical("c")
     log.log(25, "custom level between INFO and WARNING")
     try:
-        1 / 0
+        _ = 1 / 0
     except ZeroDivisionError:
         log.exception("engine failed")
     lines = buffer.getvalue().splitlines()
@@ -574,7 +574,8 @@ def test_service_security_exposure_is_below_threshold(tmp_path):
         [SYSTEMD_ANALYZE, "security", "--offline=true", "--no-pager", str(service)],
         capture_output=True, text=True, timeout=120,
     )
-    if proc.returncode != 0 and "offline" in proc.stderr and ("unrecognized" in proc.stderr or "unknown" in proc.stderr):
+    if (proc.returncode != 0 and "offline" in proc.stderr
+            and ("unrecognized" in proc.stderr or "unknown" in proc.stderr)):
         pytest.skip(f"systemd-analyze too old for --offline (needs systemd >= 250): {proc.stderr.strip()}")
     match = re.search(r"Overall exposure level for \S+: (\d+(?:\.\d+)?)", proc.stdout + proc.stderr)
     assert match, proc.stdout + proc.stderr

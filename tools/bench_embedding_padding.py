@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT))  # edge_batcher from a checkout, installed or not
 
-from edge_batcher.metrics import Metrics
-from edge_batcher.runtime import discover_models, load_runner
-from edge_batcher.types import InferRequest
+from edge_batcher.metrics import Metrics  # noqa: E402
+from edge_batcher.runtime import discover_models, load_runner  # noqa: E402
+from edge_batcher.types import InferRequest  # noqa: E402
 
 CORPUS = ROOT / "docs" / "corpus"
 

@@ -145,7 +145,8 @@ def summary(n: int, r: dict) -> dict:
 def format_line(s: dict) -> str:
     any_cpu = f"{s['ratio_any_cpu']:.2f}" if s["ratio_any_cpu"] is not None else "  - "
     return (f"{s['window']:>6} {s['weights_mb']:>7.1f} {s['engine_us_per_row']:>9.1f} {s['raw_ceiling_rps']:>9.0f} "
-            f"{s['in_process_rps']:>9.0f} {s['ratio_to_ceiling']:>6.2f} {any_cpu:>6} {s['minimal_batcher_ratio']:>8.2f} "
+            f"{s['in_process_rps']:>9.0f} {s['ratio_to_ceiling']:>6.2f} {any_cpu:>6} "
+            f"{s['minimal_batcher_ratio']:>8.2f} "
             f"{s['overhead_us_per_request']:>9.1f} {s['speedup_over_no_batching']:>8.2f}x")
 
 

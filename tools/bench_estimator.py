@@ -165,7 +165,8 @@ def format_table(result: dict) -> str:
         f"  calibrated: {cal_ok}/{len(evaluated)} rows (calibration points excluded)",
     ]
     reasons = {
-        r["case"]: (r["model"], r["seq_len"], [x["batch"] for x in result["rows"] if x["case"] == r["case"]], r["factor_reason"])
+        r["case"]: (r["model"], r["seq_len"], [x["batch"] for x in result["rows"] if x["case"] == r["case"]],
+                    r["factor_reason"])
         for r in result["rows"] if r["factor"] is None
     }
     for model, seq, sizes, reason in reasons.values():
@@ -175,13 +176,16 @@ def format_table(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Estimator accuracy: estimated vs measured activation peak.")
-    ap.add_argument("--repo", type=Path, help="model repository holding vibration/ and encoder/ (default: build them in a temp dir)")
+    ap.add_argument("--repo", type=Path,
+                    help="model repository holding vibration/ and encoder/ (default: build them in a temp dir)")
     ap.add_argument("--repeat", type=int, default=3, help="measurements per row, median reported (default 3)")
-    ap.add_argument("--calibrate-at", type=int, default=2, help="batch size the calibration factor is measured at (default 2)")
+    ap.add_argument("--calibrate-at", type=int, default=2,
+                    help="batch size the calibration factor is measured at (default 2)")
     ap.add_argument("--sizes", default="1,2,4,8", help="batch sizes (default 1,2,4,8)")
     ap.add_argument("--seq", type=int, default=128, help="encoder sequence length (default 128)")
     ap.add_argument("--vibration-extra", default="256,1024,4096",
-                    help="larger vibration batches whose activations the measurement can resolve (default 256,1024,4096; '' for none)")
+                    help="larger vibration batches whose activations the measurement can resolve "
+                         "(default 256,1024,4096; '' for none)")
     ap.add_argument("--arena", action="store_true", help="also measure with ORT's defaults (arena + memory pattern on)")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the table")
     args = ap.parse_args(argv)

@@ -65,7 +65,8 @@ MODEL_TOML = """\
 backend = "onnxruntime"
 model_file = "model.onnx"
 instances = 1
-description = "Vibration fault classifier: 256-sample accelerometer window at 2560 Hz -> class (normal, imbalance, misalignment, bearing_fault) and anomaly score"
+description = "Vibration fault classifier: 256-sample accelerometer window at 2560 Hz -> \
+class (normal, imbalance, misalignment, bearing_fault) and anomaly score"
 labels = ["normal", "imbalance", "misalignment", "bearing_fault"]
 
 [onnxruntime]

@@ -102,7 +102,8 @@ def load_weights(source: Path) -> tuple[dict, dict[str, np.ndarray]]:
     weights = load_file(str(source / "model.safetensors"))
     weights = {k.removeprefix("bert."): v for k, v in weights.items()}
     if config.get("model_type") != "bert" or config.get("hidden_act") != "gelu":
-        raise SystemExit(f"{source}: expected a BERT model with exact GELU, got {config.get('model_type')}/{config.get('hidden_act')}")
+        raise SystemExit(f"{source}: expected a BERT model with exact GELU, "
+                         f"got {config.get('model_type')}/{config.get('hidden_act')}")
     return config, weights
 
 
@@ -137,7 +138,7 @@ def numpy_forward(config: dict, w: dict[str, np.ndarray], ids: np.ndarray, mask:
     for i in range(config["num_hidden_layers"]):
         p = f"encoder.layer.{i}."
 
-        def lin(t, name):
+        def lin(t, name, p=p):
             return t @ w[p + name + ".weight"].T + w[p + name + ".bias"]
 
         q = lin(x, "attention.self.query").reshape(b, s, heads, d).transpose(0, 2, 1, 3)
@@ -218,22 +219,27 @@ def build_onnx(config: dict, w: dict[str, np.ndarray]):
     for i in range(config["num_hidden_layers"]):
         p = f"encoder.layer.{i}."
         L = f"l{i}/"
-        q = node("Transpose", [node("Reshape", [linear(x, p + "attention.self.query", L + "q"), "heads_shape"], L + "q4")],
+        q = node("Transpose",
+                 [node("Reshape", [linear(x, p + "attention.self.query", L + "q"), "heads_shape"], L + "q4")],
                  L + "qh", perm=[0, 2, 1, 3])
-        k = node("Transpose", [node("Reshape", [linear(x, p + "attention.self.key", L + "k"), "heads_shape"], L + "k4")],
+        k = node("Transpose",
+                 [node("Reshape", [linear(x, p + "attention.self.key", L + "k"), "heads_shape"], L + "k4")],
                  L + "kt", perm=[0, 2, 3, 1])
-        v = node("Transpose", [node("Reshape", [linear(x, p + "attention.self.value", L + "v"), "heads_shape"], L + "v4")],
+        v = node("Transpose",
+                 [node("Reshape", [linear(x, p + "attention.self.value", L + "v"), "heads_shape"], L + "v4")],
                  L + "vh", perm=[0, 2, 1, 3])
         scores = node("Add", [node("Mul", [node("MatMul", [q, k], L + "qk"), "scale"], L + "qk_scaled"), "mask_bias"],
                       L + "scores")
         probs = node("Softmax", [scores], L + "probs", axis=-1)
-        ctx = node("Reshape", [node("Transpose", [node("MatMul", [probs, v], L + "ctx4")], L + "ctx_t", perm=[0, 2, 1, 3]),
-                               "hidden_shape"], L + "ctx")
+        ctx = node("Reshape",
+                   [node("Transpose", [node("MatMul", [probs, v], L + "ctx4")], L + "ctx_t", perm=[0, 2, 1, 3]),
+                    "hidden_shape"], L + "ctx")
         attn = linear(ctx, p + "attention.output.dense", L + "attn_out")
         x = layer_norm(node("Add", [attn, x], L + "attn_res"), p + "attention.output.LayerNorm", L + "attn_ln")
         inter = linear(x, p + "intermediate.dense", L + "inter")
         erf = node("Erf", [node("Div", [inter, "sqrt2"], L + "inter_div")], L + "erf")
-        gelu = node("Mul", [node("Mul", [inter, "half"], L + "half_x"), node("Add", [erf, "one"], L + "erf1")], L + "gelu")
+        gelu = node("Mul", [node("Mul", [inter, "half"], L + "half_x"), node("Add", [erf, "one"], L + "erf1")],
+                    L + "gelu")
         ffn = linear(gelu, p + "output.dense", L + "ffn")
         x = layer_norm(node("Add", [ffn, x], L + "ffn_res"), p + "output.LayerNorm", L + "out_ln")
 
@@ -279,7 +285,8 @@ CHECK_TEXTS = [
 ]
 SIMILAR = [
     ("The bearing is overheating.", "The bearing temperature is far too high.", "Quarterly sales grew in Europe."),
-    ("How do I change the sensor battery?", "Replacing the battery of the vibration sensor", "The recipe needs two eggs."),
+    ("How do I change the sensor battery?", "Replacing the battery of the vibration sensor",
+     "The recipe needs two eggs."),
     ("The shaft is misaligned with the motor.", "Misalignment between motor and pump shafts", "She sings in a choir."),
 ]
 

@@ -59,7 +59,8 @@ MODEL_TOML = """\
 backend = "onnxruntime"
 model_file = "model.onnx"
 instances = 1
-description = "Random-weight BERT-like encoder ({layers} layers, hidden {hidden}, {heads} heads, FFN {ffn}) for memory measurement only"
+description = "Random-weight BERT-like encoder ({layers} layers, hidden {hidden}, {heads} heads, FFN {ffn}) \
+for memory measurement only"
 
 [onnxruntime]
 execution_providers = ["CPUExecutionProvider"]
@@ -160,7 +161,7 @@ def build_onnx(
     for i in range(layers):
         p = f"layer{i}"
 
-        def heads_of(t: str, perm: list[int], name: str) -> str:
+        def heads_of(t: str, perm: list[int], name: str, p: str = p) -> str:
             split = node("Reshape", [t, "split_heads_shape"], f"{p}.{name}.split")
             return node("Transpose", [split], f"{p}.{name}.heads", perm=perm)
 

@@ -59,7 +59,8 @@ MODEL_TOML = """\
 # It produces gibberish; see docs/rag.md for exporting a real model (Qwen2.5-0.5B-Instruct).
 backend = "generator"
 model_file = "model.onnx"
-description = "TEST ONLY: tiny random-weight decoder ({layers} layers, {heads} heads / {kv_heads} KV heads x {head_dim}, vocab {vocab})"
+description = "TEST ONLY: tiny random-weight decoder ({layers} layers, {heads} heads / {kv_heads} KV heads \
+x {head_dim}, vocab {vocab})"
 
 [onnxruntime]
 execution_providers = ["CPUExecutionProvider"]
@@ -176,7 +177,8 @@ def build_onnx(w: dict, dims: dict):
         return output
 
     def linear(x, p, out):
-        return node("Add", [node("MatMul", [x, const(p + ".w", w[p + ".w"])], out + "/mm"), const(p + ".b", w[p + ".b"])], out)
+        return node("Add", [node("MatMul", [x, const(p + ".w", w[p + ".w"])], out + "/mm"),
+                            const(p + ".b", w[p + ".b"])], out)
 
     def ln(x, p, out):
         return node("LayerNormalization", [x, const(p + ".w.ln", w[p + ".w"]), const(p + ".b.ln", w[p + ".b"])], out,
@@ -198,7 +200,8 @@ def build_onnx(w: dict, dims: dict):
     node("Range", ["i0", "total", "i1"], "k_pos")
     const("ax0", np.array([0], dtype=np.int64))
     const("ax1", np.array([1], dtype=np.int64))
-    node("LessOrEqual", [node("Unsqueeze", ["k_pos", "ax0"], "k_row"), node("Unsqueeze", ["q_pos", "ax1"], "q_col")], "causal")
+    node("LessOrEqual", [node("Unsqueeze", ["k_pos", "ax0"], "k_row"), node("Unsqueeze", ["q_pos", "ax1"], "q_col")],
+         "causal")
     const("ax123", np.array([1, 2, 3], dtype=np.int64))
     node("Unsqueeze", [node("Cast", ["attention_mask"], "mask_b", to=TensorProto.BOOL), "ax123"], "pad_ok")
     node("And", ["causal", "pad_ok"], "allowed")
@@ -217,13 +220,17 @@ def build_onnx(w: dict, dims: dict):
     for i in range(layers):
         p = f"l{i}."
         h = ln(x, p + "ln1", p + "h1")
-        q = node("Transpose", [node("Reshape", [linear(h, p + "q", p + "q"), "q_shape"], p + "q5")], p + "qh", perm=[0, 2, 3, 1, 4])
-        k = node("Transpose", [node("Reshape", [linear(h, p + "k", p + "k"), "kv_shape"], p + "k4")], p + "kh", perm=[0, 2, 1, 3])
-        v = node("Transpose", [node("Reshape", [linear(h, p + "v", p + "v"), "kv_shape"], p + "v4")], p + "vh", perm=[0, 2, 1, 3])
+        q = node("Transpose", [node("Reshape", [linear(h, p + "q", p + "q"), "q_shape"], p + "q5")], p + "qh",
+                 perm=[0, 2, 3, 1, 4])
+        k = node("Transpose", [node("Reshape", [linear(h, p + "k", p + "k"), "kv_shape"], p + "k4")], p + "kh",
+                 perm=[0, 2, 1, 3])
+        v = node("Transpose", [node("Reshape", [linear(h, p + "v", p + "v"), "kv_shape"], p + "v4")], p + "vh",
+                 perm=[0, 2, 1, 3])
         pk = node("Concat", [f"past_key_values.{i}.key", k], f"present.{i}.key", axis=2)
         pv = node("Concat", [f"past_key_values.{i}.value", v], f"present.{i}.value", axis=2)
         kt = node("Unsqueeze", [node("Transpose", [pk], p + "kt", perm=[0, 1, 3, 2]), "ax2"], p + "kt5")
-        s = node("Add", [node("Mul", [node("MatMul", [q, kt], p + "qk"), "scale"], p + "qk_s"), "mask_bias"], p + "scores")
+        s = node("Add", [node("Mul", [node("MatMul", [q, kt], p + "qk"), "scale"], p + "qk_s"), "mask_bias"],
+                 p + "scores")
         a = node("Softmax", [s], p + "probs", axis=-1)
         ctx = node("MatMul", [a, node("Unsqueeze", [pv, "ax2"], p + "v5")], p + "ctx5")
         ctx = node("Reshape", [node("Transpose", [ctx], p + "ctx_t", perm=[0, 3, 1, 2, 4]), "out_shape"], p + "ctx")
@@ -231,22 +238,24 @@ def build_onnx(w: dict, dims: dict):
         h = ln(x, p + "ln2", p + "h2")
         f = linear(h, p + "fc1", p + "fc1")
         gelu = node("Mul", [node("Mul", [f, "half"], p + "fh"),
-                            node("Add", [node("Erf", [node("Div", [f, "sqrt2"], p + "fd")], p + "erf"), "one"], p + "erf1")], p + "gelu")
+                            node("Add", [node("Erf", [node("Div", [f, "sqrt2"], p + "fd")], p + "erf"), "one"],
+                                 p + "erf1")], p + "gelu")
         x = node("Add", [x, linear(gelu, p + "fc2", p + "mlp")], p + "res2")
     h = ln(x, "lnf", "hf")
     node("MatMul", [h, const("lm_head", w["lm_head"])], "logits")
 
     f32 = TensorProto.FLOAT
     inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
-              helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "past_sequence_length + sequence_length"]),
+              helper.make_tensor_value_info("attention_mask", TensorProto.INT64,
+                                            ["batch_size", "past_sequence_length + sequence_length"]),
               helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch_size", "sequence_length"])]
     outputs = [helper.make_tensor_value_info("logits", f32, ["batch_size", "sequence_length", w["lm_head"].shape[1]])]
     for i in range(layers):
         for kind in ("key", "value"):
             inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32,
                                                         ["batch_size", kv, "past_sequence_length", d]))
-            outputs.append(helper.make_tensor_value_info(f"present.{i}.{kind}", f32,
-                                                         ["batch_size", kv, "past_sequence_length + sequence_length", d]))
+            outputs.append(helper.make_tensor_value_info(
+                f"present.{i}.{kind}", f32, ["batch_size", kv, "past_sequence_length + sequence_length", d]))
     graph = helper.make_graph(nodes, "tinylm", inputs, outputs, initializer=inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION,
                               producer_name="edge-batcher tools/build_tiny_decoder.py (random weights, tests only)")

@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--misses", action="store_true")
     parser.add_argument("--holdout", action="store_true", help=f"also evaluate {HOLDOUT_FILE} (once, at the end)")
     args = parser.parse_args(argv)
-    from edge_batcher.rag.pipeline import fusion_from, rag_settings
+    from edge_batcher.rag.settings import fusion_from, rag_settings
 
     embedder = TextEmbeddingEngine(load_model_config(args.model_repo / "minilm"))
     embedder.load()

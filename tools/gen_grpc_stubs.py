@@ -5,10 +5,11 @@
 The protos are Triton's (triton-inference-server/common, protobuf/, BSD-3-Clause), which are
 KServe v2's `inference.GRPCInferenceService` plus Triton's extensions (ModelConfig, statistics,
 repository). The generated modules are shipped, so installing the `grpc` extra needs no
-compiler; the .pyi beside them type the messages for mypy. Two edits after protoc: the modules register their messages in a private descriptor
-pool (grpc_v2/pool.py), so a process that also imports tritonclient.grpc's copies of the same
-messages does not clash in protobuf's default pool; and model_config_pb2 is imported relative
-to the package. No gRPC service stubs are generated: the server registers its handlers itself.
+compiler; the .pyi beside them type the messages for mypy. Two edits after protoc: the modules
+register their messages in a private descriptor pool (grpc_v2/pool.py), so a process that also
+imports tritonclient.grpc's copies of the same messages does not clash in protobuf's default
+pool; and model_config_pb2 is imported relative to the package. No gRPC service stubs are
+generated: the server registers its handlers itself.
 """
 
 from __future__ import annotations

@@ -90,7 +90,8 @@ def gpu_present() -> tuple[bool, str]:
 
     available = ort.get_available_providers()
     if probes.is_jetson():
-        return CUDA_EP in available, "Jetson" + ("" if CUDA_EP in available else f", but {CUDA_EP} is not in this onnxruntime build")
+        return CUDA_EP in available, "Jetson" + (
+            "" if CUDA_EP in available else f", but {CUDA_EP} is not in this onnxruntime build")
     if CUDA_EP not in available:
         return False, f"{CUDA_EP} is not in this onnxruntime build ({', '.join(available)})"
     if shutil.which("nvidia-smi") is None:
@@ -102,7 +103,8 @@ def check_probes(on_gpu: bool) -> list[Check]:
     checks: list[Check] = []
     if not on_gpu:
         snap = probes.CpuProbe().read()
-        checks.append(Check("probes", "cpu", None, f"{snap.free_bytes / MiB:.0f} MiB free of {snap.total_bytes / MiB:.0f} MiB ({snap.source})"))
+        checks.append(Check("probes", "cpu", None, f"{snap.free_bytes / MiB:.0f} MiB free of "
+                            f"{snap.total_bytes / MiB:.0f} MiB ({snap.source})"))
         return checks
     if probes.is_jetson():
         snap = probes.JetsonProbe().read()
@@ -112,8 +114,10 @@ def check_probes(on_gpu: bool) -> list[Check]:
         else:
             used = snap.total_bytes - snap.details["memavailable"]
             ok = abs(stats["used"] - used) <= 4 * PROBE_TOLERANCE_MIB * MiB
-            checks.append(Check("probes", "jetson vs tegrastats", ok, f"probe used {used / MiB:.0f} MiB (MemTotal - MemAvailable), "
-                                f"tegrastats RAM {stats['used'] / MiB:.0f}/{stats['total'] / MiB:.0f} MiB; free {snap.free_bytes / MiB:.0f} MiB"))
+            checks.append(Check("probes", "jetson vs tegrastats", ok,
+                                f"probe used {used / MiB:.0f} MiB (MemTotal - MemAvailable), "
+                                f"tegrastats RAM {stats['used'] / MiB:.0f}/{stats['total'] / MiB:.0f} MiB; "
+                                f"free {snap.free_bytes / MiB:.0f} MiB"))
         return checks
     for kind in ("cuda", "nvml"):
         try:
@@ -134,7 +138,8 @@ def check_probes(on_gpu: bool) -> list[Check]:
 
 
 def on_cuda(mc: ModelConfig) -> ModelConfig:
-    ort_settings = dataclasses.replace(mc.onnxruntime, execution_providers=[ExecutionProvider(CUDA_EP), ExecutionProvider("CPUExecutionProvider")])
+    ort_settings = dataclasses.replace(
+        mc.onnxruntime, execution_providers=[ExecutionProvider(CUDA_EP), ExecutionProvider("CPUExecutionProvider")])
     return dataclasses.replace(mc, onnxruntime=ort_settings)
 
 
@@ -170,7 +175,8 @@ def check_parity(models: list[ModelConfig]) -> list[Check]:
                 ok = ok and bool(np.allclose(a, b, rtol=PARITY_RTOL, atol=PARITY_ATOL))
             else:
                 ok = ok and bool(np.array_equal(a, b))
-        checks.append(Check("parity", mc.name, ok, f"batch {size}{f' x {seq_len}' if seq_len else ''}: max |CUDA - CPU| {worst:.2e}"))
+        checks.append(Check("parity", mc.name, ok,
+                            f"batch {size}{f' x {seq_len}' if seq_len else ''}: max |CUDA - CPU| {worst:.2e}"))
     return checks
 
 
@@ -193,17 +199,20 @@ def check_device_memory(models: list[ModelConfig], daemon_config) -> tuple[list[
         else:
             error = (runner.resident_bytes - lost) / lost if lost else 0.0
             checks.append(Check("memory", f"{mc.name} resident", abs(error) <= RESIDENT_TOLERANCE,
-                                f"counted {runner.resident_bytes / MiB:.1f} MiB, device lost {lost / MiB:.1f} MiB ({error * 100:+.1f}%); "
-                                f"load {admission.device.load_bytes / MiB:.1f} MiB, arena {admission.device.arena_bytes / MiB:.1f} MiB"))
+                                f"counted {runner.resident_bytes / MiB:.1f} MiB, device lost {lost / MiB:.1f} MiB "
+                                f"({error * 100:+.1f}%); load {admission.device.load_bytes / MiB:.1f} MiB, "
+                                f"arena {admission.device.arena_bytes / MiB:.1f} MiB"))
             for (size, bucket), m in sorted(admission.device.sizes.items(), key=lambda kv: (kv[0][1], kv[0][0])):
                 est = admission.estimator.activation_peak(size, bucket or None) if admission.estimator else 0
+                factor = admission.estimator.calibration_for(bucket or None) if admission.estimator else 0
                 checks.append(Check("memory", f"{mc.name} {size}{f'x{bucket}' if bucket else ''}", None,
                                     f"runs 1, 2, 3: +{m.first_run[0] / MiB:.1f}, +{m.second_run[0] / MiB:.1f}, "
                                     f"+{m.repeat_run / MiB:.1f} MiB; "
-                                    f"liveness estimate x{admission.estimator.calibration_for(bucket or None) if admission.estimator else 0:.2f} "
+                                    f"liveness estimate x{factor:.2f} "
                                     f"= {est / MiB:.1f} MiB"))
                 if m.repeat_run > 0:
-                    checks.append(Check("memory", f"{mc.name} {size} settled", False, f"a third run still grew {m.repeat_run / MiB:.1f} MiB"))
+                    checks.append(Check("memory", f"{mc.name} {size} settled", False,
+                                        f"a third run still grew {m.repeat_run / MiB:.1f} MiB"))
         runners[mc.name] = runner
     for runner in runners.values():
         release_resident(budget, runner.resident_bytes)
@@ -224,7 +233,8 @@ def bench(runners: dict[str, Any], seconds: float) -> list[Check]:
                 runs += 1
             elapsed = time.perf_counter() - t0
             checks.append(Check("bench", f"{name} {size}{f'x{bucket}' if bucket else ''}", None,
-                                f"{runs * size / elapsed:.0f} rows/s, {elapsed / runs * 1e3:.2f} ms a batch ({runs} runs)"))
+                                f"{runs * size / elapsed:.0f} rows/s, "
+                                f"{elapsed / runs * 1e3:.2f} ms a batch ({runs} runs)"))
         for engine in runner.engines:
             engine.close()
     return checks

@@ -20,8 +20,9 @@ names the Jetson module and JetPack (L4T 35/36/38/39), the TensorRT capabilities
 binding used. --dla-core on a module without DLA (Jetson Thor, Orin Nano) is refused up front.
 
 Exit codes: 0 all outputs within tolerance; 1 a mismatch or a failure; 2 TensorRT or a CUDA
-binding missing, no demo model, or DLA asked of a module without it. The pure parts (meminfo parsing, tolerances, comparison, report formatting)
-are importable and unit-tested (tests/trt/test_trt_selftest.py).
+binding missing, no demo model, or DLA asked of a module without it. The pure parts (meminfo
+parsing, tolerances, comparison, report formatting) are importable and unit-tested
+(tests/trt/test_trt_selftest.py).
 """
 
 from __future__ import annotations
@@ -333,8 +334,8 @@ def run_selftest(args: argparse.Namespace, trt: Any, cuda: Any, workdir: Path) -
                 feeds[spec.name] = values.astype(dtype)
             ref = dict(zip(names, session.run(names, feeds)))
             got = engine.infer(feeds)
-            ms = _time(lambda: engine.infer(feeds), args.iterations)
-            ort_ms = _time(lambda: session.run(names, feeds), max(1, args.iterations // 5))
+            ms = _time(lambda feeds=feeds: engine.infer(feeds), args.iterations)
+            ort_ms = _time(lambda feeds=feeds: session.run(names, feeds), max(1, args.iterations // 5))
             report.sizes.append(SizeResult(size, compare_outputs(ref, got, request.precision), ms, ort_ms))
     finally:
         engine.close()

@@ -274,7 +274,7 @@ class PycudaApi(CudaApi):
 
     def pinned_empty(self, count: int, dtype: Any) -> HostBuffer:
         array = self.d.pagelocked_empty(int(count), np.dtype(dtype))
-        base = getattr(array, "base", None)
+        base: Any = getattr(array, "base", None)
         return HostBuffer(array, base.free if hasattr(base, "free") else (lambda: None))
 
     def stream(self) -> Stream:

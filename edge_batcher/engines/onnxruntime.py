@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -83,7 +84,7 @@ def uses_memory_pattern(providers: list[str]) -> bool:
 class OnnxRuntimeEngine(Engine):
     def __init__(self, config: ModelConfig):
         self.config = config
-        self.session = None
+        self.session: Any = None  # an onnxruntime.InferenceSession once loaded
         self.providers: list[str] = []
         self.inputs: list[TensorSpec] = []
         self.outputs: list[TensorSpec] = []

@@ -210,7 +210,9 @@ class TensorRTEngine:
                 lo, opt, hi = (tuple(int(d) for d in dims) for dims in engine.get_tensor_profile_shape(name, p))
                 if len(lo) != len(static[name]) or min(lo + hi, default=0) < 0:
                     if min(static[name], default=0) < 0:
-                        raise ConfigError(f"model {c.name!r}: the plan has no profile shapes for dynamic input {name!r}")
+                        raise ConfigError(
+                            f"model {c.name!r}: the plan has no profile shapes for dynamic input {name!r}"
+                        )
                     lo = opt = hi = static[name]  # a static input: its one shape is its profile
                 ranges[name] = tp.ShapeRange(lo, opt, hi)
             self.profiles.append(tp.Profile(p, ranges))
@@ -228,6 +230,7 @@ class TensorRTEngine:
     def _create_context(self, engine: Any) -> None:
         """The execution context, its stream, and one user-managed activation block sized for the
         hungriest profile."""
+        assert self._cuda is not None  # load() set it
         context = engine.create_execution_context(self._trt.ExecutionContextAllocationStrategy.USER_MANAGED)
         if context is None:
             raise EngineError(f"model {self.config.name!r}: TensorRT could not create an execution context: "
@@ -262,6 +265,7 @@ class TensorRTEngine:
 
     def _allocate_buffers(self, datatypes: dict[str, str]) -> None:
         """One device and one page-locked host buffer per I/O tensor, sized for the largest profile."""
+        assert self._cuda is not None  # load() set it
         for name, nbytes in tp.shared_buffer_bytes(self._io_per_profile).items():
             datatype = datatypes[name]
             dtype = DATATYPE_TO_NUMPY[datatype]
@@ -318,6 +322,7 @@ class TensorRTEngine:
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if self._context is None:
             raise EngineError(f"model {self.config.name!r}: infer() before load() or after close()")
+        assert self._cuda is not None  # load() set it before the context
         self._cuda_context.push()
         try:
             return self._infer(inputs)
@@ -332,6 +337,7 @@ class TensorRTEngine:
 
     def _infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         c, cuda, context, stream = self.config, self._cuda, self._context, self._stream
+        assert cuda is not None  # infer() checked
         arrays = {}
         for name in self._input_names:
             if name not in inputs:

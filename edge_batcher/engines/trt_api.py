@@ -35,7 +35,7 @@ def import_tensorrt_module() -> Any:
     import tensorrt  # noqa: PLC0415 - lazily, see the module docstring
 
     if not hasattr(tensorrt, "Runtime"):
-        where = list(getattr(tensorrt, "__path__", [])) or getattr(tensorrt, "__file__", "?")
+        where = list(getattr(tensorrt, "__path__", [])) or str(getattr(tensorrt, "__file__", "?"))
         raise ImportError(f"the module named tensorrt found at {where} is not TensorRT's Python package")
     return tensorrt
 
@@ -111,11 +111,14 @@ def import_tensorrt(trt_module: Any = None, cuda_module: Any = None) -> TensorRT
             trt = import_tensorrt_module()
         cuda = load_cuda_api() if cuda_module is None else cuda_api_from(cuda_module)
     except ImportError as exc:
-        raise ConfigError(f"the tensorrt backend needs TensorRT and a CUDA Python binding ({exc}); {INSTALL_HINT}") from exc
+        raise ConfigError(
+            f"the tensorrt backend needs TensorRT and a CUDA Python binding ({exc}); {INSTALL_HINT}"
+        ) from exc
     caps = tensorrt_capabilities(trt)
     if caps.major < 10:
         raise ConfigError(
-            f"the tensorrt backend needs TensorRT >= 10 (JetPack 6.1 or newer); this device has TensorRT {caps.version}. "
+            f"the tensorrt backend needs TensorRT >= 10 (JetPack 6.1 or newer); "
+            f"this device has TensorRT {caps.version}. "
             "Use the onnxruntime backend with the TensorrtExecutionProvider there (docs/tensorrt.md)"
         )
     missing = [name for name in REQUIRED_NAMES if not hasattr(trt, name)]

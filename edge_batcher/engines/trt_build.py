@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repository", type=Path, help="model repository to write into (default: the one holding the "
                    "ONNX model's directory, else ./engines)")
     p.add_argument("--model", help="name of the new model (default: <source model>-trt)")
-    p.add_argument("--sizes", help="preferred batch sizes, comma-separated (default: the source model.toml's, else 2,4,8)")
+    p.add_argument("--sizes",
+                   help="preferred batch sizes, comma-separated (default: the source model.toml's, else 2,4,8)")
     p.add_argument("--range", action="store_true", help="one profile 1..max instead of one per size "
                    "(faster build, smaller plan, kernels tuned for the largest size only)")
     p.add_argument("--fp16", action="store_true", help="FP16: TensorRT 10 gets BuilderFlag.FP16; TensorRT 11 "

@@ -110,7 +110,8 @@ def check_request(request: BuildRequest, caps: TensorRTCapabilities) -> None:
     """ConfigError when the installed TensorRT cannot build what was asked, saying what to do instead."""
     if request.calibration_cache is not None and not caps.int8_calibration:
         raise ConfigError(
-            f"--calibration-cache: TensorRT {caps.version} has no INT8 calibration (TensorRT 11 removed the calibrator API). "
+            f"--calibration-cache: TensorRT {caps.version} has no INT8 calibration "
+            "(TensorRT 11 removed the calibrator API). "
             f"Instead, {quantize_hint(request.onnx)}; or build on TensorRT 10.x (JetPack 6/7 ship it)"
         )
     if request.precision == "int8" and caps.strongly_typed_only and not request.has_qdq:
@@ -149,7 +150,8 @@ def model_toml(request: BuildRequest, info: dict[str, Any]) -> str:
     src = request.source
     lines = [
         f"# Built by edge-batcher build-engine from {request.onnx} on {info.get('built_at', '?')}",
-        f"# with TensorRT {info.get('tensorrt', '?')} for {info.get('gpu') or 'this GPU'}. The plan only loads with that",
+        f"# with TensorRT {info.get('tensorrt', '?')} for {info.get('gpu') or 'this GPU'}. "
+        "The plan only loads with that",
         "# TensorRT version on that GPU model: after a JetPack upgrade, rebuild it with the same options",
         "# (the daemon's load error prints the command).",
         'backend = "tensorrt"',
@@ -352,9 +354,10 @@ def _build(request: BuildRequest, trt: Any, cuda: Any, caps: TensorRTCapabilitie
             op.set_shape(name, r.min, r.opt, r.max)
         config.add_optimization_profile(op)
         trt_profiles.append(op)
-    if source == "builder flags" and request.calibration_cache is not None and hasattr(config, "set_calibration_profile"):
+    if (source == "builder flags" and request.calibration_cache is not None
+            and hasattr(config, "set_calibration_profile")):
         config.set_calibration_profile(trt_profiles[0])
-    cache = None
+    cache: Any = None  # TensorRT's ITimingCache, with request.timing_cache
     if request.timing_cache is not None:
         data = request.timing_cache.read_bytes() if request.timing_cache.is_file() else b""
         cache = config.create_timing_cache(data)
@@ -398,7 +401,8 @@ def _build(request: BuildRequest, trt: Any, cuda: Any, caps: TensorRTCapabilitie
     _write_atomic(plan_info_path(request.plan_path), (json.dumps(info, indent=2) + "\n").encode())
     toml = request.model_dir / "model.toml"
     _write_atomic(toml, model_toml(request, info).encode())
-    write(f"wrote {request.plan_path} ({len(plan)} bytes) in {seconds:.1f} s, {toml.name}, {plan_info_path(request.plan_path).name}")
+    write(f"wrote {request.plan_path} ({len(plan)} bytes) in {seconds:.1f} s, {toml.name}, "
+          f"{plan_info_path(request.plan_path).name}")
     return BuildResult(request.plan_path, plan_info_path(request.plan_path), toml, seconds, len(plan))
 
 

@@ -127,10 +127,14 @@ def plan_profiles(
         raise ConfigError(f"model {model!r}: profile mode {mode!r}: expected one of {', '.join(PROFILE_MODES)}")
     sizes = list(preferred_sizes)
     if not sizes or any(s <= 0 for s in sizes) or sorted(set(sizes)) != sizes:
-        raise ConfigError(f"model {model!r}: preferred batch sizes must be ascending distinct positive sizes, got {sizes}")
+        raise ConfigError(
+            f"model {model!r}: preferred batch sizes must be ascending distinct positive sizes, got {sizes}"
+        )
     bucket_list = list(buckets)
     if bucket_list and (any(b <= 0 for b in bucket_list) or sorted(set(bucket_list)) != bucket_list):
-        raise ConfigError(f"model {model!r}: sequence buckets must be ascending distinct positive lengths, got {bucket_list}")
+        raise ConfigError(
+            f"model {model!r}: sequence buckets must be ascending distinct positive lengths, got {bucket_list}"
+        )
     if sequence_inputs and not bucket_list:
         raise ConfigError(f"model {model!r}: sequence inputs {list(sequence_inputs)} need buckets to plan profiles")
     if not inputs:
@@ -138,12 +142,16 @@ def plan_profiles(
     names = {spec.name for spec in inputs}
     for name in sequence_inputs:
         if name not in names:
-            raise ConfigError(f"model {model!r}: [sequence] names input {name!r}, but the inputs are {', '.join(sorted(names))}")
+            raise ConfigError(
+                f"model {model!r}: [sequence] names input {name!r}, but the inputs are {', '.join(sorted(names))}"
+            )
 
     templates: dict[str, list[int | None]] = {}  # None marks the batch / sequence positions
     for spec in inputs:
         if not spec.shape:
-            raise ConfigError(f"model {model!r}: input {spec.name!r} is a scalar; TensorRT profiles need a batch dimension")
+            raise ConfigError(
+                f"model {model!r}: input {spec.name!r} is a scalar; TensorRT profiles need a batch dimension"
+            )
         if spec.shape[0] not in (-1, None) and sizes != [spec.shape[0]]:
             raise ConfigError(
                 f"model {model!r}: input {spec.name!r} has a fixed batch dimension {spec.shape[0]}; re-export the "
@@ -152,7 +160,10 @@ def plan_profiles(
         dims: list[int | None] = [None]
         seq_axis = sequence_axis if spec.name in sequence_inputs else None
         if seq_axis is not None and seq_axis >= len(spec.shape):
-            raise ConfigError(f"model {model!r}: [sequence] axis {seq_axis} is outside input {spec.name!r} of rank {len(spec.shape)}")
+            raise ConfigError(
+                f"model {model!r}: [sequence] axis {seq_axis} is outside input {spec.name!r} "
+                f"of rank {len(spec.shape)}"
+            )
         for axis, d in enumerate(spec.shape[1:], start=1):
             if axis == seq_axis:
                 dims.append(None)
@@ -250,7 +261,9 @@ def profile_for_batch(size: int, profiles: Sequence[Profile], seq_len: int | Non
                 continue
         candidates.append(p)
     if not candidates:
-        served = ", ".join(f"{lo}..{hi}" if lo != hi else str(lo) for lo, hi in sorted({p.batch_range() for p in profiles}))
+        served = ", ".join(
+            f"{lo}..{hi}" if lo != hi else str(lo) for lo, hi in sorted({p.batch_range() for p in profiles})
+        )
         what = f"batch size {size}" + (f" at sequence length {seq_len}" if seq_len is not None else "")
         raise ValueError(f"no optimization profile serves {what}; the plan serves batch sizes {served}")
 
@@ -361,7 +374,9 @@ def profile_shape_strings(profiles: Sequence[Profile]) -> dict[str, str]:
     Its format is "input1:d0xd1,input2:d0xd1,..."; an input named again starts the next
     profile (onnxruntime's ParseProfileShapes), so profiles are written one after the other.
     """
-    out = {"trt_profile_min_shapes": [], "trt_profile_opt_shapes": [], "trt_profile_max_shapes": []}
+    out: dict[str, list[str]] = {
+        "trt_profile_min_shapes": [], "trt_profile_opt_shapes": [], "trt_profile_max_shapes": []
+    }
     for p in profiles:
         for name, r in p.inputs.items():
             if not _safe_name(name):

@@ -43,13 +43,15 @@ class TensorRTSettings:
 
 
 def validate_tensorrt_settings(s: Any, where: str) -> None:
-    """Checks for [tensorrt]; config.py's _validate_model can call this (errors name the key)."""
+    """Checks for [tensorrt]; model_config.py's _validate_model can call this (errors name the key)."""
     if s.device < 0:
         raise ConfigError(f"{where}: [tensorrt] device: expected >= 0, got {s.device}")
     if s.dla_core < -1:
         raise ConfigError(f"{where}: [tensorrt] dla_core: expected -1 (GPU) or a DLA core >= 0, got {s.dla_core}")
     if s.precision not in PRECISIONS:
-        raise ConfigError(f"{where}: [tensorrt] precision: expected one of {', '.join(PRECISIONS)}, got {s.precision!r}")
+        raise ConfigError(
+            f"{where}: [tensorrt] precision: expected one of {', '.join(PRECISIONS)}, got {s.precision!r}"
+        )
     if s.profiles not in tp.PROFILE_MODES:
         raise ConfigError(
             f"{where}: [tensorrt] profiles: expected one of {', '.join(tp.PROFILE_MODES)}, got {s.profiles!r}"
@@ -126,7 +128,7 @@ def rebuild_command(config: ModelConfig, settings: TensorRTSettings | None = Non
         args += ["--timing-cache", s.timing_cache]
     args.append("--force")
     command = "edge-batcher build-engine " + shlex.join(args)
-    if s.calibration_cache and not calibration:
+    if s.calibration_cache and not calibration and capabilities is not None:  # known, or calibration held
         command += (f" (TensorRT {capabilities.version} has no INT8 calibration, so {s.calibration_cache} cannot be "
                     f"used: replace {onnx} with a Q/DQ-quantized ONNX model, e.g. from NVIDIA ModelOpt: python -m "
                     "modelopt.onnx.quantization --onnx_path MODEL --quantize_mode int8 --calibration_data DATA.npy)")

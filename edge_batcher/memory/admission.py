@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 from .budget import MemoryBudget
 from .device import DeviceProfile
-from .estimator import Footprint
+from .estimator import Footprint, OnnxFootprintEstimator
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +26,7 @@ OOM_CALIBRATION_STEP = 1.25
 
 class Admission:
     def __init__(self, model: str, budget: MemoryBudget, footprint: Callable[[int, int | None], Footprint],
-                 estimator=None, device: DeviceProfile | None = None):
+                 estimator: OnnxFootprintEstimator | None = None, device: DeviceProfile | None = None):
         self.model = model
         self.budget = budget
         self._footprint = footprint

@@ -12,7 +12,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..config import ModelConfig
 from .device import DeviceProfile
@@ -23,6 +23,9 @@ from .measure import (
     MiB,
     measure_activation_peak,
 )
+
+if TYPE_CHECKING:
+    from .estimator import OnnxFootprintEstimator
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +76,7 @@ def trusted_factor(raw_estimate: int, activation_peak: int, run_peak: int) -> tu
 
 
 def calibrate(
-    estimator,
+    estimator: OnnxFootprintEstimator,
     model: ModelConfig | str | os.PathLike[str],
     batch: int,
     seq_len: int | None = None,
@@ -101,7 +104,7 @@ def calibrate(
     return Calibration(factor, True, reason, batch, seq_len, raw, measurement)
 
 
-def calibrate_model(config: ModelConfig, estimator) -> None:
+def calibrate_model(config: ModelConfig, estimator: OnnxFootprintEstimator) -> None:
     """Scale the liveness estimate to measured batches at the largest preferred size: at the
     largest bucket for the default factor (its activations are the easiest to measure), then
     at each shorter bucket for a factor of its own, since ONNX Runtime's excess over liveness
@@ -118,7 +121,7 @@ def calibrate_model(config: ModelConfig, estimator) -> None:
             break  # the longest bucket could not be measured: the shorter ones cannot either
 
 
-def calibrate_on_device(config: ModelConfig, estimator, device: DeviceProfile) -> None:
+def calibrate_on_device(config: ModelConfig, estimator: OnnxFootprintEstimator, device: DeviceProfile) -> None:
     """Scale the liveness estimate to what the device measured at load, for sizes that were not
     measured (measured sizes cost what they cost). Per bucket: what the arena grew by from the
     smallest size to the largest, over the raw estimate's difference, which leaves out what only

@@ -163,7 +163,7 @@ def warmup_batch(specs: list[TensorSpec], config: ModelConfig, size: int, bucket
         shape = [size] + [bucket if axis == seq_axis else (d if d > 0 else 1)
                           for axis, d in enumerate(spec.shape) if axis > 0]
         dtype = DATATYPE_TO_NUMPY[spec.datatype]
-        batch[spec.name] = np.full(shape, b"", dtype=object) if dtype == object else np.zeros(shape, dtype=dtype)
+        batch[spec.name] = np.full(shape, b"", dtype=object) if dtype.kind == "O" else np.zeros(shape, dtype=dtype)
     return batch
 
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from ..config import ModelConfig, load_model_config
 from ..errors import EdgeBatcherError
@@ -136,7 +136,7 @@ def measure_activation_peak(
     )
 
 
-def _run_child(spec: dict, name: str, timeout_s: float, python: str | None) -> dict:
+def _run_child(spec: dict[str, Any], name: str, timeout_s: float, python: str | None) -> dict[str, Any]:
     env = dict(os.environ)
     env["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD_BYTES)
     root = str(Path(__file__).resolve().parents[2])  # so the child imports this very package
@@ -153,7 +153,8 @@ def _run_child(spec: dict, name: str, timeout_s: float, python: str | None) -> d
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise EdgeBatcherError(f"measuring {where} failed (exit {proc.returncode}): {tail}")
-    return json.loads(lines[-1])
+    result: dict[str, Any] = json.loads(lines[-1])  # the child's one JSON object
+    return result
 
 
 # The part below runs in the measuring child: numpy and onnxruntime only, no daemon imports.
@@ -166,12 +167,12 @@ _ORT_NUMPY = {
 }  # fmt: skip
 
 
-def _input_shapes(inputs: list, spec: dict) -> dict[str, tuple[str, list[int]]]:
+def _input_shapes(inputs: list[Any], spec: dict[str, Any]) -> dict[str, tuple[str, list[int]]]:
     """Concrete (numpy dtype, shape) of every session input: dim 0 is the batch, the sequence
     axis of the [sequence] inputs is seq_len, a symbolic dim shared with one of those takes
     its value, model.toml's [[inputs]] shapes fix the rest."""
     symbols: dict[str, int] = {}
-    plan: dict[str, list] = {}
+    plan: dict[str, list[Any]] = {}  # dims: ints, or the model's symbolic names
     for i in inputs:
         if i.type not in _ORT_NUMPY:
             raise ValueError(f"input {i.name!r} has type {i.type}, which cannot be synthesised")
@@ -209,7 +210,7 @@ def _input_shapes(inputs: list, spec: dict) -> dict[str, tuple[str, list[int]]]:
     return out
 
 
-def _read_status(fh) -> dict[str, int]:
+def _read_status(fh: BinaryIO) -> dict[str, int]:
     fh.seek(0)
     values: dict[str, int] = {}
     for line in fh.read().decode().splitlines():
@@ -219,7 +220,7 @@ def _read_status(fh) -> dict[str, int]:
     return values
 
 
-def _child_measure(spec: dict) -> dict:
+def _child_measure(spec: dict[str, Any]) -> dict[str, Any]:
     import ctypes
     import gc
 
@@ -248,7 +249,7 @@ def _child_measure(spec: dict) -> dict:
     shapes = _input_shapes(session.get_inputs(), spec)
     rng = np.random.default_rng(0)
 
-    def make_inputs() -> dict:
+    def make_inputs() -> dict[str, Any]:
         feeds = {}
         for name, (dtype, shape) in shapes.items():
             if dtype.startswith("float"):

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..config import DaemonConfig, discover_models, load_config
+from ..config import DaemonConfig, ModelConfig, discover_models, load_config
 from ..errors import ConfigError, EdgeBatcherError
 from .budget import MemoryBudget
 from .calibration import trusted_factor
@@ -63,7 +63,8 @@ def run(args: argparse.Namespace) -> int:
         measured = [mc for mc in discover_models(Path(config.models.repository), args.model or config.models.load)
                     if mc.model_path.suffix == ".onnx"]
         bar = Progress("estimate --measure", sum(
-            len(mc.batching.preferred_batch_sizes) * len(mc.sequence.buckets if mc.sequence else [0]) for mc in measured))
+            len(mc.batching.preferred_batch_sizes) * len(mc.sequence.buckets if mc.sequence else [0])
+            for mc in measured))
     try:
         report = build_report(
             config, only=args.model, measure=args.measure, repeat=args.repeat,
@@ -172,7 +173,8 @@ def build_report(
     return report
 
 
-def _add_device_measurement(row: dict[str, Any], mc, budget: MemoryBudget, size: int, bucket: int | None) -> None:
+def _add_device_measurement(row: dict[str, Any], mc: ModelConfig, budget: MemoryBudget, size: int,
+                            bucket: int | None) -> None:
     """row["device"]: the device's growth around a fresh engine's load and first run; absent
     when the model's engine does not run on the device (CPU EP: the RSS measurement stands)."""
     try:
@@ -262,7 +264,9 @@ def format_report(report: dict[str, Any]) -> str:
     header = ["model", "batch", "seq", "weights", "activ.", "KV", "total", "fits"]
     if measured:
         header += ["measured", "error", "calibrated"]
-    table: list[list[str]] = [header, ["", "", "", "MiB", "MiB", "MiB", "MiB", ""] + (["MiB", "", "error"] if measured else [])]
+    table: list[list[str]] = [
+        header, ["", "", "", "MiB", "MiB", "MiB", "MiB", ""] + (["MiB", "", "error"] if measured else [])
+    ]
     notes: list[str] = []
     for model in report["models"]:
         for r in model["rows"]:
@@ -293,7 +297,8 @@ def format_report(report: dict[str, Any]) -> str:
                     notes.append(note)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))).rstrip())
     if measured:
         lines += [
             "",
@@ -350,8 +355,11 @@ def _device_table(report: dict[str, Any]) -> list[str]:
     lines = ["", f"Device memory ({report['budget']['source']}): growth around a fresh engine's load and its first "
              "three runs at each size"]
     for row in table:
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
-    lines.append("held = run 1 + run 2 (a memory pattern, where it is on, is allocated on the second run); above smallest:")
-    lines.append("  held minus the bucket's smallest size's (one-time workspaces cancel out); error = (activ. above - above")
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+    lines.append("held = run 1 + run 2 (a memory pattern, where it is on, is allocated on the second run); "
+                 "above smallest:")
+    lines.append("  held minus the bucket's smallest size's (one-time workspaces cancel out); "
+                 "error = (activ. above - above")
     lines.append("  smallest) / above smallest. The daemon counts load and held as resident, run 3 per batch.")
     return lines

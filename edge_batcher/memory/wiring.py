@@ -23,7 +23,7 @@ from ..metrics import Metrics
 from .admission import Admission
 from .budget import MemoryBudget
 from .device import DeviceLoad, measure_device, runs_on_device
-from .estimator import Footprint
+from .estimator import Footprint, OnnxFootprintEstimator
 from .probe import detect_probe
 
 log = logging.getLogger(__name__)
@@ -51,7 +51,9 @@ def build_budget(settings: MemorySettings) -> MemoryBudget:
     )
 
 
-def footprint_source(config: ModelConfig, engine: Engine):
+def footprint_source(
+    config: ModelConfig, engine: Engine
+) -> tuple[Callable[[int, int | None], Footprint] | None, OnnxFootprintEstimator | None]:
     """Where a model's memory figures come from: (footprint function, estimator or None).
     The engine itself when it knows them exactly (TensorRT), else the ONNX liveness estimator,
     else nothing (no admission control)."""
@@ -65,8 +67,6 @@ def footprint_source(config: ModelConfig, engine: Engine):
 
         return from_engine, None
     if config.model_path.suffix == ".onnx":
-        from .estimator import OnnxFootprintEstimator
-
         seq = config.sequence
         estimator = OnnxFootprintEstimator(
             config.model_path, sequence_axes={name: seq.axis for name in seq.inputs} if seq else None

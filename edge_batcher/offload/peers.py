@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -68,7 +69,7 @@ class PeerPool:
             name = client.name
             breaker = Breaker(
                 settings.breaker_failures, settings.breaker_reset_s, clock=clock,
-                on_change=lambda old, new, name=name: self._breaker_changed(name, old, new),
+                on_change=functools.partial(self._breaker_changed, name),
             )
             self.peers.append(Peer(name=name, url=ps.url, client=client, breaker=breaker))
         self._task: asyncio.Task | None = None

@@ -12,6 +12,6 @@ def error_message(body: bytes) -> str:
         doc = json.loads(body)
     except ValueError:
         return body.decode("utf-8", "replace").strip() or "(empty body)"
-    if isinstance(doc, dict) and isinstance(doc.get("error"), str):
-        return doc["error"]
+    if isinstance(doc, dict) and isinstance(message := doc.get("error"), str):
+        return message
     return body.decode("utf-8", "replace").strip()

@@ -133,7 +133,8 @@ def _from_binary(buf: memoryview, datatype: str, shape: list[int], where: str) -
         )
     if datatype == "BOOL":
         # Any non-zero byte is true; comparing also yields a proper (writable) bool array.
-        return (np.frombuffer(buf, dtype=np.uint8) != 0).reshape(shape)
+        nonzero: np.ndarray = np.frombuffer(buf, dtype=np.uint8) != 0
+        return nonzero.reshape(shape)
     array = np.frombuffer(buf, dtype=dtype.newbyteorder("<"))
     if not array.dtype.isnative or not array.flags.aligned:
         array = array.astype(dtype)  # big-endian host or unaligned offset: one copy
@@ -171,7 +172,7 @@ def _from_json(data: Any, datatype: str, shape: list[int], where: str) -> np.nda
 _FLOAT_EXACT = 2.0**53
 
 
-def _numbers_from_json(data: list, array: np.ndarray, datatype: str, where: str) -> np.ndarray:
+def _numbers_from_json(data: list[Any], array: np.ndarray, datatype: str, where: str) -> np.ndarray:
     """Convert the parsed JSON numbers to ``datatype``, refusing to silently change values.
 
     ``np.asarray`` picks int64, uint64 or float64 for JSON numbers, and float64 (lossy!) for
@@ -188,7 +189,8 @@ def _numbers_from_json(data: list, array: np.ndarray, datatype: str, where: str)
         if kind == "b":
             return array
         if kind in "iu" and bool(np.all((array == 0) | (array == 1))):
-            return array != 0  # 0/1 are accepted as false/true
+            nonzero: np.ndarray = array != 0  # 0/1 are accepted as false/true
+            return nonzero
         raise InvalidInput(f"{where}: data for BOOL must be true/false")
     if kind == "b":
         raise InvalidInput(f"{where}: data for {datatype} are not numbers (got true/false)")
@@ -229,17 +231,17 @@ def _check_range(low: int, high: int, info: np.iinfo, datatype: str, where: str)
         )
 
 
-def _exact_numbers(data: list, datatype: str, where: str) -> list[int | float]:
+def _exact_numbers(data: list[Any], datatype: str, where: str) -> list[int | float]:
     """The JSON elements as the Python numbers they were parsed to (slow path, only for
     unusual data; ``data`` is known to be a regular nested list)."""
-    values = np.array(data, dtype=object).reshape(-1).tolist()
+    values: list[int | float] = np.array(data, dtype=object).reshape(-1).tolist()
     for v in values:
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise InvalidInput(f"{where}: data for {datatype} are not numbers")
     return values
 
 
-def _flatten_strings(data: list, out: list[bytes], where: str) -> None:
+def _flatten_strings(data: list[Any], out: list[bytes], where: str) -> None:
     for item in data:
         if isinstance(item, str):
             out.append(encode_utf8(item, where))

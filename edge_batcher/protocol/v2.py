@@ -101,7 +101,7 @@ def parse_header_length(value: str | None) -> int | None:
     return length
 
 
-def decode_request(body: bytes, header_length: int | None = None) -> DecodedRequest:
+def decode_request(body: bytes | bytearray, header_length: int | None = None) -> DecodedRequest:
     """Decode an inference request body (JSON, or JSON header + binary tensors)."""
     header, binary = _split_body(body, header_length)
     if not isinstance(header, dict):
@@ -134,7 +134,7 @@ def encode_request(
     inputs: dict[str, np.ndarray],
     *,
     id: str | None = None,
-    parameters: dict | None = None,
+    parameters: dict[str, Any] | None = None,
     outputs: list[str] | None = None,
     binary_inputs: bool = True,
     binary_outputs: bool = True,
@@ -191,7 +191,7 @@ def encode_response(
     outputs: dict[str, np.ndarray],
     *,
     binary: set[str] | frozenset[str] = frozenset(),
-    parameters: dict | None = None,
+    parameters: dict[str, Any] | None = None,
     model_version: str | None = None,
 ) -> tuple[bytes, int | None]:
     """Encode an inference response; outputs named in ``binary`` use the binary extension.
@@ -233,7 +233,7 @@ def binary_outputs_for(req: DecodedRequest, available: list[str]) -> set[str]:
 # --------------------------------------------------------------------------- body framing
 
 
-def _split_body(body: bytes, header_length: int | None) -> tuple[Any, memoryview]:
+def _split_body(body: bytes | bytearray, header_length: int | None) -> tuple[Any, memoryview]:
     """Parse the JSON header; return it and the binary part that follows (maybe empty)."""
     if not isinstance(body, (bytes, bytearray, memoryview)):
         raise InvalidInput(f"body must be bytes, got {type(body).__name__}")

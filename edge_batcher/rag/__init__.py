@@ -16,6 +16,7 @@
     decode_loop.py  DecodeLoop: iteration-level continuous batching and KV admission on a dedicated thread
     sequence.py   Sequence (one prompt being generated, its events) and GenerationResult
     pipeline.py   RagService: question -> embedding -> top-k -> prompt -> local / peer generator, or extractive
+    settings.py   the rag model's [rag] / [rag.peer] settings, checked; where its index lives
     service.py    what both services share: text inputs, in-flight counter, stream -> response
     index_cli.py  `edge-batcher index add|list|info|remove`
 """

@@ -155,6 +155,7 @@ class DecodeLoop:
                     cache = self._prefill(seq, running, cache)
                 cache, running = self._drop(cache, running, lambda s: s.cancelled, cancelled=True)
                 if running:
+                    assert cache is not None  # every running sequence joined the cache
                     cache, running = self._step(cache, running)
                 elif held_back:
                     with self._cond:

@@ -74,8 +74,8 @@ class Decoder:
         specs = {s.name: s for s in self.engine.inputs}
         for name in ("input_ids", "attention_mask"):
             if name not in specs:
-                raise ConfigError(f"{where}: {self.config.model_path} is not an Optimum decoder export: no input {name!r} "
-                                  f"(inputs: {', '.join(specs)})")
+                raise ConfigError(f"{where}: {self.config.model_path} is not an Optimum decoder export: "
+                                  f"no input {name!r} (inputs: {', '.join(specs)})")
         layers = sorted({int(m.group(1)) for n in specs if (m := _PAST.match(n))})
         if not layers or layers != list(range(len(layers))):
             raise ConfigError(f"{where}: {self.config.model_path} has no past_key_values.N.key/value inputs: export it "
@@ -97,7 +97,8 @@ class Decoder:
         self.has_positions = "position_ids" in specs
         self.has_cache_branch = "use_cache_branch" in specs
         outputs = {s.name for s in self.engine.outputs}
-        missing = [n for n in ["logits"] + [f"present.{i}.{k}" for i in layers for k in ("key", "value")] if n not in outputs]
+        missing = [n for n in ["logits"] + [f"present.{i}.{k}" for i in layers for k in ("key", "value")]
+                   if n not in outputs]
         if missing:
             raise ConfigError(f"{where}: {self.config.model_path} lacks outputs {', '.join(missing)}")
         logits = next(s for s in self.engine.outputs if s.name == "logits")
@@ -178,6 +179,7 @@ def _left_pad(cache: BatchCache, width: int) -> BatchCache:
     extra = width - cache.width
     if extra == 0:
         return cache
-    past = [np.concatenate([np.zeros(p.shape[:2] + (extra,) + p.shape[3:], dtype=p.dtype), p], axis=2) for p in cache.past]
+    past = [np.concatenate([np.zeros(p.shape[:2] + (extra,) + p.shape[3:], dtype=p.dtype), p], axis=2)
+            for p in cache.past]
     mask = np.concatenate([np.zeros((cache.rows, extra), dtype=np.int64), cache.mask], axis=1)
     return BatchCache(past, mask, cache.positions)

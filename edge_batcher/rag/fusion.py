@@ -66,7 +66,7 @@ def fused_scores(dense: np.ndarray, lexical: np.ndarray, fusion: Fusion,
     if fusion.mode == "lexical":
         # Passages with no shared term fall back to their dense order, behind every lexical match.
         return np.where(lexical > 0, lexical + 2.0, dense.astype(np.float64))
-    signals = [(dense, fusion.dense_weight, None)]
+    signals: list[tuple[np.ndarray, float, np.ndarray | None]] = [(dense, fusion.dense_weight, None)]
     if sentence is not None and fusion.sentence_weight > 0:
         signals.append((sentence, fusion.sentence_weight, None))
     if fusion.mode == "hybrid" and fusion.lexical_weight > 0:

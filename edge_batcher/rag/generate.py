@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import cast
 
 from ..config import ModelConfig, backend_settings
 from ..cpu_affinity import full_affinity
@@ -78,7 +79,8 @@ class GenerationService(ServiceAccounting):
             if getattr(s, key) <= 0:
                 raise ConfigError(f"{where} {key}: expected a positive integer, got {getattr(s, key)}")
         if s.max_new_tokens > s.max_new_tokens_limit:
-            raise ConfigError(f"{where} max_new_tokens {s.max_new_tokens} is above max_new_tokens_limit {s.max_new_tokens_limit}")
+            raise ConfigError(f"{where} max_new_tokens {s.max_new_tokens} is above "
+                              f"max_new_tokens_limit {s.max_new_tokens_limit}")
         if "{prompt}" not in s.prompt_template:
             raise ConfigError(f"{where} prompt_template must contain {{prompt}}, got {s.prompt_template!r}")
 
@@ -87,8 +89,8 @@ class GenerationService(ServiceAccounting):
         for token in self.settings.stop_tokens:
             tid = self.tokenizer.token_id(token)
             if tid is None:
-                raise ConfigError(f"{self.config.directory / 'model.toml'}: [generator] stop_tokens: {token!r} is not a "
-                                  f"token of {self.tokenizer.path}")
+                raise ConfigError(f"{self.config.directory / 'model.toml'}: [generator] stop_tokens: "
+                                  f"{token!r} is not a token of {self.tokenizer.path}")
             ids.add(tid)
         return frozenset(ids)
 
@@ -143,7 +145,9 @@ class GenerationService(ServiceAccounting):
             raise Unavailable(f"model {self.name!r} is not accepting requests" +
                               (": the daemon is draining" if self._draining else ": not started"))
         if self._loop.broken:
-            raise EngineError(f"model {self.name!r} cannot generate: its worker failed ({self._loop.broken}); see the log")
+            raise EngineError(
+                f"model {self.name!r} cannot generate: its worker failed ({self._loop.broken}); see the log"
+            )
         s = self.settings
         if not prompt.strip():
             raise InvalidInput(f"model {self.name!r}: the prompt is empty")
@@ -180,7 +184,8 @@ class GenerationService(ServiceAccounting):
         limit = self.settings.max_context
         if prompt_tokens + max_new_tokens > limit:
             raise InvalidInput(
-                f"model {self.name!r}: the prompt is {prompt_tokens} tokens; with max_new_tokens {max_new_tokens} that is "
+                f"model {self.name!r}: the prompt is {prompt_tokens} tokens; "
+                f"with max_new_tokens {max_new_tokens} that is "
                 f"{prompt_tokens + max_new_tokens}, more than the context of {limit} tokens: shorten the prompt "
                 "or ask for fewer new tokens")
 
@@ -207,7 +212,7 @@ class GenerationService(ServiceAccounting):
             return None
         return g["prefill_ns"] / g["prefills"] / 1e9, g["decode_ns"] / g["decode_steps"] / 1e9
 
-    async def events(self, seq: Sequence) -> AsyncIterator[tuple[str, object]]:
+    async def events(self, seq: Sequence) -> AsyncGenerator[tuple[str, object], None]:
         """The sequence's events: ("token", piece) ..., then ("done", GenerationResult).
         An ("error", exc) is raised. Leaving early cancels the sequence."""
         try:
@@ -232,7 +237,7 @@ class GenerationService(ServiceAccounting):
         async with aclosing(self.events(seq)) as events:
             async for kind, payload in events:
                 if kind == "done":
-                    return payload
+                    return cast(GenerationResult, payload)  # Sequence.emit_done's
         raise EngineError(f"model {self.name!r}: generation ended without a result")  # not reached
 
     # ------------------------------------------------------------------ runner interface

@@ -365,7 +365,9 @@ def load_index(directory: Path) -> Index | None:
     if meta is None:
         return None
     if meta.get("format") != FORMAT:
-        raise Unavailable(f"index {directory}: format {meta.get('format')!r}, this edge-batcher reads {FORMAT}; rebuild it")
+        raise Unavailable(
+            f"index {directory}: format {meta.get('format')!r}, this edge-batcher reads {FORMAT}; rebuild it"
+        )
     hashes = meta.get("sha256", {})
     lexical = None
     try:
@@ -388,7 +390,9 @@ def load_index(directory: Path) -> Index | None:
     except FileNotFoundError as exc:
         raise Unavailable(f"index {directory}: {exc.filename} is missing; rebuild the index") from None
     except (ValueError, KeyError, TypeError) as exc:
-        raise Unavailable(f"index {directory}: {LEXICAL} or {SENTENCES} cannot be read: {exc}; rebuild the index") from None
+        raise Unavailable(
+            f"index {directory}: {LEXICAL} or {SENTENCES} cannot be read: {exc}; rebuild the index"
+        ) from None
     try:
         return Index(passages, embeddings, meta, lexical, sentences)
     except ValueError as exc:

@@ -19,6 +19,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import load_config, load_model_config
 from ..errors import ConfigError, EdgeBatcherError
@@ -34,6 +35,9 @@ from .index import (
     write_index,
 )
 
+if TYPE_CHECKING:
+    import numpy as np  # imported where used: the CLI starts without it
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="index_command", required=True)
@@ -48,8 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("add", help="split files into passages, embed them and add them to the index")
     p.add_argument("files", nargs="+", type=Path, metavar="FILE", help=".md or .txt files")
     common(p)
-    p.add_argument("--embedding-model", help="embedding model name in the repository (default: [rag] embedding_model, else minilm)")
-    p.add_argument("--max-chars", type=int, default=DEFAULT_MAX_CHARS, help=f"longest passage (default {DEFAULT_MAX_CHARS})")
+    p.add_argument("--embedding-model",
+                   help="embedding model name in the repository (default: [rag] embedding_model, else minilm)")
+    p.add_argument("--max-chars", type=int, default=DEFAULT_MAX_CHARS,
+                   help=f"longest passage (default {DEFAULT_MAX_CHARS})")
     p.add_argument("--rebuild", action="store_true", help="start from an empty index instead of adding to it")
 
     p = sub.add_parser("remove", help="remove the passages of files from the index")
@@ -100,7 +106,7 @@ def _locate(args: argparse.Namespace) -> tuple[Path, str, Path]:
     index_dir, embedding_model = None, None
     rag_dir = repo / args.rag_model
     if (rag_dir / "model.toml").is_file():
-        from .pipeline import index_dir_for, rag_settings
+        from .settings import index_dir_for, rag_settings
 
         config = load_model_config(rag_dir)
         settings = rag_settings(config)
@@ -110,7 +116,7 @@ def _locate(args: argparse.Namespace) -> tuple[Path, str, Path]:
     return index_dir, embedding_model, repo
 
 
-def _current(index_dir: Path) -> tuple[list[Passage], object, dict, SentenceVectors | None]:
+def _current(index_dir: Path) -> tuple[list[Passage], np.ndarray, dict, SentenceVectors | None]:
     import numpy as np
 
     index = load_index(index_dir)
@@ -139,7 +145,8 @@ def _add(args, index_dir: Path, embedding_model: str, repo: Path) -> int:
         if not parts:
             print(f"{path}: no text to index", file=sys.stderr)
         new.extend(parts)
-        sources[str(path.resolve())] = {"passages": len(parts), "added": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        sources[str(path.resolve())] = {"passages": len(parts),
+                                        "added": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     replaced_sources = {p.source for p in new}
     keep = [i for i, p in enumerate(passages) if p.source not in replaced_sources]
     replaced = len(passages) - len(keep)

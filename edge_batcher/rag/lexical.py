@@ -88,7 +88,8 @@ class Bm25:
                 docs, tfs = postings.setdefault(term, ([], []))
                 docs.append(doc)
                 tfs.append(tf)
-        self._postings = {t: (np.array(d, dtype=np.int64), np.array(f, dtype=np.float64)) for t, (d, f) in postings.items()}
+        self._postings = {t: (np.array(d, dtype=np.int64), np.array(f, dtype=np.float64))
+                          for t, (d, f) in postings.items()}
         self._idf = {t: math.log(1.0 + (n - len(d) + 0.5) / (len(d) + 0.5)) for t, (d, _) in self._postings.items()}
 
     @classmethod
@@ -114,4 +115,5 @@ class Bm25:
 
     @classmethod
     def from_json(cls, data: dict) -> Bm25:
-        return cls([dict(c) for c in data["counts"]], float(data.get("k1", DEFAULT_K1)), float(data.get("b", DEFAULT_B)))
+        return cls([dict(c) for c in data["counts"]],
+                   float(data.get("k1", DEFAULT_K1)), float(data.get("b", DEFAULT_B)))

@@ -41,7 +41,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 
 from .. import __version__
@@ -161,7 +161,7 @@ class ChatPeer:
     # ------------------------------------------------------------------ generation
 
     async def stream(self, prompt: str, generation: dict, timeout_s: float | None = None
-                     ) -> AsyncIterator[tuple[str, object]]:
+                     ) -> AsyncGenerator[tuple[str, object], None]:
         """("token", text) ..., ("done", PeerResult). Raises PeerError when the peer is not usable,
         fails, times out or answers something that is not a stream of its kind."""
         import aiohttp
@@ -182,7 +182,8 @@ class ChatPeer:
                 if response.status != 200:
                     detail = (await response.text())[:300]
                     raise PeerError(f"generation peer {self.name}: HTTP {response.status}: {detail}", peer=self.name)
-                finish, usage, first = "stop", {}, 0.0
+                usage: dict = {}  # as Update.usage
+                finish, first = "stop", 0.0
                 async for event in _sse_events(response.content):
                     if event == "[DONE]":
                         break

@@ -1,26 +1,11 @@
-"""RagService: questions answered from the local document index.
+"""RagService: questions answered from the local document index (backend = "rag").
 
-    question -> embedding (the embedding model, through the core scheduler: batched and
-    length-bucketed with every other embedding request) -> cosine top-k over the index ->
-    prompt assembly -> the generator service (continuous batching) -> answer + sources
-
-Retrieval fuses the passage cosine, the best sentence's cosine and BM25 (fusion.py). Each request's answer is generated
-by the local generator when its KV cache fits now, else by the chat-completions peer
-([rag.peer], peer.py) when it is usable, else it is extractive: the best one or two sentences of
-the passages (extract.py); `route` in the response says which. model.toml (backend = "rag")::
-
-    [rag]
-    embedding_model = "minilm"     # a text-embedding model of the repository
-    index_dir = ""                 # "": $STATE_DIRECTORY/index under systemd, else ./state/index;
-                                   # a relative path is relative to this model's directory
-    top_k = 3
-    min_score = 0.0                # passages scoring below are left out
-    generator = ""                 # name of a backend = "generator" model; "": extractive
-    prompt_template = "...{context}...{question}..."
-
-v2 interface: input `question` BYTES [rows]; outputs `answer` BYTES [rows] and `sources` BYTES
-[rows] (a JSON list per row: rank, id, title, score, source). Request parameters: `top_k`
-(retrieval depth) and, with a generator, max_new_tokens, temperature, top_p, seed.
+A question is embedded by the embedding model through the core scheduler (batched with every
+other embedding request), the index ranks its passages (passage cosine, best sentence's cosine and
+BM25, fused: fusion.py), and the answer comes from the local generator when its KV cache fits now
+and the deadline allows, else from a generation peer ([rag.peer], peer.py), else extractively (the
+best sentences, extract.py); `route` in the response says which. Settings: rag/settings.py;
+model.toml keys, the v2 interface and the figures: docs/rag.md.
 """
 
 from __future__ import annotations
@@ -29,12 +14,10 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
-from pathlib import Path
 
-from ..config import ModelConfig, backend_settings
+from ..config import ModelConfig
 from ..errors import ConfigError, InvalidInput, Unavailable
 from ..offload.client import PeerError
 from ..scheduler.runner import ModelRunner
@@ -42,10 +25,9 @@ from ..types import InferRequest, InferResponse, TensorSpec
 from .deadline import estimate as estimate_local
 from .deadline import too_slow
 from .extract import answer_text, choose, sentences
-from .fusion import DEFAULT_FUSION, METHODS, MODES, Fusion
-from .index import Hit, Index, IndexWatcher, default_index_dir, load_index
-from .peer import ChatPeer, ChatPeerSettings
-from .prompt import DEFAULT_PASSAGE_TEMPLATE, DEFAULT_TEMPLATE, assemble, check_template, render
+from .index import Hit, Index, IndexWatcher, load_index
+from .peer import ChatPeer
+from .prompt import assemble, render
 from .service import (
     FINAL,
     InFlight,
@@ -57,6 +39,7 @@ from .service import (
     token_responses,
     wait_idle,
 )
+from .settings import fusion_from, index_dir_for, rag_settings
 
 log = logging.getLogger(__name__)
 
@@ -64,68 +47,6 @@ QUESTION = "question"
 ANSWER = "answer"
 SOURCES = "sources"
 GENERATION_PARAMETERS = ("max_new_tokens", "temperature", "top_p", "seed", "ignore_stop")
-
-
-@dataclass
-class RagSettings:
-    embedding_model: str = "minilm"
-    index_dir: str = ""
-    top_k: int = 3
-    max_top_k: int = 20
-    min_score: float = 0.0
-    generator: str = ""
-    prompt_template: str = DEFAULT_TEMPLATE
-    passage_template: str = DEFAULT_PASSAGE_TEMPLATE
-    max_question_chars: int = 2000
-    max_rows: int = 8
-    max_new_tokens: int = 0  # 0: the generator's own default
-    retrieval: str = "hybrid"  # "hybrid" (dense + BM25, fused), "dense" or "lexical"
-    fusion: str = DEFAULT_FUSION.method  # "minmax" (normalised scores added) or "rrf" (reciprocal rank fusion)
-    dense_weight: float = DEFAULT_FUSION.dense_weight  # weight of the passage cosine
-    sentence_weight: float = DEFAULT_FUSION.sentence_weight  # ... of the best sentence's cosine
-    lexical_weight: float = DEFAULT_FUSION.lexical_weight  # ... of BM25
-    rrf_k: float = DEFAULT_FUSION.rrf_k  # "rrf" only: rank offset; small values let the first places dominate
-    answer_sentences: int = 2  # extractive answers: at most this many sentences ...
-    sentence_margin: float = 0.1  # ... each within this cosine of the best one
-    peer: ChatPeerSettings | None = None  # [rag.peer]: an OpenAI-compatible generation server
-
-
-def fusion_from(s: RagSettings) -> Fusion:
-    return Fusion(s.retrieval, s.dense_weight, s.lexical_weight, s.rrf_k, s.fusion, s.sentence_weight)
-
-
-def rag_settings(config: ModelConfig) -> RagSettings:
-    s = backend_settings(config, "rag", RagSettings)
-    where = f"{config.directory / 'model.toml'}: [rag]"
-    if s.answer_sentences < 1 or s.sentence_margin < 0:
-        raise ConfigError(f"{where} answer_sentences must be >= 1 and sentence_margin >= 0")
-    if s.peer is not None and not (s.peer.url and s.peer.model):
-        raise ConfigError(f"{where}.peer: url and model are required (the chat-completions server and its model name)")
-    if s.retrieval not in MODES:
-        raise ConfigError(f"{where} retrieval: expected one of {', '.join(MODES)}, got {s.retrieval!r}")
-    if s.fusion not in METHODS:
-        raise ConfigError(f"{where} fusion: expected one of {', '.join(METHODS)}, got {s.fusion!r}")
-    weights = (s.dense_weight, s.sentence_weight, s.lexical_weight)
-    if min(weights) < 0 or sum(weights) <= 0 or s.rrf_k < 0:
-        raise ConfigError(f"{where} dense_weight, sentence_weight, lexical_weight and rrf_k must be >= 0 (and one "
-                          f"weight > 0), got {s.dense_weight}, {s.sentence_weight}, {s.lexical_weight}, {s.rrf_k}")
-    if not 1 <= s.top_k <= s.max_top_k:
-        raise ConfigError(f"{where} top_k: expected 1..max_top_k ({s.max_top_k}), got {s.top_k}")
-    if s.max_rows <= 0 or s.max_question_chars <= 0:
-        raise ConfigError(f"{where} max_rows and max_question_chars must be positive")
-    if not s.embedding_model:
-        raise ConfigError(f"{where} embedding_model: name the text-embedding model")
-    check_template(s.prompt_template, where)
-    return s
-
-
-def index_dir_for(config: ModelConfig, settings: RagSettings | None = None) -> Path:
-    """The rag model's index directory ([rag] index_dir, else the default)."""
-    s = settings or rag_settings(config)
-    if not s.index_dir:
-        return default_index_dir()
-    path = Path(s.index_dir)
-    return path if path.is_absolute() else config.directory / path
 
 
 class RagService(ServiceAccounting):
@@ -225,11 +146,13 @@ class RagService(ServiceAccounting):
             return
         meta = index.meta
         if meta.get("embedding_model") != self.settings.embedding_model:
-            self._index_problem = (f"the index in {self.index_dir} was built with embedding model "
-                                   f"{meta.get('embedding_model')!r}, this model uses {self.settings.embedding_model!r}: "
-                                   f"rebuild it with `edge-batcher index add --embedding-model {self.settings.embedding_model} ...`")
+            self._index_problem = (
+                f"the index in {self.index_dir} was built with embedding model {meta.get('embedding_model')!r}, "
+                f"this model uses {self.settings.embedding_model!r}: rebuild it with `edge-batcher index add "
+                f"--embedding-model {self.settings.embedding_model} ...`")
         elif self._embedding_dim and index.dim != self._embedding_dim:
-            self._index_problem = f"the index has {index.dim}-d embeddings, the embedding model gives {self._embedding_dim}-d"
+            self._index_problem = (f"the index has {index.dim}-d embeddings, "
+                                   f"the embedding model gives {self._embedding_dim}-d")
         if previous is not None:
             self.counters["index_reloads"] += 1
             log.info("model %s: reloaded index %s: %d passages (version %s)", self.name, self.index_dir, len(index),
@@ -240,8 +163,8 @@ class RagService(ServiceAccounting):
     def _parameters(self, parameters: dict) -> tuple[int, dict]:
         top_k = parameters.get("top_k", self.settings.top_k)
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= self.settings.max_top_k:
-            raise InvalidInput(f"parameters.top_k (passages to retrieve) must be an integer in 1..{self.settings.max_top_k}, "
-                               f"got {top_k!r}")
+            raise InvalidInput(f"parameters.top_k (passages to retrieve) must be an integer in "
+                               f"1..{self.settings.max_top_k}, got {top_k!r}")
         generation = {k: parameters[k] for k in GENERATION_PARAMETERS if k in parameters}
         if self.settings.max_new_tokens and "max_new_tokens" not in generation:
             generation["max_new_tokens"] = self.settings.max_new_tokens
@@ -362,8 +285,8 @@ class RagService(ServiceAccounting):
                 else:
                     return "peer", hits, _prepended(first, events), "; ".join(reasons) or None
             else:
-                reasons.append(f"generation peer {self.peer.name}: "
-                               + ("unhealthy" if self.peer.healthy is False else f"circuit breaker {self.peer.breaker.state}"))
+                reasons.append(f"generation peer {self.peer.name}: " + (
+                    "unhealthy" if self.peer.healthy is False else f"circuit breaker {self.peer.breaker.state}"))
             fallback = "peer"
         reason = "; ".join(reasons) or None
         if fallback:
@@ -441,7 +364,8 @@ class RagService(ServiceAccounting):
                 async with aclosing(events):  # leaving early cancels the generation
                     yield InferResponse(self.name, request.id, {
                         ANSWER: bytes_array([""]), SOURCES: bytes_array([_sources(used)])}, {FINAL: False, **routed})
-                    async for chunk in token_responses(self.name, request.id, ANSWER, events, mode="generated", **routed):
+                    async for chunk in token_responses(self.name, request.id, ANSWER, events,
+                                                       mode="generated", **routed):
                         if chunk.parameters[FINAL]:
                             self.counters["generated"] += 1
                             self.counters["generate_ns"] += int((time.perf_counter() - t0) * 1e9)
@@ -467,7 +391,7 @@ class RagService(ServiceAccounting):
                           "lexical_weight": self.fusion.lexical_weight, "rrf_k": self.fusion.rrf_k,
                           "sentence_vectors": bool(index is not None and index.sentences is not None)},
             "passages_returned": c["passages_returned"],
-            "sentences_embedded": c["sentences_embedded"],  # extractive answers' sentences, ranked by the embedding model
+            "sentences_embedded": c["sentences_embedded"],  # extractive answers' sentences, ranked by embedding model
             "stage_ns": {"embed": c["embed_ns"], "search": c["search_ns"], "generate": c["generate_ns"],
                          "extract": c["extract_ns"]},
             "index": {"dir": str(self.index_dir), "passages": len(index) if index is not None else 0,
@@ -496,7 +420,7 @@ def _sources(hits: list[Hit]) -> str:
     return json.dumps([{**h.to_json(), "text": h.passage.text} for h in hits], ensure_ascii=False)
 
 
-async def _prepended(first, events: AsyncIterator) -> AsyncIterator:
+async def _prepended(first, events: AsyncGenerator) -> AsyncIterator:
     """`first`, then the rest of `events` (closed when this is)."""
     async with aclosing(events):
         yield first

@@ -59,7 +59,9 @@ def parse_params(parameters: dict, *, default_max_new_tokens: int, max_new_token
         if isinstance(value, bool) or not isinstance(value, int):
             raise InvalidInput(f"parameters.{name} must be an integer, got {value!r}")
         if value < low or (high is not None and value > high):
-            raise InvalidInput(f"parameters.{name} must be in {low}..{high if high is not None else 'inf'}, got {value}")
+            raise InvalidInput(
+                f"parameters.{name} must be in {low}..{high if high is not None else 'inf'}, got {value}"
+            )
         return value
 
     def number(name: str, default: float, low: float, high: float) -> float:

@@ -13,6 +13,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,10 +21,14 @@ from ..errors import EdgeBatcherError, InvalidInput
 from ..types import InferRequest, InferResponse, TensorSpec
 from .tokenize import texts_from_bytes
 
+if TYPE_CHECKING:
+    from ..runtime import Runtime
+
 FINAL = "triton_final_response"
 
 
-def text_rows(request: InferRequest, model: str, spec: TensorSpec, outputs: list[TensorSpec], max_rows: int) -> list[str]:
+def text_rows(request: InferRequest, model: str, spec: TensorSpec, outputs: list[TensorSpec],
+              max_rows: int) -> list[str]:
     """The request's texts from its one BYTES input, checked: known names, datatype BYTES,
     shape [rows] (or [rows, 1]), 1..max_rows rows, no empty text."""
     for name in request.inputs:
@@ -38,13 +43,17 @@ def text_rows(request: InferRequest, model: str, spec: TensorSpec, outputs: list
     if array is None:
         raise InvalidInput(f"missing input {spec.name!r} for model {model!r}")
     if array.dtype.kind not in "OSU":
-        raise InvalidInput(f"input {spec.name!r}: datatype {_v2_name(array.dtype)}, model {model!r} expects BYTES (text)")
+        raise InvalidInput(
+            f"input {spec.name!r}: datatype {_v2_name(array.dtype)}, model {model!r} expects BYTES (text)"
+        )
     if array.ndim == 2 and array.shape[1] == 1:
         array = array[:, 0]
     if array.ndim != 1:
         raise InvalidInput(f"input {spec.name!r}: shape {list(array.shape)}, model {model!r} expects [rows] of text")
     if not 1 <= array.shape[0] <= max_rows:
-        raise InvalidInput(f"input {spec.name!r}: {array.shape[0]} rows; model {model!r} takes 1 to {max_rows} per request")
+        raise InvalidInput(
+            f"input {spec.name!r}: {array.shape[0]} rows; model {model!r} takes 1 to {max_rows} per request"
+        )
     texts = texts_from_bytes(array, spec.name)
     for i, text in enumerate(texts):
         if not text.strip():
@@ -121,6 +130,9 @@ class ServiceAccounting:
     (ServiceStats) and self.runtime (for its metrics)."""
 
     resident_bytes = 0  # budget bytes its own weights hold: none, unless it loads some (the generator)
+    name: str
+    stats: ServiceStats
+    runtime: Runtime
 
     def _ok(self, started: float, rows: int) -> None:
         self.stats.ok(started, rows)

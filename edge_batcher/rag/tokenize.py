@@ -38,7 +38,9 @@ class TextTokenizer:
         try:
             from tokenizers import Tokenizer
         except ImportError as exc:  # an optional dependency: pip install 'edge-batcher[rag]'
-            raise ConfigError(f"the tokenizers package is not installed ({exc}); pip install 'edge-batcher[rag]'") from exc
+            raise ConfigError(
+                f"the tokenizers package is not installed ({exc}); pip install 'edge-batcher[rag]'"
+            ) from exc
         if not path.is_file():
             raise ConfigError(f"tokenizer file {path} not found")
         if max_length <= 0:
@@ -65,7 +67,8 @@ class TextTokenizer:
         if "max_length" not in config.tokenizer:
             s.max_length = default_max_length
         if s.max_length <= 0:
-            raise ConfigError(f"{config.directory / 'model.toml'}: [tokenizer] max_length: expected a positive integer, got {s.max_length}")
+            raise ConfigError(f"{config.directory / 'model.toml'}: [tokenizer] max_length: "
+                              f"expected a positive integer, got {s.max_length}")
         path = Path(s.file)
         if not path.is_absolute():
             path = config.directory / path

@@ -23,6 +23,8 @@ from ..types import DATATYPE_TO_NUMPY, TensorSpec
 # questions batched by bucket it gives 1.20 padded/real tokens against 1.26 for multiples of 4
 # or 8, and ONNX Runtime runs any width at the same cost per token (docs/rag.md, "Padding").
 ANY_LENGTH_MULTIPLE = 1
+# One batch's outputs cut per request, in batch order (None: the request took no place in it).
+Outputs = list[dict[str, np.ndarray] | None]
 
 
 def padded_width(parts: Sequence[np.ndarray], seq_axis: int, bucket: int, any_length: bool) -> int:
@@ -30,7 +32,7 @@ def padded_width(parts: Sequence[np.ndarray], seq_axis: int, bucket: int, any_le
     up to ANY_LENGTH_MULTIPLE (never beyond the bucket)."""
     if not any_length:
         return bucket
-    longest = max(part.shape[seq_axis] for part in parts)
+    longest: int = max(part.shape[seq_axis] for part in parts)
     return min(bucket, -(-longest // ANY_LENGTH_MULTIPLE) * ANY_LENGTH_MULTIPLE)
 
 
@@ -65,18 +67,19 @@ def stack(parts: Sequence[np.ndarray], size: int, seq_axis: int | None, bucket: 
 def zeros(spec: TensorSpec, size: int, seq_axis: int | None, bucket: int) -> np.ndarray:
     """A batch of `size` zero rows for `spec` (warm-up): dynamic dimensions of 1, the sequence
     axis at the bucket length."""
-    shape = [size] + [(bucket if axis == seq_axis else (d if d > 0 else 1)) for axis, d in enumerate(spec.shape) if axis > 0]
+    shape = [size] + [(bucket if axis == seq_axis else (d if d > 0 else 1))
+                      for axis, d in enumerate(spec.shape) if axis > 0]
     dtype = DATATYPE_TO_NUMPY[spec.datatype]
-    if dtype == object:
+    if dtype.kind == "O":
         return np.full(shape, b"", dtype=object)
     return np.zeros(shape, dtype=dtype)
 
 
-def split_rows(outputs: Mapping[str, np.ndarray], rows: Sequence[int | None]) -> list[dict[str, np.ndarray] | None]:
+def split_rows(outputs: Mapping[str, np.ndarray], rows: Sequence[int | None]) -> Outputs:
     """The outputs of one batch cut into one dict per request, in batch order. A request with
     None rows took no place in the batch (it expired before the run) and gets None."""
     named = list(outputs.items())
-    results: list[dict[str, np.ndarray] | None] = []
+    results: Outputs = []
     offset = 0
     for n in rows:
         if n is None:
@@ -95,7 +98,8 @@ def check_outputs(outputs: Mapping[str, object], names: Sequence[str], rows: int
         value = outputs.get(name)
         if value is None:
             raise EngineError(
-                f"model {model!r}: the engine returned no output {name!r} (it returned {', '.join(map(repr, outputs)) or 'none'})"
+                f"model {model!r}: the engine returned no output {name!r} "
+                f"(it returned {', '.join(map(repr, outputs)) or 'none'})"
             )
         if getattr(value, "ndim", 0) == 0 or value.shape[0] < rows:  # type: ignore[attr-defined]
             raise EngineError(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 
@@ -50,7 +50,7 @@ class Offloader:
         self._fail = fail
         self._settled = settled  # a batch's requests are all answered or requeued: plan again
         self._progress = progress  # set when a batch is over (drain waits on it)
-        self.tasks: set[asyncio.Task] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
         return len(self.tasks)
@@ -60,7 +60,7 @@ class Offloader:
         self.tasks.add(task)
         task.add_done_callback(self._done)
 
-    def _done(self, task: asyncio.Task) -> None:
+    def _done(self, task: asyncio.Task[None]) -> None:
         self.tasks.discard(task)
         self._progress.set()  # only now can drain() see that the offload is over
 
@@ -70,6 +70,7 @@ class Offloader:
         limits, which this daemon cannot know, and a peer's answer about one request (a 4xx)
         concerns that request alone."""
         loop = asyncio.get_running_loop()
+        requests = cast("list[Pending]", plan.requests)  # a runner queues only Pending
 
         async def send(r: Pending) -> None:
             outputs, _ = await self.port.infer(self.model, r.request.inputs, r.deadline - loop.time(),
@@ -81,8 +82,8 @@ class Offloader:
                 r.future.set_result(InferResponse(self.model, r.request.id, outputs))
                 self._stats.ok.inc()
 
-        results = await asyncio.gather(*(send(r) for r in plan.requests), return_exceptions=True)
-        for r, outcome in zip(plan.requests, results):
+        results = await asyncio.gather(*(send(r) for r in requests), return_exceptions=True)
+        for r, outcome in zip(requests, results):
             if isinstance(outcome, BaseException):
                 self._failed(plan.reason, r, outcome)
         self._settled()

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Union
 
 from .queues import BucketQueue, ModelQueue, QueuedRequest
 from .timing import ExecTimeModel
@@ -56,7 +55,9 @@ class Target(str, Enum):
 
 # The names tests and callers have used since the reasons were strings.
 FULL, DELAY, DEADLINE, DRAIN, OOM_SPLIT = Reason.FULL, Reason.DELAY, Reason.DEADLINE, Reason.DRAIN, Reason.OOM_SPLIT
-DOES_NOT_FIT, TOO_LARGE, BACKLOG, REMOTE_ONLY = Reason.DOES_NOT_FIT, Reason.TOO_LARGE, Reason.BACKLOG, Reason.REMOTE_ONLY
+DOES_NOT_FIT, TOO_LARGE, BACKLOG, REMOTE_ONLY = (
+    Reason.DOES_NOT_FIT, Reason.TOO_LARGE, Reason.BACKLOG, Reason.REMOTE_ONLY
+)
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ class Reject:
     wake_at: float | None = None  # always None: the runner plans again after answering them
 
 
-Decision = Union[Dispatch, Wait, Reject]
+Decision = Dispatch | Wait | Reject
 
 
 def allowed_sizes(settings: PolicySettings, bucket: int, fits: FitsHook) -> list[int]:

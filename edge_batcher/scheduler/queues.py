@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import Overloaded
-from ..types import InferRequest
+from ..types import InferRequest, InferResponse
 
 
 @dataclass(eq=False, slots=True)
@@ -41,9 +41,9 @@ class QueuedRequest:
 class Pending(QueuedRequest):
     """A validated request in a runner's queue: what the policy plans with, and what answers it."""
 
-    request: InferRequest | None = None
+    request: InferRequest = field(kw_only=True)
     inputs: dict[str, np.ndarray] = field(default_factory=dict)  # as the engine takes them
-    future: asyncio.Future | None = None
+    future: asyncio.Future[InferResponse] = field(kw_only=True)
 
 
 class BucketQueue:
@@ -51,7 +51,7 @@ class BucketQueue:
 
     def __init__(self, bucket: int, priority_levels: int):
         self.bucket = bucket
-        self._by_priority = [deque() for _ in range(priority_levels)]
+        self._by_priority: list[deque[QueuedRequest]] = [deque() for _ in range(priority_levels)]
         self.rows = 0  # batch slots waiting
         self.count = 0
 
@@ -84,7 +84,7 @@ class BucketQueue:
         taken: list[QueuedRequest] = []
         room = max_rows
         for dq in reversed(self._by_priority):
-            kept = deque()
+            kept: deque[QueuedRequest] = deque()
             while dq:
                 req = dq.popleft()
                 if req.rows <= room:
@@ -133,7 +133,7 @@ class ModelQueue:
 
     def expire(self, now: float) -> list[QueuedRequest]:
         """Remove and return every request whose deadline is at or before now."""
-        expired = []
+        expired: list[QueuedRequest] = []
         while True:
             self._drop_taken_heads()
             if not self._deadlines or self._deadlines[0][0] > now:

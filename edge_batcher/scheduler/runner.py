@@ -19,6 +19,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 from ..config import ModelConfig
 from ..cpu_affinity import thread_is_pinned
@@ -39,12 +40,15 @@ from . import batch as batching
 from . import policy
 from .offloading import Offloader, OffloadPort
 from .policy import Dispatch, Reason, Reject, Target
-from .queues import ModelQueue, Pending
+from .queues import ModelQueue, Pending, QueuedRequest
 from .stats import RunnerStats
 from .timing import ExecTimeModel
 from .validate import RequestValidator
 from .warmup import warm_up
 from .worker import EngineWorker
+
+if TYPE_CHECKING:
+    from ..memory.admission import Admission
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +60,7 @@ BATCHES_IN_FLIGHT_PER_INSTANCE = 2
 # Below it, sharing one CPU wins: the GIL changes hands several times per batch, cheaply on
 # one core. Where the two cross: tools/bench_engine_cost.py, docs/benchmarks.md.
 WORKER_ON_EVERY_CPU_FROM_S = 0.5e-3
+Outcome = tuple[batching.Outputs, float, float]  # what `_execute` returns: outputs, seconds, engine seconds
 
 
 @dataclass(eq=False, slots=True)
@@ -70,8 +75,8 @@ class LocalBatch:
 
 
 class ModelRunner:
-    def __init__(self, config: ModelConfig, engines: list, metrics: Metrics, *, admission=None,
-                 offload: OffloadPort | None = None, resident_bytes: int = 0):
+    def __init__(self, config: ModelConfig, engines: list[Any], metrics: Metrics, *, admission: Admission | None = None,
+                 offload: OffloadPort | None = None, resident_bytes: int = 0) -> None:
         if not engines:
             raise ValueError("a model runner needs at least one engine instance")
         self.config = config
@@ -175,7 +180,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ requests
 
-    def submit(self, request: InferRequest) -> asyncio.Future:
+    def submit(self, request: InferRequest) -> asyncio.Future[InferResponse]:
         """Validate and queue a request; the returned future resolves to its InferResponse.
         Raises InvalidInput, Overloaded or Unavailable at once when it cannot be queued."""
         if self._draining:
@@ -226,7 +231,7 @@ class ModelRunner:
         plan = policy.BatchPlan([queued], queued.rows, queued.rows, queued.bucket, Reason.TOO_LARGE, target=Target.PEER)
         self._offloads.send(plan)
 
-    def infer(self, request: InferRequest) -> asyncio.Future:
+    def infer(self, request: InferRequest) -> asyncio.Future[InferResponse]:
         """`await runner.infer(request)` -> InferResponse. Returns the request's future itself,
         not a coroutine around it (one coroutine less per request on the hot path): errors
         found at once (InvalidInput, Overloaded, ...) raise from the call, later ones
@@ -307,6 +312,7 @@ class ModelRunner:
         if self._timer is not None:
             self._timer.cancel()
         self._timer_at = at
+        assert self._loop is not None  # only _schedule arms it, once start() set the loop
         self._timer = self._loop.call_at(at, self._on_timer) if at is not None else None
 
     def _on_timer(self) -> None:
@@ -316,6 +322,7 @@ class ModelRunner:
 
     def _dispatch(self, plan: policy.BatchPlan, now: float) -> None:
         if plan.target is Target.PEER:
+            assert self._offloads is not None  # the policy plans for a peer only when there is one
             self._offloads.send(plan)
             return
         instance = min(self._free_slots, key=lambda i: self._busy_until[i])
@@ -357,10 +364,10 @@ class ModelRunner:
         batch = LocalBatch(plan, instance, reserved, now, holds_slot)
         self._workers[instance].submit(self._execute, batch, self._batch_done)
 
-    def _batch_done(self, batch: LocalBatch, outcome, error: BaseException | None) -> None:
+    def _batch_done(self, batch: LocalBatch, outcome: Outcome | None, error: BaseException | None) -> None:
         """On the loop, when a worker finished a batch: answer its requests, free its slot
         and memory, plan again."""
-        if batch.reserved:
+        if batch.reserved and self.admission is not None:  # reserved: only with an admission
             self.admission.release(batch.reserved)
         instance = batch.instance
         if batch.holds_slot:
@@ -371,6 +378,7 @@ class ModelRunner:
         self._local_batches -= 1
         plan = batch.plan
         if error is None:
+            assert outcome is not None  # _execute returned
             try:
                 self._answer(batch, *outcome)
             except Exception as exc:  # a bug here must not leave callers waiting forever
@@ -390,8 +398,8 @@ class ModelRunner:
         self._progress.set()
         self._schedule()  # memory and an instance came back: the policy may plan again
 
-    def _answer(self, batch: LocalBatch, results: list, seconds: float, engine_seconds: float) -> None:
-        requests = batch.plan.requests
+    def _answer(self, batch: LocalBatch, results: batching.Outputs, seconds: float, engine_seconds: float) -> None:
+        requests = cast("list[Pending]", batch.plan.requests)  # the queue holds only Pending
         if engine_seconds:
             self._record(batch, [r for r, out in zip(requests, results) if out is not None], seconds, engine_seconds)
         name = self.name
@@ -424,12 +432,13 @@ class ModelRunner:
             log.error("model %s: out of memory on a batch of %d that cannot be split: %s", self.name, plan.size, error)
         for req in failed:
             self._fail(req, error)
+        assert self._loop is not None  # batches run only once start() set the loop
         now = self._loop.time()
         for part, rows, size in parts:
             part_plan = policy.BatchPlan(part, rows, size, plan.bucket, reason=Reason.OOM_SPLIT)
             self._start_batch(part_plan, instance, now, holds_slot=False)
 
-    def _execute(self, batch: LocalBatch):
+    def _execute(self, batch: LocalBatch) -> Outcome:
         """Worker thread: assemble the padded batch, run it, split the outputs per request.
 
         A batch may wait here behind the one running, so deadlines are checked again just
@@ -438,7 +447,7 @@ class ModelRunner:
         loop's (time.monotonic), so deadlines compare directly."""
         t0 = time.perf_counter()
         plan = batch.plan
-        requests = plan.requests
+        requests = cast("list[Pending]", plan.requests)  # the queue holds only Pending
         now = time.monotonic()
         live = [r for r in requests if r.deadline > now]
         if not live:
@@ -460,18 +469,22 @@ class ModelRunner:
 
     def _record(self, batch: LocalBatch, answered: list[Pending], seconds: float, engine_seconds: float) -> None:
         self.exec_time.observe(batch.plan.size, seconds)
+        assert self._loop is not None  # batches run only once start() set the loop
         self._stats.record_batch(batch.plan, [r.arrival for r in answered], batch.dispatched, self._loop.time(),
                                  seconds, engine_seconds)
 
-    def _fail(self, req: Pending, error: EdgeBatcherError) -> None:
-        if not req.future.done():
-            req.future.set_exception(error)
+    def _fail(self, req: QueuedRequest, error: EdgeBatcherError) -> None:
+        future = cast(Pending, req).future  # the queue holds only Pending
+        if not future.done():
+            future.set_exception(error)
             self._count_status(error.status)
+        assert self._loop is not None  # requests are queued only once start() set the loop
         self.stats.fail_ns += int((self._loop.time() - req.arrival) * 1e9)
 
     def _retry_locally(self, r: Pending, reason: Reason) -> bool:
         """A request whose offload failed goes back to the queue, never to a peer again, when
         the policy says it may run here in time (and the queue has room)."""
+        assert self._loop is not None  # offloads run only once start() set the loop
         if not policy.retries_locally(reason, r.deadline - self._loop.time(), self.exec_time, self.settings):
             return False
         try:
@@ -482,6 +495,6 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ introspection
 
-    def statistics(self) -> dict:
+    def statistics(self) -> dict[str, Any]:
         """Triton's statistics-extension shape, plus edge-batcher's dispatch reasons and padding."""
         return self._stats.to_json(len(self.queue), self.exec_time.measured().items())

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..metrics import Metrics
-from .policy import BatchPlan
+from .policy import BatchPlan, Reason, Target
 
 
 @dataclass
@@ -58,7 +58,7 @@ class RunnerStats:
         self._padding = m.padding_ratio.labels(model=model)
         self._queue_s = m.queue_seconds.labels(model=model)
         self._request_s = m.request_seconds.labels(model=model)
-        self._batches: dict[tuple, Any] = {}  # (size, reason, target) -> batches_total child
+        self._batches: dict[tuple[int, Reason, Target], Any] = {}  # (size, reason, target) -> batches_total child
 
     def count_status(self, status: int) -> None:
         """One request answered with `status` (requests_total)."""
@@ -114,7 +114,7 @@ class RunnerStats:
         key = f"{reason}/{outcome}"
         self.counts.offloaded[key] = self.counts.offloaded.get(key, 0) + n
 
-    def to_json(self, queue_depth: int, exec_times: Iterable[tuple[int, float]]) -> dict:
+    def to_json(self, queue_depth: int, exec_times: Iterable[tuple[int, float]]) -> dict[str, Any]:
         """Triton's statistics-extension shape, with Triton's counts (perf_analyzer checks them),
         plus edge-batcher's dispatch reasons, padding and per-execution worker times.
 

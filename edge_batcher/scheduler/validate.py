@@ -68,7 +68,7 @@ class RequestValidator:
                 self._check_input_names(given)  # a misspelt name explains a missing input best
                 raise InvalidInput(f"missing input {name!r} for model {model!r}")
             dtype = check.dtype
-            if array.dtype != dtype and not (dtype == object and array.dtype.kind in "OSU"):
+            if array.dtype != dtype and not (dtype.kind == "O" and array.dtype.kind in "OSU"):
                 got = "BYTES" if array.dtype.kind in "OSU" else v2_name(array.dtype)
                 raise InvalidInput(f"input {name!r}: datatype {got}, model {model!r} expects {spec.datatype}")
             shape = array.shape
@@ -86,7 +86,9 @@ class RequestValidator:
             if rows is None:
                 rows = shape[0]
             elif shape[0] != rows:
-                raise InvalidInput(f"inputs disagree on the batch dimension: {name!r} has {shape[0]} rows, others {rows}")
+                raise InvalidInput(
+                    f"inputs disagree on the batch dimension: {name!r} has {shape[0]} rows, others {rows}"
+                )
             if check.seq_axis is not None:
                 length = shape[check.seq_axis]
                 if seq_len and length != seq_len:
@@ -101,7 +103,7 @@ class RequestValidator:
             self.check_seq_len(seq_len)
         return inputs, rows, seq_len
 
-    def _check_input_names(self, given: dict) -> None:
+    def _check_input_names(self, given: dict[str, np.ndarray]) -> None:
         for given_name in given:
             if given_name not in self._input_names:
                 raise InvalidInput(

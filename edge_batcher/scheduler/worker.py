@@ -29,7 +29,7 @@ class EngineWorker:
         thread that starts it (the event loop's, see cpu_affinity.py)."""
         self._loop = loop
         self._every_cpu = every_cpu
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Callable[[Any], Any], Any, Done] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
 
@@ -41,7 +41,7 @@ class EngineWorker:
         """Let the queued jobs finish, run `last` (closing the engine) on the thread, end it."""
         finished = self._loop.create_future()
 
-        def resolve(_arg, _result, error) -> None:
+        def resolve(_arg: Any, _result: Any, error: BaseException | None) -> None:
             if not finished.done():
                 finished.set_result(error)
 
@@ -56,7 +56,8 @@ class EngineWorker:
             try:
                 pin_this_thread(None)
             except OSError as exc:
-                log.warning("%s: could not leave the event loop's CPU (%s); it shares that CPU", threading.current_thread().name, exc)
+                log.warning("%s: could not leave the event loop's CPU (%s); it shares that CPU",
+                            threading.current_thread().name, exc)
         while True:
             job = self._jobs.get()
             if job is None:

@@ -12,7 +12,7 @@ from ..protocol import v2
 DECODE_OFF_LOOP_BYTES = 256 * 1024
 
 
-async def decode_request(body: bytes, header_length: int | None) -> v2.DecodedRequest:
+async def decode_request(body: bytes | bytearray, header_length: int | None) -> v2.DecodedRequest:
     """v2.decode_request, on a worker thread for a body over DECODE_OFF_LOOP_BYTES."""
     if len(body) > DECODE_OFF_LOOP_BYTES:
         return await asyncio.get_running_loop().run_in_executor(None, v2.decode_request, body, header_length)

@@ -203,7 +203,8 @@ class FakeCuda:
         if not isinstance(src, np.ndarray) or not src.flags.c_contiguous:
             raise CudaLogicError("memcpy_htod_async: source must be a C-contiguous numpy array")
         if not self._is_pinned(src):
-            raise CudaLogicError("memcpy_htod_async: source is pageable host memory (FakeCuda requires page-locked buffers)")
+            raise CudaLogicError(
+                "memcpy_htod_async: source is pageable host memory (FakeCuda requires page-locked buffers)")
         ptr, nbytes = int(dest), src.nbytes
         self.lookup(ptr, nbytes)  # fail at enqueue time for a bad pointer, as the driver does
         self.counters["memcpy_htod"] += 1
@@ -215,7 +216,8 @@ class FakeCuda:
         if not isinstance(dest, np.ndarray) or not dest.flags.c_contiguous:
             raise CudaLogicError("memcpy_dtoh_async: destination must be a C-contiguous numpy array")
         if not self._is_pinned(dest):
-            raise CudaLogicError("memcpy_dtoh_async: destination is pageable host memory (FakeCuda requires page-locked buffers)")
+            raise CudaLogicError(
+                "memcpy_dtoh_async: destination is pageable host memory (FakeCuda requires page-locked buffers)")
         ptr, nbytes = int(src), dest.nbytes
         self.lookup(ptr, nbytes)
         self.counters["memcpy_dtoh"] += 1

@@ -207,7 +207,8 @@ class FakeOnnxParser:
                 tt = v.type.tensor_type
                 dtype = ONNX_TO_TRT.get(tt.elem_type)
                 if dtype is None:
-                    self._errors.append(_ParserError(f"FakeTensorRT OnnxParser: {v.name}: unsupported element type {tt.elem_type}"))
+                    self._errors.append(_ParserError(
+                        f"FakeTensorRT OnnxParser: {v.name}: unsupported element type {tt.elem_type}"))
                     return None
                 dims = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in tt.shape.dim)
                 params = tuple(d.dim_param if d.HasField("dim_param") else None for d in tt.shape.dim)
@@ -285,7 +286,8 @@ class FakeBuilder(Generational):
                     return self._error(f"profile {index}: {t.name!r} rank does not match the network's {t.shape}")
                 for a, b, c, s in zip(lo, opt, hi, t.shape):
                     if not 0 <= a <= b <= c or (s >= 0 and not a == b == c == s):
-                        return self._error(f"profile {index}: {t.name!r} min {lo} opt {opt} max {hi} is invalid for {t.shape}")
+                        return self._error(
+                            f"profile {index}: {t.name!r} min {lo} opt {opt} max {hi} is invalid for {t.shape}")
                 ranges[t.name] = [list(lo), list(opt), list(hi)]
             profiles.append(ranges)
         strongly_typed = self._trt.major >= 11 or bool(

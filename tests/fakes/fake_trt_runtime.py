@@ -76,7 +76,8 @@ class FakeRuntime:
         if tuple(plan["compute_capability"]) != tuple(self._trt.cuda.compute_capability):
             log_to(self.logger, Severity.ERROR,
                  f"FakeTensorRT IRuntime::deserializeCudaEngine: the engine plan file is generated on an incompatible "
-                 f"device, expecting compute {tuple(plan['compute_capability'])} got {self._trt.cuda.compute_capability}")
+                 f"device, expecting compute {tuple(plan['compute_capability'])} "
+                 f"got {self._trt.cuda.compute_capability}")
             return None
         if plan.get("dla_core", -1) >= 0:
             if self._trt.num_dla_cores == 0:

@@ -235,7 +235,8 @@ def test_encoder_builder_makes_a_runnable_model_with_the_declared_io(repo):
     assert mc.backend == "onnxruntime"
     assert mc.batching.preferred_batch_sizes == [2, 4, 8]
     assert mc.sequence is not None
-    assert (mc.sequence.inputs, mc.sequence.axis, mc.sequence.buckets) == (["input_ids", "attention_mask"], 1, [32, 64, 128])
+    assert (mc.sequence.inputs, mc.sequence.axis, mc.sequence.buckets) == (
+        ["input_ids", "attention_mask"], 1, [32, 64, 128])
     assert "random" in mc.description.lower()
     est = estimator_for(repo, "encoder")
     est.estimate(8, 128)

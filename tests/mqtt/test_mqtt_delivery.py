@@ -59,7 +59,8 @@ def test_a_full_inbox_leaves_messages_unacked_and_reconnects_to_fetch_them(start
     # An inbox of ~4 messages: mosquitto 2.0 sends the whole backlog after the first acks
     # (past the Receive Maximum of 2), so most of the burst cannot be held.
     caplog.set_level(logging.INFO, logger="edge_batcher.transports.mqtt")
-    transport = start_transport(max_pending=2, max_held_bytes=4 * (len(v2_json(signal_rows(1))) + MESSAGE_OVERHEAD_BYTES))
+    transport = start_transport(max_pending=2,
+                                max_held_bytes=4 * (len(v2_json(signal_rows(1))) + MESSAGE_OVERHEAD_BYTES))
     client = mqtt_client()
     wanted = publish_burst(client, 300, v2_json(signal_rows(1)))
     replies = client.collect_correlations(wanted, timeout=90)

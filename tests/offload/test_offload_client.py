@@ -241,7 +241,8 @@ async def test_timeouts_are_honoured(serve_peer, timeout_s, request_timeout_s):
     async with PeerClient(peer(server), request_timeout_s=request_timeout_s) as client:
         assert await client.supports_binary()  # not slowed: only infer is
         started = time.monotonic()
-        with pytest.raises(PeerError, match=r"peer edge-1: no answer to POST /v2/models/vibration/infer within 0\.\d+ s"):
+        with pytest.raises(PeerError,
+                           match=r"peer edge-1: no answer to POST /v2/models/vibration/infer within 0\.\d+ s"):
             await client.infer("vibration", {"signal": windows(1)}, timeout_s=timeout_s)
         elapsed = time.monotonic() - started
     assert 0.15 < elapsed < 1.5

@@ -70,7 +70,8 @@ INPUTS = [TensorSpec("signal", "FP32", (-1, 256))]
 OUTPUTS = [TensorSpec("class_id", "INT64", (-1,)), TensorSpec("anomaly_score", "FP32", (-1,))]
 
 
-def metadata(inputs=(("signal", "FP32", [-1, 256]),), outputs=(("class_id", "INT64", [-1]), ("anomaly_score", "FP32", [-1]))):
+def metadata(inputs=(("signal", "FP32", [-1, 256]),),
+             outputs=(("class_id", "INT64", [-1]), ("anomaly_score", "FP32", [-1]))):
     def tensors(entries):
         return [{"name": n, "datatype": d, "shape": s} for n, d, s in entries]
 
@@ -80,7 +81,8 @@ def metadata(inputs=(("signal", "FP32", [-1, 256]),), outputs=(("class_id", "INT
 def test_agreeing_metadata_has_no_mismatch_up_to_unit_dims_and_castable_outputs():
     assert spec_mismatches(INPUTS, OUTPUTS, metadata()) == []
     # MLServer-style [n, 1] and a TensorRT-style INT32 class id conform: not mismatches.
-    assert spec_mismatches(INPUTS, OUTPUTS, metadata(outputs=(("class_id", "INT32", [-1, 1]), ("anomaly_score", "FP32", [-1, 1])))) == []
+    mlserver_style = metadata(outputs=(("class_id", "INT32", [-1, 1]), ("anomaly_score", "FP32", [-1, 1])))
+    assert spec_mismatches(INPUTS, OUTPUTS, mlserver_style) == []
     # A peer that describes no tensors (MLServer custom runtimes) cannot be checked.
     assert spec_mismatches(INPUTS, OUTPUTS, {"name": "vibration", "inputs": [], "outputs": []}) == []
 

@@ -27,7 +27,8 @@ def peer_repo(model_repo, tmp_path):
     for name in ("vibration", "faulty"):
         shutil.copytree(model_repo / name, repo / name)
     toml = repo / "vibration" / "model.toml"
-    toml.write_text(toml.read_text().replace("preferred_batch_sizes = [2, 4, 8]", "preferred_batch_sizes = [2, 4, 8, 16]"))
+    toml.write_text(toml.read_text().replace("preferred_batch_sizes = [2, 4, 8]",
+                                             "preferred_batch_sizes = [2, 4, 8, 16]"))
     return repo
 
 
@@ -156,7 +157,8 @@ def test_peer_killed_under_load_every_request_answered_and_breaker_cycles(start_
     # Every failure is a clear error (this edge cannot run the model locally at all).
     for e in errors:
         assert e.status == 503, e
-        assert "offload to the peer failed" in e.message or "no batch size" in e.message or "does not fit" in e.message, e
+        assert ("offload to the peer failed" in e.message or "no batch size" in e.message
+                or "does not fit" in e.message), e
     # The peer comes back on the same port: health checks see it, the breaker lets a trial
     # request through (half-open), the trial succeeds and the breaker closes.
     start_daemon(peer_config(port), repo=peer_repo)

@@ -20,18 +20,21 @@ from edge_batcher.metrics import Metrics
 from edge_batcher.offload.remote_model import RemoteModel, declared_specs
 from edge_batcher.runtime import Runtime
 from edge_batcher.types import InferRequest, TensorSpec
+from tests.offload import test_offload_two_daemons
 from tests.offload.conftest import assert_matches_local, free_port
 from tests.offload.test_offload_two_daemons import (
     edge_config,
     offloaded,
     peer_config,
-    peer_repo,  # noqa: F401  (the fixture: a peer with batches up to 16)
     peer_status,
 )
 from tests.scheduler.test_runner import PeerPort
 from tests.scheduler.test_runner import config as rowsum_config
 from tests.scheduler.test_runner import request as rowsum_request
 from tests.support.signals import windows
+
+# The fixture (a peer with batches up to 16), overriding conftest's session-scoped one here.
+peer_repo = test_offload_two_daemons.peer_repo
 
 REMOTE_VIBRATION = """
 backend = "remote"
@@ -181,7 +184,8 @@ def test_reloaded_as_a_local_model_it_stops_being_remote_only(remote_repo, model
          r"no model file to read inputs from: declare each one as \[\[inputs\]\]"),
         (lambda t: t.replace('datatype = "FP32"\nshape = [-1, 256]', "shape = [-1, 256]"),
          r"\[\[inputs\]\] 'signal': datatype: expected one of"),
-        (lambda t: t.replace("shape = [-1, 256]", "shape = [-1, 0]"), r"\[\[inputs\]\] 'signal': shape: expected the whole shape"),
+        (lambda t: t.replace("shape = [-1, 256]", "shape = [-1, 0]"),
+         r"\[\[inputs\]\] 'signal': shape: expected the whole shape"),
         (lambda t: t.replace('name = "class_id"', 'name = "class_probs"'), r"\[\[outputs\]\] names a tensor twice"),
     ],
 )

@@ -19,8 +19,9 @@ from edge_batcher.transports.http_generate import add_generate_routes
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def client(rag_repo):
-    runtime = Runtime(DaemonConfig(models=ModelsSettings(repository=str(rag_repo), warmup=False, load=["minilm", "rag"]),
-                                   memory=MemorySettings(probe="fixed", budget_mb=1024)))
+    runtime = Runtime(DaemonConfig(
+        models=ModelsSettings(repository=str(rag_repo), warmup=False, load=["minilm", "rag"]),
+        memory=MemorySettings(probe="fixed", budget_mb=1024)))
     await runtime.start()
     app = create_app(runtime, max_body_bytes=1 << 20)
     add_generate_routes(app)
@@ -53,7 +54,8 @@ async def test_the_answer_is_the_sentence_that_answers(client, question, expecte
 
 
 def test_sentences_rank_and_keep_document_order():
-    hits = [Hit(Passage("m#a", "Manual > Battery", "Replace it below 3.3 V. Use ER14505 cells.\n\n- Tape the poles.\n- Recycle."), 0.9, 1),
+    hits = [Hit(Passage("m#a", "Manual > Battery",
+                        "Replace it below 3.3 V. Use ER14505 cells.\n\n- Tape the poles.\n- Recycle."), 0.9, 1),
             Hit(Passage("m#b", "Manual > Mounting", "Torque 5 N·m. Never above 8 N·m."), 0.5, 2)]
     cands = sentences(hits)
     assert [(c.hit, c.text) for c in cands] == [(0, "Replace it below 3.3 V."), (0, "Use ER14505 cells."),

@@ -185,13 +185,15 @@ async def test_bad_inputs_get_clear_errors(generator):
         (InferRequest("tinylm", {"prompt": np.array([b"x"], dtype=object)}), "has no input 'prompt'"),
         (request(np.array([("word " * 1200).encode()], dtype=object)), "more than the context of 1024 tokens"),
         (request(np.array([b"hello"], dtype=object), parameters={"temperature": -1}), "parameters.temperature"),
-        (request(np.array([b"hello"], dtype=object), parameters={"max_new_tokens": 10_000}), "parameters.max_new_tokens"),
+        (request(np.array([b"hello"], dtype=object), parameters={"max_new_tokens": 10_000}),
+         "parameters.max_new_tokens"),
     ]
     for req, message in cases:
         with pytest.raises(InvalidInput) as info:
             await generator.infer(req)
         assert message in str(info.value)
-    ok = await generator.infer(request(np.array([b"hello", b"battery"], dtype=object), parameters={"max_new_tokens": 3}))
+    ok = await generator.infer(
+        request(np.array([b"hello", b"battery"], dtype=object), parameters={"max_new_tokens": 3}))
     assert ok.outputs["text_output"].shape == (2,)
     assert generator.statistics()["failures_by_status"] == {"400": len(cases)}
 

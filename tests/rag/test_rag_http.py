@@ -39,7 +39,8 @@ async def events(response) -> list[dict]:
 
 async def test_generate_on_the_generator(client):
     r = await client.post("/v2/models/tinylm/generate",
-                          json={"text_input": "Bearing faults", "parameters": {"max_new_tokens": 8, "ignore_stop": True}})
+                          json={"text_input": "Bearing faults",
+                                "parameters": {"max_new_tokens": 8, "ignore_stop": True}})
     body = await r.json()
     assert r.status == 200, body
     assert body["model_name"] == "tinylm" and body["finish_reason"] == "length" and body["completion_tokens"] == 8
@@ -69,13 +70,15 @@ async def test_rag_generate_extractive_and_streamed_with_sources(client):
     assert body["text_output"] == body["answer"] and "3.3 V" in body["answer"] and body["mode"] == "extractive"
 
     r = await client.post("/v2/models/raggen/generate_stream",
-                          json={"question": QUESTION, "parameters": {"max_new_tokens": 12, "ignore_stop": True, "top_k": 1}})
+                          json={"question": QUESTION,
+                                "parameters": {"max_new_tokens": 12, "ignore_stop": True, "top_k": 1}})
     chunks = await events(r)
     assert [s["id"] for s in chunks[0]["sources"]] == ["vibration-sensor-manual#battery"]
     assert chunks[0]["answer"] == "" and chunks[-1]["final"] is True and chunks[-1]["completion_tokens"] == 12
     streamed = "".join(c["answer"] for c in chunks)
     r = await client.post("/v2/models/raggen/generate",
-                          json={"text_input": QUESTION, "parameters": {"max_new_tokens": 12, "ignore_stop": True, "top_k": 1}})
+                          json={"text_input": QUESTION,
+                                "parameters": {"max_new_tokens": 12, "ignore_stop": True, "top_k": 1}})
     body = await r.json()
     assert body["answer"] == streamed and body["mode"] == "generated"
     assert [s["id"] for s in body["sources"]] == ["vibration-sensor-manual#battery"]

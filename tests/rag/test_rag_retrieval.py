@@ -103,7 +103,8 @@ def test_index_files_belong_together_or_are_refused(tmp_path):
     (tmp_path / "passages.jsonl").write_text((tmp_path / "passages.jsonl").read_text() + "\n")
     with pytest.raises(Unavailable, match="does not match"):
         load_index(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["embeddings.npy", "lexical.json", "meta.json", "passages.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "embeddings.npy", "lexical.json", "meta.json", "passages.jsonl"]
 
 
 def test_index_cli_add_replace_list_remove(tmp_path, minilm_dir, capsys):

@@ -201,7 +201,8 @@ def test_lexical_statistics_are_stored_and_follow_index_add_and_remove(tmp_path,
     assert len(index.lexical) == 1 and index.lexical.scores("forklift")[0] > 0
     assert list(index.sentences.passage) == [0]
     np.testing.assert_array_equal(index.sentences.vectors[0], forklift_sentence)
-    assert index.search_fused(np.ones((1, index.dim)), ["where is the forklift key"], 3, DEFAULT_FUSION)[0][0].lexical > 0
+    hits = index.search_fused(np.ones((1, index.dim)), ["where is the forklift key"], 3, DEFAULT_FUSION)[0]
+    assert hits[0].lexical > 0
 
 
 def test_an_index_written_without_lexical_statistics_still_loads(tmp_path):

@@ -40,7 +40,8 @@ print(json.dumps({"pinned": sorted(os.sched_getaffinity(0)), "native": started})
 
 @pytest.mark.skipif(PROCESS_CPUS is None or len(PROCESS_CPUS) < 2, reason="needs Linux thread affinity and two CPUs")
 def test_the_tokenizer_pool_started_at_load_is_not_confined_to_the_loop_cpu(minilm_dir):
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(minilm_dir.parent)], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(minilm_dir.parent)],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     seen = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(seen["pinned"]) == 1  # the calling thread stayed pinned

@@ -137,4 +137,5 @@ def test_the_peer_kind_and_parameter_names_are_checked_and_the_health_path_follo
     assert ChatPeer(ChatPeerSettings(url="http://h:1", model="llm", kind="triton"), "w").health_path == \
         "/v2/models/llm/ready"
     assert ChatPeer(ChatPeerSettings(url="http://h:1", model="llm"), "w").health_path == "/v1/models"
-    assert ChatPeer(ChatPeerSettings(url="http://h:1", model="llm", kind="triton", health_path=""), "w").health_path == ""
+    no_health = ChatPeerSettings(url="http://h:1", model="llm", kind="triton", health_path="")
+    assert ChatPeer(no_health, "w").health_path == ""

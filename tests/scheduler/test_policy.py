@@ -345,14 +345,16 @@ def test_a_backlog_that_would_miss_its_deadline_goes_to_the_peer():
     # Same backlog, but the peer is slower than the deadline: stay local.
     push(q, clock, 8, timeout=0.050)
     slow_peer = OffloadView(peer_available=True, peer_latency_s=0.100)
-    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, PlanState(busy=True, busy_s=0.200, offload=slow_peer))
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits,
+               PlanState(busy=True, busy_s=0.200, offload=slow_peer))
     assert isinstance(d, Dispatch) and d.plan.target == "local"
 
 
 def test_without_a_free_local_slot_only_peer_plans_are_made():
     clock, q = FakeClock(), make_queue()
     push(q, clock, 8, timeout=1.0)  # full, but no local slot and the deadline is far
-    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits, PlanState(busy=True, local_free=False, busy_s=0.010, offload=PEER))
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits,
+               PlanState(busy=True, local_free=False, busy_s=0.010, offload=PEER))
     assert isinstance(d, Wait)
     # It looks again at half the time left (a busy engine's wait can grow), or earlier when
     # waiting any longer for a local slot would miss the deadline.
@@ -413,7 +415,8 @@ from edge_batcher.scheduler.policy import (  # noqa: E402
 
 
 def test_reasons_and_targets_keep_their_string_values():
-    assert [str(r) for r in (FULL, DELAY, DEADLINE, DRAIN, OOM_SPLIT)] == ["full", "delay", "deadline", "drain", "oom_split"]
+    assert [str(r) for r in (FULL, DELAY, DEADLINE, DRAIN, OOM_SPLIT)] == [
+        "full", "delay", "deadline", "drain", "oom_split"]
     assert f"{Reason.REMOTE_ONLY}/ok" == "remote_only/ok" and Target.PEER == "peer"
 
 

@@ -41,7 +41,8 @@ def signal_rows(n: int, seed: int = 0) -> np.ndarray:
 
 
 def v2_json(rows: np.ndarray, id: str | None = None) -> bytes:
-    body = {"inputs": [{"name": "signal", "shape": list(rows.shape), "datatype": "FP32", "data": rows.ravel().tolist()}]}
+    body = {"inputs": [{"name": "signal", "shape": list(rows.shape), "datatype": "FP32",
+                        "data": rows.ravel().tolist()}]}
     if id is not None:
         body["id"] = id
     return json.dumps(body).encode()

@@ -73,7 +73,8 @@ def build_args(*argv: str) -> argparse.Namespace:
 def build(repo, trt, cuda):
     """build(*extra_args, source="vibration", trt=..., cuda=...) -> the built model's directory."""
 
-    def run(*extra: str, source: str = "vibration", model: str | None = None, trt_module=None, cuda_module=None) -> Path:
+    def run(*extra: str, source: str = "vibration", model: str | None = None,
+            trt_module=None, cuda_module=None) -> Path:
         args = build_args(str(repo / source / "model.onnx"), *(["--model", model] if model else []), "--quiet", *extra)
         request = trt_build.request_from_args(args)
         trt_build.build_engine(request, trt_module or trt, cuda_module or cuda, write=lambda line: None,

@@ -50,7 +50,8 @@ def test_explicit_options(repo, tmp_path):
     (p,) = r.profiles
     assert (p.inputs["signal"].min, p.inputs["signal"].max) == ((1, 256), (4, 256))
     s = r.settings()
-    assert (s.precision, s.profiles, s.workspace_mb, s.timing_cache) == ("fp16", "range", 256, str(tmp_path / "t.cache"))
+    assert (s.precision, s.profiles, s.workspace_mb, s.timing_cache) == (
+        "fp16", "range", 256, str(tmp_path / "t.cache"))
     assert s.onnx == "../../engines/vibration/model.onnx"
 
 
@@ -196,7 +197,8 @@ def test_dla_build_sets_the_builder_up_for_dla(repo, build, cuda, trt):
 def test_a_tensorrt_build_failure_exits_1_with_tensorrts_reason(repo, trt, cuda, capsys):
     # An Orin Nano has no DLA; without GPU fallback TensorRT refuses.
     rc = trt_build.build_engine_main(
-        [str(repo / "vibration" / "model.onnx"), "--fp16", "--dla-core", "0", "--no-gpu-fallback", "--quiet"], trt, cuda)
+        [str(repo / "vibration" / "model.onnx"), "--fp16", "--dla-core", "0", "--no-gpu-fallback", "--quiet"],
+        trt, cuda)
     assert rc == 1
     err = capsys.readouterr().err
     assert "could not build vibration-trt" in err and "GPU fallback is off" in err
@@ -332,7 +334,8 @@ def test_an_fp16_build_that_cannot_be_converted_says_how_to_convert_it(tmp_path,
         [helper.make_tensor("scales", TensorProto.FLOAT, [4], [1, 1, 2, 2])],
     )
     (tmp_path / "up").mkdir()
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(tmp_path / "up" / "model.onnx"))
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+              str(tmp_path / "up" / "model.onnx"))
     rc = trt_build.build_engine_main([str(tmp_path / "up" / "model.onnx"), "--fp16", "--repository",
                                       str(tmp_path / "out"), "--quiet"], trt11, cuda)
     assert rc == 2

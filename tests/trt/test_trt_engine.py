@@ -183,7 +183,8 @@ def test_weights_fall_back_to_the_plan_size_without_engine_stats(build, engine_f
 def test_out_of_memory_at_load_is_out_of_memory_and_frees_what_it_took(build, engine_for, trt):
     model_dir = build()
     small = FakeCuda(total_memory=300_000)  # room for the weights, not for the buffers too
-    engine = engine_for(model_dir, trt_module=FakeTensorRT(small, version=trt.__version__), cuda_module=small, load=False)
+    engine = engine_for(model_dir, trt_module=FakeTensorRT(small, version=trt.__version__), cuda_module=small,
+                        load=False)
     with pytest.raises(OutOfMemory, match="out of memory loading"):
         engine.load()
     import gc
@@ -225,7 +226,8 @@ def test_plan_from_another_tensorrt_version_says_how_to_rebuild(repo, build, eng
 def test_plan_from_another_gpu_is_refused_too(build, engine_for, trt):
     model_dir = build()
     other = FakeCuda(compute_capability=(7, 2))  # a Xavier
-    engine = engine_for(model_dir, trt_module=FakeTensorRT(other, version=trt.__version__), cuda_module=other, load=False)
+    engine = engine_for(model_dir, trt_module=FakeTensorRT(other, version=trt.__version__), cuda_module=other,
+                        load=False)
     with pytest.raises(ConfigError, match="another TensorRT version or GPU.*incompatible device"):
         engine.load()
 
@@ -243,7 +245,8 @@ def test_missing_plan_says_how_to_build_it(build, engine_for):
     model_dir = build()
     (model_dir / "model.plan").unlink()
     engine = engine_for(model_dir, load=False)
-    with pytest.raises(ConfigError, match="plan .*model.plan not found; build it on this device: edge-batcher build-engine"):
+    with pytest.raises(ConfigError,
+                       match="plan .*model.plan not found; build it on this device: edge-batcher build-engine"):
         engine.load()
 
 
@@ -312,7 +315,8 @@ def test_without_tensorrt_installed_load_says_what_to_install(build):
     if tensorrt_installed():
         pytest.skip("tensorrt is installed here")
     engine = create_engine(load_model_config(build()))
-    with pytest.raises(ConfigError, match=r"needs TensorRT and a CUDA Python binding.*JetPack.*edge-batcher\[tensorrt\]"):
+    with pytest.raises(ConfigError,
+                       match=r"needs TensorRT and a CUDA Python binding.*JetPack.*edge-batcher\[tensorrt\]"):
         engine.load()
 
 
@@ -325,7 +329,8 @@ def test_tensorrt_older_than_10_is_refused(build, engine_for, cuda):
 def test_profile_module_and_engine_agree_on_selection(build, engine_for):
     engine = engine_for(build())
     for size in (2, 4, 8):
-        assert tp.profile_for_batch(size, engine.profiles) == tp.select_profile({"signal": (size, 256)}, engine.profiles)
+        assert tp.profile_for_batch(size, engine.profiles) == tp.select_profile({"signal": (size, 256)},
+                                                                                engine.profiles)
 
 
 # ------------------------------------------------------------------ TensorRT 10.x and 11.x
@@ -360,8 +365,8 @@ def test_a_tensorrt_newer_than_11_loads_with_a_warning(build, engine_for, cuda, 
         engine = engine_for(model_dir, trt_module=future)
     assert "TensorRT 12.0.0 is newer than the 11.x" in caplog.text
     x = windows(2)
-    np.testing.assert_allclose(engine.infer({"signal": x})["class_probs"], reference(model_dir.parent, x)["class_probs"],
-                               atol=1e-5)
+    np.testing.assert_allclose(engine.infer({"signal": x})["class_probs"],
+                               reference(model_dir.parent, x)["class_probs"], atol=1e-5)
 
 
 def test_a_tensorrt_lacking_a_needed_name_is_refused(build, engine_for, cuda, trt):

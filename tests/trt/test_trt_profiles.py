@@ -12,7 +12,8 @@ from edge_batcher.errors import ConfigError
 from edge_batcher.types import TensorSpec
 
 SIGNAL = [TensorSpec("signal", "FP32", (-1, 256))]
-TOKENS = [TensorSpec("ids", "INT64", (-1, -1)), TensorSpec("mask", "INT64", (-1, -1)), TensorSpec("scale", "FP32", (-1, 1))]
+TOKENS = [TensorSpec("ids", "INT64", (-1, -1)), TensorSpec("mask", "INT64", (-1, -1)),
+          TensorSpec("scale", "FP32", (-1, 1))]
 
 
 def model(sizes=(2, 4, 8), sequence=None, name="m") -> ModelConfig:

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from paho.mqtt.client import Client, MQTTMessage, MQTTMessageInfo
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
@@ -70,7 +70,7 @@ def message_from_paho(msg: MQTTMessage, connection: int) -> Message:
     props = msg.properties
     return Message(
         topic=msg.topic,
-        payload=msg.payload,
+        payload=cast(bytes, msg.payload),  # bytes when received (paho's struct.unpack); bytearray is outgoing
         qos=msg.qos,
         mid=msg.mid,
         dup=bool(msg.dup),
@@ -117,7 +117,7 @@ class PahoClient:
 
     def __init__(
         self, settings: MqttSettings, *, client_id: str, password: str | None, where: str, subscriptions: list[str],
-        on_message: Callable[[Message], None], on_session_resumed: Callable[[], None],
+        on_message: Callable[[Message], None], on_session_resumed: Callable[[], object],
     ):
         self.settings = settings
         self.client_id = client_id
@@ -275,7 +275,8 @@ class PahoClient:
         client.suppress_exceptions = True  # a bug in a callback is logged, never kills paho's thread
         client.max_inflight_messages_set(s.max_inflight)
         client.max_queued_messages_set(s.max_queued)  # bounded: 0 would be unbounded
-        client.reconnect_delay_set(s.reconnect_min_s, s.reconnect_max_s)
+        # paho annotates int, but only does arithmetic and min() with them: float seconds work.
+        client.reconnect_delay_set(s.reconnect_min_s, s.reconnect_max_s)  # type: ignore[arg-type]
         if s.username:
             client.username_pw_set(s.username, password)
         if s.tls:

@@ -208,6 +208,7 @@ class MqttTransport:
                 f"overloaded: {self.settings.max_pending} QoS 0 messages are already pending on {self.device_id}; "
                 f"retry later, or publish with QoS 1 to be served late instead"
             )
+            assert self._client is not None  # set while messages are accepted (stop() pauses first)
             if not self._client.publish_nowait(self._error_reply(msg, route, error, None)):
                 self._counts["replies_dropped"] += 1
         except Exception:
@@ -234,6 +235,7 @@ class MqttTransport:
         self._start_waiting()
 
     def _start_waiting(self) -> None:
+        assert self._loop is not None  # start() set it; messages arrive only after that
         while self._waiting and self._active < self.settings.max_pending:
             held = self._waiting.popleft()
             held.started = time.monotonic()
@@ -270,6 +272,7 @@ class MqttTransport:
         if (client is None or self._deferred_connection != client.connection or self._inbox.count
                 or self._refetch is not None or not self._accepting):
             return
+        assert self._loop is not None  # start() set it, as it did the client
         self._refetch = self._loop.create_task(self._refetch_deferred(client))
 
     async def _refetch_deferred(self, client: PahoClient) -> None:
