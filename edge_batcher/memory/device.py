@@ -130,10 +130,10 @@ class DeviceLoad:
     probe does not measure a device."""
 
     def __init__(self, budget: MemoryBudget | None):
-        self.active = budget is not None and measures_device(budget.probe)
-        # Only read while active: a budget that measures the device.
-        self.budget: MemoryBudget = budget  # type: ignore[assignment]
-        self.used_before = device_used(self.budget.probe) if self.active else 0
+        # Kept only when it measures the device: without it every method does nothing.
+        self.budget = budget if budget is not None and measures_device(budget.probe) else None
+        self.active = self.budget is not None
+        self.used_before = device_used(self.budget.probe) if self.budget is not None else 0
 
     def prepare(self, engine: Any) -> None:
         """Cap the engine's arena at what the budget has available now less the weights it is
@@ -141,15 +141,18 @@ class DeviceLoad:
         instead of taking memory the budget promised elsewhere. The cap is the arena's only
         (ONNX Runtime's gpu_mem_limit): the context and library workspaces are outside it, and
         measured. Only engines that take a limit have the attribute."""
-        if self.active and hasattr(engine, "device_memory_limit"):
-            self.budget.refresh()
+        budget = self.budget
+        if budget is not None and hasattr(engine, "device_memory_limit"):
+            budget.refresh()
             try:
                 weights = engine.config.model_path.stat().st_size
             except (AttributeError, OSError):
                 weights = 0
-            engine.device_memory_limit = max(1, self.budget.available() - weights)
+            engine.device_memory_limit = max(1, budget.available() - weights)
 
     def load_bytes(self) -> int:
+        if self.budget is None:
+            return 0
         return device_used(self.budget.probe) - self.used_before
 
 
@@ -172,6 +175,8 @@ def measure_device(config: ModelConfig, engines: list[Any], load: DeviceLoad) ->
     device's growth around the size's first and second runs (logged, one line per size), then
     around a third run on the first instance. A size that runs out of memory ends its bucket
     (larger ones would too); the runner's warm-up then caps the sizes as it does without a device."""
+    if load.budget is None:
+        raise ValueError("measure_device needs a DeviceLoad whose budget measures the device (load.active)")
     probe = load.budget.probe
     profile = DeviceProfile(load.load_bytes(), unified=probe.name in UNIFIED_PROBES)
     log.info("model %s: device memory at load: %.1f MiB (context, weights, workspaces; %d instance(s))",
