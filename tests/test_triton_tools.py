@@ -32,7 +32,10 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 TOKEN = "triton-tools-token"
 GRPC_HEADERS = {"authorization": f"Bearer {TOKEN}"}
 OUTPUTS = ("class_probs", "class_id", "anomaly_score")
-SLOW = -500.0  # tests/support/faulty_engine.py: a batch holding it takes 0.5 s
+# tests/support/faulty_engine.py: a batch holding it takes 2 s, long enough for 18 requests to
+# queue behind it even when each comes from a thread with its own connection (0.5 s was not, on
+# a clean-clone CI run: the second urgent request arrived after the first batch had left).
+SLOW = -2000.0
 
 
 def headers() -> dict[str, str]:
@@ -73,7 +76,8 @@ def endpoints(tmp_path_factory, model_repo):
     # Three levels with the middle one as the default: on Triton's scale priority 1 is the top
     # level (the scheduler's 2), not the default (the scheduler's 1, which the old scale gave).
     add_vibration_variant(repo, "faulty", "tests.support.faulty_engine:FaultyOnnxEngine",
-                          "max_queue_delay_ms = 2.0\npriority_levels = 3\ndefault_priority = 1\nqueue_capacity = 64\n")
+                          "max_queue_delay_ms = 2.0\npriority_levels = 3\ndefault_priority = 1\nqueue_capacity = 64\n"
+                          "default_timeout_ms = 15000\n")  # the queue behind two 2 s batches waits ~4 s
     e = Endpoints(tmp_path_factory.mktemp("triton-tools"), repo)
     e.daemon.start().wait_ready()
     yield e

@@ -3,7 +3,8 @@
 Clearly a test double, used as `backend = "tests.support.faulty_engine:FaultyOnnxEngine"` in
 a test model.toml. It runs the real model; only batches carrying a sentinel value misbehave:
   -999 anywhere in the batch: infer() raises (an engine failure);
-  -500 anywhere in the batch: infer() sleeps 0.5 s first (a slow batch, to build a queue).
+  -500 anywhere in the batch: infer() sleeps 0.5 s first (a slow batch, to build a queue);
+  -2000: it sleeps 2 s (a queue built by slow clients, e.g. a thread and a connection each).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from edge_batcher.engines.onnxruntime import OnnxRuntimeEngine
 
 FAIL = -999.0
 SLOW = -500.0
+VERY_SLOW = -2000.0
 
 
 class FaultyOnnxEngine(OnnxRuntimeEngine):
@@ -25,6 +27,8 @@ class FaultyOnnxEngine(OnnxRuntimeEngine):
             raise RuntimeError("injected fault: sentinel -999 in the batch")
         if np.any(values == SLOW):
             time.sleep(0.5)
+        elif np.any(values == VERY_SLOW):
+            time.sleep(2.0)
         return super().infer(inputs)
 
 
