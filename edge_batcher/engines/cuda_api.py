@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -107,24 +108,50 @@ class DeviceContext:
             self._release()
 
 
-class CudaApi:
+class CudaApi(ABC):
     """What both bindings provide; see the module docstring. Calls that touch memory, streams or
-    mem_get_info need a pushed DeviceContext on the calling thread, as in CUDA itself."""
+    mem_get_info need a pushed DeviceContext on the calling thread, as in CUDA itself. Abstract:
+    a binding that lacks one of these cannot be instantiated."""
 
     name = "?"
 
-    def init(self) -> None: raise NotImplementedError
-    def device_count(self) -> int: raise NotImplementedError
-    def device_name(self, index: int) -> str: raise NotImplementedError
-    def compute_capability(self, index: int) -> tuple[int, int]: raise NotImplementedError
-    def driver_version(self) -> int: raise NotImplementedError  # e.g. 12060 for CUDA 12.6
-    def open_device(self, index: int) -> DeviceContext: raise NotImplementedError
-    def mem_alloc(self, nbytes: int) -> DeviceBuffer: raise NotImplementedError
-    def pinned_empty(self, count: int, dtype: Any) -> HostBuffer: raise NotImplementedError
-    def stream(self) -> Stream: raise NotImplementedError
-    def copy_htod_async(self, dst: DeviceBuffer, src: np.ndarray, stream: Stream) -> None: raise NotImplementedError
-    def copy_dtoh_async(self, dst: np.ndarray, src: DeviceBuffer, stream: Stream) -> None: raise NotImplementedError
-    def mem_get_info(self) -> tuple[int, int]: raise NotImplementedError  # (free, total) bytes
+    @abstractmethod
+    def init(self) -> None: ...
+
+    @abstractmethod
+    def device_count(self) -> int: ...
+
+    @abstractmethod
+    def device_name(self, index: int) -> str: ...
+
+    @abstractmethod
+    def compute_capability(self, index: int) -> tuple[int, int]: ...
+
+    @abstractmethod
+    def driver_version(self) -> int:  # e.g. 12060 for CUDA 12.6
+        ...
+
+    @abstractmethod
+    def open_device(self, index: int) -> DeviceContext: ...
+
+    @abstractmethod
+    def mem_alloc(self, nbytes: int) -> DeviceBuffer: ...
+
+    @abstractmethod
+    def pinned_empty(self, count: int, dtype: Any) -> HostBuffer: ...
+
+    @abstractmethod
+    def stream(self) -> Stream: ...
+
+    @abstractmethod
+    def copy_htod_async(self, dst: DeviceBuffer, src: np.ndarray, stream: Stream) -> None: ...
+
+    @abstractmethod
+    def copy_dtoh_async(self, dst: np.ndarray, src: DeviceBuffer, stream: Stream) -> None: ...
+
+    @abstractmethod
+    def mem_get_info(self) -> tuple[int, int]:  # (free, total) bytes
+        ...
 
     def is_out_of_memory(self, exc: BaseException) -> bool:
         if isinstance(exc, CudaError) and exc.code == "CUDA_ERROR_OUT_OF_MEMORY":
