@@ -4,6 +4,7 @@ skip it as "not an onnxruntime backend"), and --measure runs the real graph at e
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -29,4 +30,11 @@ def test_estimate_measure_runs_the_embedding_graph(minilm_dir):
     assert proc.returncode == 0, proc.stderr
     assert "minilm      8  128" in proc.stdout
     assert "failed" not in proc.stdout
-    assert "calibration factors (measured / estimated at the cal. point): minilm seq 16:" in proc.stdout
+    factors = re.search(r"calibration factors \(measured / estimated at the cal\. point\): (.*)", proc.stdout)
+    assert factors, proc.stdout
+    # Every bucket is calibrated, or says why not: at 2 x 16 tokens the run peak (~0.9-1.1 MiB)
+    # sits at the measurement's 1 MiB floor, so that one may fall either side between runs.
+    for seq in (16, 32, 64, 128):
+        calibrated = re.search(rf"minilm seq {seq}: \d+\.\d\d", factors.group(1))
+        below_floor = f"minilm seq {seq}: not calibrated: measured run peak" in proc.stdout
+        assert calibrated or (seq == 16 and below_floor), (seq, proc.stdout)
