@@ -37,13 +37,13 @@ the binary extension's names and BYTES framing live in protocol/binary_extension
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidInput
+from . import json_text
 from .binary_extension import BINARY_CONTENT_TYPE, HEADER_LENGTH, JSON_CONTENT_TYPE
 from .preview import preview
 from .tensor_decode import MAX_DIMS, MAX_ELEMENTS, decode_tensors
@@ -253,7 +253,7 @@ def _split_body(body: bytes | bytearray, header_length: int | None) -> tuple[Any
         header_bytes = bytes(view[:header_length])
         binary = view[header_length:]
     try:
-        header = json.loads(header_bytes)
+        header = json_text.loads(header_bytes)
     except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError
         raise InvalidInput(f"body is not valid JSON: {e}") from None
     return header, binary
@@ -280,7 +280,7 @@ def _join_body(
 ) -> tuple[bytes, int | None]:
     try:
         # allow_nan: see the module docstring on non-finite floats.
-        header_bytes = json.dumps(header, separators=(",", ":"), allow_nan=True).encode()
+        header_bytes = json_text.dumps(header)
     except (TypeError, ValueError) as e:  # e.g. parameters that are not JSON-serialisable
         raise InvalidInput(f"{what} cannot be encoded as JSON: {e}") from None
     if not chunks:
