@@ -39,6 +39,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import placement
 from .bench_report import format_report, plot_report, pyplot
 from .config import load_config
 from .cpu_affinity import choose as choose_cpu
@@ -47,7 +48,7 @@ from .errors import EdgeBatcherError
 from .metrics import Metrics
 from .progress import Progress
 from .runtime import discover_models, load_runner
-from .types import DATATYPE_TO_NUMPY, InferRequest
+from .types import InferRequest
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -92,14 +93,15 @@ async def _bench(config, args) -> dict:
     pin_this_thread(cpu)
     runner = await loop.run_in_executor(None, load_runner, mc, Metrics(), True)
     engine = runner.engines[0]
-    sample = _sample_inputs(runner)
+    sample = placement.sample_inputs(runner)
     largest = mc.batching.preferred_batch_sizes[-1]
     out: dict = {"model": mc.name, "preferred_batch_sizes": mc.batching.preferred_batch_sizes,
                  "concurrency": args.concurrency, "duration_s": args.duration, "repeat": args.repeat,
                  "loop_cpu": cpu}
 
     n = args.repeat
-    progress = Progress("bench", n * (5 + (cpu is not None)) + bool(args.unix) + bool(args.mqtt))
+    auto = cpu is not None and config.server.loop_cpu == "auto"
+    progress = Progress("bench", n * (5 + (cpu is not None) + auto) + bool(args.unix) + bool(args.mqtt))
 
     def runs(label: str):
         for i in range(n):
@@ -135,6 +137,11 @@ async def _bench(config, args) -> dict:
         out["in_process_closed_any_cpu"] = _median_run(
             [await _in_process(mc, sample, args, closed=True) for _ in runs("in-process, threads on any CPU")]
         )
+    if auto:  # the placement the daemon would choose, measured as it measures, then loaded the same way
+        out["in_process_closed_auto"] = _median_run(
+            [await _in_process(mc, sample, args, closed=True, auto_cpu=cpu) for _ in runs("in-process, loop_cpu auto")]
+        )
+        pin_this_thread(None)
     out["ratio_to_ceiling"] = out["in_process_closed"]["throughput_rps"] / out["raw_ceiling_rps"]
     out["speedup_over_no_batching"] = (
         out["in_process_closed"]["throughput_rps"] / out["in_process_no_batching"]["throughput_rps"]
@@ -147,26 +154,6 @@ async def _bench(config, args) -> dict:
         out["mqtt"] = await _through_mqtt(config, mc.name, sample, args)
     progress.close()
     return out
-
-
-def _sample_inputs(runner) -> dict[str, np.ndarray]:
-    """One request's inputs: random data of the model's input shapes (rows = 1)."""
-    rng = np.random.default_rng(0)
-    inputs = {}
-    seq = runner.config.sequence
-    for spec in runner.inputs:
-        # Sequence inputs at the smallest bucket's length, so the raw ceiling does the same
-        # work as the batches the runner pads to that bucket.
-        shape = [1] + [seq.buckets[0] if seq and spec.name in seq.inputs and axis == seq.axis else (d if d > 0 else 16)
-                       for axis, d in enumerate(spec.shape) if axis > 0]
-        dtype = DATATYPE_TO_NUMPY[spec.datatype]
-        if dtype.kind == "f":
-            inputs[spec.name] = rng.standard_normal(shape).astype(dtype)
-        elif dtype.kind in "iub":
-            inputs[spec.name] = rng.integers(0, 2, shape).astype(dtype)
-        else:
-            inputs[spec.name] = np.full(shape, b"edge-batcher", dtype=object)
-    return inputs
 
 
 def _raw_ceiling(engine, sample: dict[str, np.ndarray], size: int, duration: float) -> float:
@@ -243,11 +230,15 @@ async def _minimal_batcher(engine, sample: dict[str, np.ndarray], size: int, arg
     return finished / wall
 
 
-async def _in_process(model_config, sample, args, *, closed: bool, rate: float = 0.0) -> dict:
+async def _in_process(model_config, sample, args, *, closed: bool, rate: float = 0.0,
+                      auto_cpu: int | None = None) -> dict:
+    """One load phase on a fresh runner; `auto_cpu`: first let placement.choose decide
+    between that CPU and any CPU, as the daemon does with loop_cpu = "auto"."""
     loop = asyncio.get_running_loop()
     metrics = Metrics()
     runner = await loop.run_in_executor(None, load_runner, model_config, metrics, True)
     await runner.start()
+    choice = await placement.choose(auto_cpu, [runner]) if auto_cpu is not None else None
 
     latencies: list[float] = []
     errors: dict[str, int] = {}
@@ -293,6 +284,7 @@ async def _in_process(model_config, sample, args, *, closed: bool, rate: float =
         ) if n and closed else None,
         "loop_cpu_us_per_request": loop_cpu / n * 1e6 if n else None,
         "engine_us_per_request": stats["execution_ns"]["engine"] / 1e3 / n if n else None,
+        **({"placement_cpu": choice.cpu, "placement": choice.why} if choice else {}),
     }
 
 

@@ -22,6 +22,10 @@ def _phases(r: dict) -> list[tuple[str, dict]]:
             ("in-process, batching off", r["in_process_no_batching"])]
     if "in_process_closed_any_cpu" in r:
         rows.append(("in-process, threads on any CPU", r["in_process_closed_any_cpu"]))
+    if "in_process_closed_auto" in r:
+        cpu = r["in_process_closed_auto"].get("placement_cpu")
+        chose = f"CPU {cpu}" if cpu is not None else "any CPU"
+        rows.append((f"in-process, loop_cpu auto (chose {chose})", r["in_process_closed_auto"]))
     if "unix_socket_closed" in r:
         rows.append(("Unix socket (binary), closed loop", r["unix_socket_closed"]))
     if "mqtt" in r:
@@ -81,6 +85,11 @@ def format_report(r: dict) -> str:
     if "in_process_closed_any_cpu" in r:
         gain = r["in_process_closed"]["throughput_rps"] / r["in_process_closed_any_cpu"]["throughput_rps"]
         lines.append(f"one shared CPU vs threads on any CPU: {gain:.2f}x")
+    if "in_process_closed_auto" in r and "in_process_closed_any_cpu" in r:
+        auto = r["in_process_closed_auto"]
+        better = max(r["in_process_closed"]["throughput_rps"], r["in_process_closed_any_cpu"]["throughput_rps"])
+        ratio = auto["throughput_rps"] / better
+        lines.append(f"loop_cpu auto vs the better of the two: {ratio:.2f}x ({auto['placement']})")
     if "mqtt" in r:
         from .bench_mqtt import format_mqtt_report
 

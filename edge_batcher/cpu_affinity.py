@@ -13,6 +13,9 @@ new thread inherits its creator's mask. Pinning the event-loop thread at start-u
 pins every thread it starts afterwards: engine workers, executor threads, paho's network
 thread. Elsewhere (no sched_setaffinity) this is a no-op.
 
+`loop_cpu = "auto"` (the default) measures whether this sharing pays on the host, after
+warm-up, and keeps threads on any CPU where it does not (placement.py).
+
 One exception: a model whose batches take long (scheduler/runner.py,
 WORKER_ON_EVERY_CPU_FROM_S, measured at warm-up) gets engine workers on every CPU. The loop
 then mostly waits for that engine, and an engine that computes on its calling thread (ONNX
@@ -34,9 +37,10 @@ PROCESS_CPUS: frozenset[int] | None = frozenset(_get(0)) if _get is not None els
 
 
 def choose(setting: str) -> int | None:
-    """The CPU for the Python threads: "auto" (the highest CPU the process may use), "off"
-    (None: the OS places threads), or a CPU number. None also when there is nothing to
-    choose: a single allowed CPU, or no affinity API."""
+    """The CPU for the Python threads: for "auto" the highest CPU the process may use (the
+    candidate that placement.py measures against threads on any CPU), "off" (None: the OS
+    places threads), or a CPU number. None also when there is nothing to choose: a single
+    allowed CPU, or no affinity API."""
     if setting == "off" or PROCESS_CPUS is None or _set is None:
         return None
     if setting == "auto":
@@ -57,6 +61,13 @@ def pin_this_thread(cpu: int | None) -> None:
     if _set is None or PROCESS_CPUS is None:
         return
     _set(0, {cpu} if cpu is not None else PROCESS_CPUS)
+
+
+def pin_thread(native_id: int, cpu: int | None) -> None:
+    """`pin_this_thread` for another thread of this process, by its native id (Linux TID)."""
+    if _set is None or PROCESS_CPUS is None:
+        return
+    _set(native_id, {cpu} if cpu is not None else PROCESS_CPUS)
 
 
 def thread_is_pinned() -> bool:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from . import placement
 from .config import DaemonConfig, parse_host_port, read_secret
 from .cpu_affinity import choose as choose_cpu
 from .cpu_affinity import pin_this_thread
@@ -94,14 +95,8 @@ class Daemon:
         self.notifier.extend_timeout(LOAD_TIMEOUT_EXTENSION_S)
         self.notifier.status(f"loading model {name}")
 
-    async def run(self) -> None:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.request_stop)
-        c = self.config
-        limit_malloc_arenas()  # before the first worker thread allocates
-        log.info("edge-batcher starting: config %s, model repository %s", c.source, c.models.repository)
-        cpu = choose_cpu(c.server.loop_cpu)
+    @staticmethod
+    def _pin(cpu: int | None) -> None:
         try:
             pin_this_thread(cpu)  # before any thread is started from here: they inherit it
             if cpu is not None:
@@ -111,6 +106,18 @@ class Daemon:
         except OSError as exc:  # a slower daemon, not a broken one
             log.warning("could not keep the event loop on CPU %s ([server] loop_cpu): %s; threads run on any CPU",
                         cpu, exc)
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        c = self.config
+        limit_malloc_arenas()  # before the first worker thread allocates
+        log.info("edge-batcher starting: config %s, model repository %s", c.source, c.models.repository)
+        cpu = choose_cpu(c.server.loop_cpu)
+        measure_placement = c.server.loop_cpu == "auto" and cpu is not None
+        if not measure_placement:  # "auto" measures once the models are warm (placement.py)
+            self._pin(cpu)
         log.info(
             "transports: unix socket %s, tcp %s, mqtt %s; offload %s",
             c.socket_path(), c.server.http or "off",
@@ -120,6 +127,11 @@ class Daemon:
         self.runtime.on_model_loading = self._model_loading
         try:
             await self.runtime.start()
+            if measure_placement and cpu is not None:
+                self.notifier.extend_timeout(LOAD_TIMEOUT_EXTENSION_S)
+                self.notifier.status("measuring the CPU placement")
+                choice = await placement.choose(cpu, self.runtime.local_runners())
+                log.info("%s", choice.describe())
             await self._listen()
             await self._listen_grpc()
             if self.mqtt is not None:

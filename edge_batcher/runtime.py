@@ -237,6 +237,10 @@ class Runtime:
             log.info("reload: %s", ", ".join(f"{k} {v}" for k, v in changes.items() if v) or "no changes")
             return changes
 
+    def local_runners(self) -> list[ModelRunner]:
+        """The models served by engines in this process (not by a peer, not RAG services)."""
+        return [r for r in self.runners.values() if isinstance(r, ModelRunner)]
+
     def runner(self, name: str) -> Servable:
         try:
             return self.runners[name]

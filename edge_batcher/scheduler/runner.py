@@ -14,10 +14,12 @@ warmup.py, sending peer batches in offloading.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -41,7 +43,7 @@ from . import policy
 from .offloading import Offloader, OffloadPort
 from .policy import Dispatch, Reason, Reject, Target
 from .queues import ModelQueue, Pending, QueuedRequest
-from .stats import RunnerStats
+from .stats import ModelStats, RunnerStats
 from .timing import ExecTimeModel
 from .validate import RequestValidator
 from .warmup import warm_up
@@ -105,7 +107,6 @@ class ModelRunner:
         self.queue = ModelQueue(capacity=b.queue_capacity, priority_levels=b.priority_levels)
         self.validator = RequestValidator(self.name, self.inputs, self.outputs, config.sequence)
         self._stats = RunnerStats(self.name, metrics)
-        self.stats = self._stats.counts
         self._output_names = [spec.name for spec in self.outputs]
         self._default_priority = b.default_priority
         self._priority_levels = b.priority_levels
@@ -242,6 +243,26 @@ class ModelRunner:
         except EdgeBatcherError as exc:
             self._count_status(exc.status)
             raise
+
+    @property
+    def stats(self) -> ModelStats:
+        return self._stats.counts
+
+    def loop_cpu_threads(self) -> list[int]:
+        """Native ids of the engine worker threads that follow the event loop's CPU (all but
+        those of a model with long batches, which run on every CPU)."""
+        return [w.native_id for w in self._workers if not w.every_cpu]
+
+    @contextlib.contextmanager
+    def unrecorded(self) -> Iterator[None]:
+        """Requests answered inside the block are not counted in this model's statistics or
+        metrics (the daemon's own calibration load, placement.py)."""
+        kept = self._stats
+        self._stats = RunnerStats(self.name, Metrics())
+        try:
+            yield
+        finally:
+            self._stats = kept
 
     def refuse_if_full(self) -> None:
         """Raise Overloaded (counted like any other answer) when the queue is already full, so a

@@ -28,10 +28,12 @@ class EngineWorker:
         """every_cpu: run on every CPU of the process instead of inheriting the CPU of the
         thread that starts it (the event loop's, see cpu_affinity.py)."""
         self._loop = loop
-        self._every_cpu = every_cpu
+        self.every_cpu = every_cpu
         self._jobs: queue.SimpleQueue[tuple[Callable[[Any], Any], Any, Done] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name=name, daemon=True)
         self._thread.start()
+        assert self._thread.native_id is not None  # set before start() returns
+        self.native_id: int = self._thread.native_id  # for moving it with the loop (placement.py)
 
     def submit(self, fn: Callable[[Any], Any], arg: Any, done: Done) -> None:
         """Run fn(arg) on the worker thread after the jobs before it; then done() on the loop."""
@@ -52,7 +54,7 @@ class EngineWorker:
             raise error
 
     def _work(self) -> None:
-        if self._every_cpu:
+        if self.every_cpu:
             try:
                 pin_this_thread(None)
             except OSError as exc:

@@ -1,0 +1,128 @@
+"""`[server] loop_cpu = "auto"`: measure, on this host and these models, whether the event loop
+and the short-batch engine workers are faster sharing one CPU or on any CPU, and keep the faster.
+
+Neither placement wins everywhere. Sharing one CPU makes each GIL hand-over between the loop and
+a worker a same-core switch: 1.1-1.7x the throughput on the 2-core VM. On a 16-CPU GPU machine
+the same sharing gave 0.51x of threads on any CPU (issue 20): the worker's time in the engine
+call (CUDA's waits, ONNX Runtime's compute on the calling thread) is taken from the loop's one
+core. So after warm-up, before the daemon listens, each local model runs an in-process closed
+loop of its own sample request for a fraction of a second per placement, the placements
+alternated over three rounds, and the placement with the higher geometric mean of the models'
+median rates is kept; the start-up log gives the rates. Calibration requests never reach the
+model's statistics or metrics. Models with a peer are left out (their load could go to it), as
+are models whose workers run on every CPU anyway (cpu_affinity.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .cpu_affinity import pin_this_thread, pin_thread
+from .errors import EdgeBatcherError
+from .scheduler.runner import ModelRunner
+from .types import DATATYPE_TO_NUMPY, InferRequest
+
+log = logging.getLogger(__name__)
+
+ROUNDS = 3
+SECONDS_PER_RUN = 0.2
+MAX_CALIBRATION_S = 4.0  # all models, rounds and placements together
+
+
+@dataclass(frozen=True)
+class Choice:
+    cpu: int | None  # the CPU the loop and short-batch workers share; None: any CPU
+    rates: dict[str, tuple[float, float]]  # model -> median req/s (shared CPU, any CPU)
+    why: str
+
+    def describe(self) -> str:
+        where = f"event loop and short-batch engine workers on CPU {self.cpu}" if self.cpu is not None \
+            else "threads on any CPU"
+        return f"{where} ([server] loop_cpu = \"auto\"): {self.why}"
+
+
+def shared_cpu_wins(rates: dict[str, tuple[float, float]]) -> bool:
+    """Whether sharing one CPU gave the higher geometric mean of the models' rates."""
+    logs = [math.log(shared / anywhere) for shared, anywhere in rates.values() if shared > 0 and anywhere > 0]
+    return bool(logs) and statistics.fmean(logs) > 0
+
+
+def apply(cpu: int | None, runners: list[ModelRunner]) -> None:
+    """Put the calling thread (the event loop) and every worker that follows it on `cpu`
+    (None: every CPU of the process). Threads started later inherit the loop's mask."""
+    pin_this_thread(cpu)
+    for runner in runners:
+        for tid in runner.loop_cpu_threads():
+            pin_thread(tid, cpu)
+
+
+async def choose(cpu: int, runners: list[ModelRunner]) -> Choice:
+    """Measure both placements on `runners` (started, warmed up) and apply the faster one."""
+    measured = [r for r in runners if r.offload is None and r.loop_cpu_threads()]
+    if not measured:
+        apply(None, runners)
+        return Choice(None, {}, "no local model has an engine worker that would share the loop's CPU")
+    seconds = min(SECONDS_PER_RUN, MAX_CALIBRATION_S / (2 * ROUNDS * len(measured)))
+    runs: dict[str, tuple[list[float], list[float]]] = {r.name: ([], []) for r in measured}
+    try:
+        for round_ in range(ROUNDS):
+            # Alternate which placement goes first, so a drift in the machine's speed cancels out.
+            for placement in ((cpu, None) if round_ % 2 == 0 else (None, cpu)):
+                apply(placement, runners)
+                for runner in measured:
+                    runs[runner.name][placement is None].append(await closed_loop_rate(runner, seconds))
+    except (EdgeBatcherError, OSError) as exc:  # a slower daemon, not a broken one
+        apply(None, runners)
+        return Choice(None, {}, f"measuring failed ({exc}); threads stay on any CPU")
+    rates = {name: (statistics.median(shared), statistics.median(anywhere))
+             for name, (shared, anywhere) in runs.items()}
+    chosen = cpu if shared_cpu_wins(rates) else None
+    apply(chosen, runners)
+    figures = ", ".join(f"{name} {shared:.0f} vs {anywhere:.0f} req/s" for name, (shared, anywhere) in rates.items())
+    return Choice(chosen, rates, f"measured shared CPU vs any CPU: {figures} (medians of {ROUNDS} x {seconds:.2f} s)")
+
+
+async def closed_loop_rate(runner: ModelRunner, seconds: float) -> float:
+    """Requests per second that `runner` answers to enough closed-loop callers to fill its
+    batch slots, over `seconds`; not counted in its statistics."""
+    sample = sample_inputs(runner)
+    callers = max(1, min(runner.queue.capacity // 2, 4 * runner.settings.max_batch_size * len(runner.engines)))
+    done = 0
+    stop_at = time.perf_counter() + seconds
+
+    async def caller() -> None:
+        nonlocal done
+        while time.perf_counter() < stop_at:
+            await runner.infer(InferRequest(runner.name, sample))
+            done += 1
+
+    with runner.unrecorded():
+        started = time.perf_counter()
+        await asyncio.gather(*(caller() for _ in range(callers)))
+        return done / (time.perf_counter() - started)
+
+
+def sample_inputs(runner: ModelRunner) -> dict[str, np.ndarray]:
+    """One request's inputs: random data of the model's input shapes (rows = 1); sequence
+    inputs at the smallest bucket's length, the work the runner pads to that bucket."""
+    rng = np.random.default_rng(0)
+    inputs = {}
+    seq = runner.config.sequence
+    for spec in runner.inputs:
+        shape = [1] + [seq.buckets[0] if seq and spec.name in seq.inputs and axis == seq.axis else (d if d > 0 else 16)
+                       for axis, d in enumerate(spec.shape) if axis > 0]
+        dtype = DATATYPE_TO_NUMPY[spec.datatype]
+        if dtype.kind == "f":
+            inputs[spec.name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype.kind in "iub":
+            inputs[spec.name] = rng.integers(0, 2, shape).astype(dtype)
+        else:
+            inputs[spec.name] = np.full(shape, b"edge-batcher", dtype=object)
+    return inputs

@@ -1,0 +1,108 @@
+"""[server] loop_cpu = "auto": the daemon measures both placements on its own models after
+warm-up and keeps the faster (placement.py); real runners, real thread affinity."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import pytest
+
+from edge_batcher import placement
+from edge_batcher.cpu_affinity import PROCESS_CPUS, choose
+from edge_batcher.metrics import Metrics
+from edge_batcher.placement import shared_cpu_wins
+from edge_batcher.runtime import discover_models, load_runner
+from edge_batcher.scheduler import runner as runner_module
+from tests.test_cpu_affinity import in_thread, needs_two_cpus
+
+
+def test_the_placement_with_the_higher_geometric_mean_wins():
+    assert shared_cpu_wins({"a": (2000.0, 1000.0)})
+    assert not shared_cpu_wins({"a": (1000.0, 2000.0)})
+    # One model 2x faster shared, another 3x slower: any CPU wins overall.
+    assert not shared_cpu_wins({"a": (2000.0, 1000.0), "b": (1000.0, 3000.0)})
+    assert shared_cpu_wins({"a": (3000.0, 1000.0), "b": (1000.0, 2000.0)})
+    assert not shared_cpu_wins({})  # nothing measured: threads stay on any CPU
+    assert not shared_cpu_wins({"a": (1000.0, 1000.0)})  # a tie: the OS places threads
+
+
+def run_on_fresh_loop_thread(model_repo, body, *, every_cpu_from_s: float | None = None):
+    """Load the demo model, start its runner on a new loop in a new thread, run `body(runner)`,
+    and return its result with the loop thread's and the worker's CPUs after it."""
+    (mc,) = discover_models(model_repo, ["vibration"])
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        metrics = Metrics()
+        runner = await loop.run_in_executor(None, load_runner, mc, metrics, True)
+        await runner.start()
+        try:
+            result = await body(runner)
+            worker_cpus = os.sched_getaffinity(runner._workers[0].native_id)
+            return result, os.sched_getaffinity(0), worker_cpus, runner, metrics
+        finally:
+            await runner.close()
+
+    def serve():
+        if every_cpu_from_s is not None:
+            saved = runner_module.WORKER_ON_EVERY_CPU_FROM_S
+            runner_module.WORKER_ON_EVERY_CPU_FROM_S = every_cpu_from_s
+            try:
+                return asyncio.run(main())
+            finally:
+                runner_module.WORKER_ON_EVERY_CPU_FROM_S = saved
+        return asyncio.run(main())
+
+    return in_thread(serve)
+
+
+@needs_two_cpus
+def test_auto_measures_both_placements_applies_the_faster_and_counts_no_request(model_repo):
+    cpu = choose("auto")
+    choice, loop_cpus, worker_cpus, runner, metrics = run_on_fresh_loop_thread(
+        model_repo, lambda runner: placement.choose(cpu, [runner]))
+    shared, anywhere = choice.rates["vibration"]
+    assert shared > 0 and anywhere > 0
+    assert choice.cpu == (cpu if shared_cpu_wins(choice.rates) else None)
+    expected = {cpu} if choice.cpu is not None else set(PROCESS_CPUS)
+    assert loop_cpus == worker_cpus == expected  # the loop and its worker moved together
+    assert "vibration" in choice.describe() and 'loop_cpu = "auto"' in choice.describe()
+    # Thousands of calibration requests ran, none of them in the statistics or metrics.
+    assert runner.stats.success_count == 0 and runner.stats.execution_count == 0
+    assert "edge_batcher_requests_total{" not in metrics.render()
+
+
+@needs_two_cpus
+def test_a_model_whose_workers_run_on_every_cpu_is_not_measured(model_repo):
+    """Workers of long-batch models never follow the loop (cpu_affinity.py): placing the loop
+    alone is not worth a measurement, and threads stay on any CPU."""
+    cpu = choose("auto")
+    choice, loop_cpus, worker_cpus, _runner, _metrics = run_on_fresh_loop_thread(
+        model_repo, lambda runner: placement.choose(cpu, [runner]), every_cpu_from_s=0.0)
+    assert choice.cpu is None and choice.rates == {}
+    assert "no local model" in choice.why
+    assert loop_cpus == worker_cpus == set(PROCESS_CPUS)
+
+
+@needs_two_cpus
+def test_apply_moves_the_loop_and_its_workers_and_back(model_repo):
+    cpu = choose("auto")
+
+    async def body(runner):
+        placement.apply(cpu, [runner])
+        pinned = os.sched_getaffinity(0), os.sched_getaffinity(runner._workers[0].native_id)
+        placement.apply(None, [runner])
+        return pinned
+
+    pinned, loop_cpus, worker_cpus, _runner, _metrics = run_on_fresh_loop_thread(model_repo, body)
+    assert pinned == ({cpu}, {cpu})
+    assert loop_cpus == worker_cpus == set(PROCESS_CPUS)
+
+
+def test_sample_inputs_fit_the_model(model_repo):
+    (mc,) = discover_models(model_repo, ["vibration"])
+    runner = load_runner(mc, Metrics(), False)
+    sample = placement.sample_inputs(runner)
+    assert {k: v.shape for k, v in sample.items()} == {"signal": (1, 256)}
+    runner.validator.validate(runner_module.InferRequest("vibration", sample), check_length=True)
