@@ -19,6 +19,7 @@ import pytest
 from edge_batcher.config import DaemonConfig, MqttSettings
 from edge_batcher.runtime import Runtime
 from edge_batcher.transports.mqtt import MESSAGE_OVERHEAD_BYTES, MqttTransport
+from edge_batcher.transports.mqtt.paho_client import Message
 from tests.support.models import ROOT
 from tests.support.mqtt import INFER, signal_rows, v2_json, wait_until
 
@@ -83,13 +84,22 @@ def test_replies_that_paho_cannot_queue_are_retried(start_transport, mqtt_client
 
 
 def test_a_message_that_expires_while_it_waits_gets_504(served, start_transport, mqtt_client):
+    """The Message Expiry Interval counts from the message's arrival at the daemon. paho hands
+    messages over on the event loop, so a busy loop is simulated at that hand-over: two messages
+    arrive (as paho's reader delivers them), then the loop is busy for 1.5 s before taking them."""
     lt, _ = served
     transport = start_transport()
     client = mqtt_client()
-    lt.loop.call_soon_threadsafe(time.sleep, 1.5)  # the daemon is busy: messages wait to be taken
-    time.sleep(0.1)
-    client.publish(INFER, v2_json(signal_rows(1)), correlation=b"short", expiry_s=1)
-    client.publish(INFER, v2_json(signal_rows(1)), correlation=b"long", expiry_s=60)
+    connection = transport._client.connection
+
+    def arrive_then_busy() -> None:
+        for correlation, expiry in ((b"short", 1), (b"long", 60)):
+            transport._on_message(Message(topic=INFER, payload=v2_json(signal_rows(1)), qos=0, mid=0, dup=False,
+                                          connection=connection, response_topic=client.response_topic,
+                                          correlation_data=correlation, expiry_s=expiry))
+        time.sleep(1.5)  # the daemon is busy: the messages wait to be taken
+
+    lt.loop.call_soon_threadsafe(arrive_then_busy)
     replies = client.collect_correlations({b"short", b"long"}, timeout=20)
     assert replies[b"long"][0].status == "200"
     assert replies[b"short"][0].status == "504"

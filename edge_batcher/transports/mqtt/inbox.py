@@ -1,6 +1,7 @@
 """The MQTT transport's inbox: the messages taken from the broker and not answered yet, bounded
-in bytes (``max_held_bytes``) and, for QoS 0, in number (``max_pending``). paho's thread admits a
-message, the event loop releases it once answered; a lock keeps the two consistent. What does not
+in bytes (``max_held_bytes``) and, for QoS 0, in number (``max_pending``). paho's reader admits a
+message, the transport releases it once answered; a lock keeps the two consistent (paho called
+back on its own thread before issue 20, and a test may still admit from another thread). What does not
 fit is the transport's to defer (QoS 1/2, fetched again by a reconnect) or refuse (QoS 0: 429)."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ class Inbox:
     """Bookkeeping of the messages taken from the broker and not answered yet: their bytes (each
     counted as its payload plus MESSAGE_OVERHEAD_BYTES of Python objects) and how many are QoS 0.
 
-    paho's thread admits, the event loop releases; a lock keeps the two consistent.
+    paho's reader admits, the transport releases; a lock keeps the two consistent.
     """
 
     def __init__(self, max_bytes: int, max_qos0: int):

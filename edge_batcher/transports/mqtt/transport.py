@@ -1,4 +1,4 @@
-"""MqttTransport: serves a Runtime over MQTT. It admits each message from paho's thread to a
+"""MqttTransport: serves a Runtime over MQTT. It admits each message as paho reads it to a
 bounded inbox, answers it on the event loop (at most ``max_pending`` at once: route, decode, infer
 within the message's deadline, encode) and acknowledges a QoS 1/2 request only after its reply was
 published, so that what it could not answer (inbox full, connection lost, daemon stopping) is sent
@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import socket
+import threading
 import time
 from typing import Any
 
@@ -72,6 +73,7 @@ class MqttTransport:
         self._routes: list[StreamRoute] = []
         self._client: PahoClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
         self._inbox = Inbox(settings.max_held_bytes, settings.max_pending)
         self._waiting: collections.deque[Held] = collections.deque()  # in the inbox, not started yet
         self._active = 0  # messages being answered (at most max_pending)
@@ -128,6 +130,7 @@ class MqttTransport:
     async def start(self) -> None:
         s = self.settings
         self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         self._routes = [compile_stream(m, self.runtime, f"{self._where} streams[{i}]") for i, m in enumerate(s.streams)]
         self._client = PahoClient(s, client_id=self.client_id, password=self._password, where=self._where,
                                   subscriptions=self.subscriptions, on_message=self._on_message,
@@ -148,7 +151,7 @@ class MqttTransport:
             self._client.stopping = True
 
     async def stop(self, timeout: float = STOP_GRACE_S) -> None:
-        """Pause, give replies in flight `timeout` seconds, disconnect, stop paho's thread.
+        """Pause, give replies in flight `timeout` seconds, disconnect.
 
         Subscriptions are *not* removed: they belong to the persistent session, and removing them
         would make the broker drop the requests published while we restart."""
@@ -168,7 +171,7 @@ class MqttTransport:
         await client.close()
         log.info("MQTT: stopped (%s)", ", ".join(f"{k} {v}" for k, v in self._counts.items()))
 
-    # ------------------------------------------------------------------ paho's thread (never block)
+    # ------------------------------------------------------------------ inside paho's reads (never block)
 
     def _on_message(self, msg: Message) -> None:
         if not self._accepting:
@@ -196,7 +199,7 @@ class MqttTransport:
 
     def _reject_overloaded(self, msg: Message) -> None:
         """A QoS 0 message with max_pending QoS 0 messages already taken: answer 429 now. Runs on
-        paho's thread, so it only queues the reply (non-blocking); the payload is not parsed, so the
+        paho's read, so it only queues the reply (non-blocking); the payload is not parsed, so the
         reply carries the Correlation Data but not the v2 id. A reply paho cannot queue is dropped
         and counted: QoS 0 promises nothing more."""
         self._counts["rejected"] += 1
@@ -215,12 +218,16 @@ class MqttTransport:
             log.exception("MQTT: could not reject a message on %s", msg.topic)
 
     def _call_on_loop(self, callback, *args) -> bool:
-        """From paho's thread; False when the event loop is closed (we are going away)."""
+        """Run callback on the event loop soon, after paho's read in progress; False when the loop
+        is closed (we are going away). paho calls back on the loop, bar a connecting thread."""
         loop = self._loop
         if loop is None:
             return False
         try:
-            loop.call_soon_threadsafe(callback, *args)
+            if threading.get_ident() == self._loop_thread:
+                loop.call_soon(callback, *args)
+            else:
+                loop.call_soon_threadsafe(callback, *args)
         except RuntimeError:
             return False
         return True
