@@ -168,6 +168,7 @@ class PahoClient:
         self._tracker = _PublishTracker()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
+        self._write_scheduled = False  # a write of paho's queued bytes is due this loop turn
         self._retry: asyncio.Task | None = None  # reconnecting with backoff
         self._housekeeping: asyncio.Task | None = None
         self._last_connect_error: BaseException | None = None
@@ -293,50 +294,64 @@ class PahoClient:
             except RuntimeError:  # the loop is closed: nothing to watch any more
                 pass
 
+    # Sockets are registered with the loop by file descriptor number, recorded when paho opens
+    # the socket: paho closes a socket on the connecting thread before the loop hears of it, and
+    # a closed socket object no longer knows its number.
+
     def _socket_open(self, client: Client, userdata: Any, sock: Any) -> None:
         tcp_no_delay(client, userdata, sock)
-        self._on_loop(self._watch, sock)
+        self._on_loop(self._watch, sock, sock.fileno())
 
-    def _watch(self, sock: Any) -> None:
+    def _watch(self, sock: Any, fd: int) -> None:
         assert self._loop is not None
-        if sock.fileno() >= 0:
-            self._loop.add_reader(sock, self._readable, sock)
+        if sock is self._client.socket():
+            self._loop.add_reader(fd, self._readable, sock, fd)
 
     def _socket_close(self, client: Client, userdata: Any, sock: Any) -> None:
-        self._on_loop(self._unwatch, sock)
+        self._on_loop(self._unwatch, sock.fileno())
 
-    def _unwatch(self, sock: Any) -> None:
+    def _unwatch(self, fd: int) -> None:
         assert self._loop is not None
-        self._loop.remove_reader(sock)
-        self._loop.remove_writer(sock)
+        if fd >= 0:
+            self._loop.remove_reader(fd)
+            self._loop.remove_writer(fd)
 
     def _want_write(self, client: Client, userdata: Any, sock: Any) -> None:
-        self._on_loop(self._watch_writes, sock)
+        self._on_loop(self._write_soon, sock, sock.fileno())
 
-    def _watch_writes(self, sock: Any) -> None:
+    def _write_soon(self, sock: Any, fd: int) -> None:
+        """paho has bytes to send. Written once per loop turn, so that the replies and acks of one
+        turn go out together (no two epoll changes each); only bytes that the socket would not
+        take wait for it to become writable (_writable)."""
         assert self._loop is not None
-        current: Any = self._client.socket()
-        if sock is current and sock.fileno() >= 0:  # not replaced or closed meanwhile
-            self._loop.add_writer(sock, self._writable, sock)
+        if sock is self._client.socket() and not self._write_scheduled:
+            self._write_scheduled = True
+            self._loop.call_soon(self._writable, sock, fd)
 
     def _wrote_all(self, client: Client, userdata: Any, sock: Any) -> None:
-        self._on_loop(self._unwatch_writes, sock)
+        pass  # _writable stops watching once paho has written everything
 
-    def _unwatch_writes(self, sock: Any) -> None:
-        assert self._loop is not None
-        self._loop.remove_writer(sock)
-
-    def _readable(self, sock: Any) -> None:
+    def _readable(self, sock: Any, fd: int) -> None:
         if sock is not self._client.socket():  # left from a connection paho has replaced
-            self._unwatch(sock)
+            self._unwatch(fd)
             return
         self._client.loop_read()
 
-    def _writable(self, sock: Any) -> None:
-        if sock is not self._client.socket():
-            self._unwatch_writes(sock)
+    def _writable(self, sock: Any, fd: int) -> None:
+        assert self._loop is not None
+        self._write_scheduled = False
+        current: Any = self._client.socket()
+        if sock is not current:  # replaced since (its number may be the new socket's): write that one
+            if current is not None and self._client.want_write():
+                self._write_soon(current, current.fileno())
             return
         self._client.loop_write()
+        # paho asks to be told of writability only once until all is written: if the socket took
+        # only part, watch it until it takes the rest.
+        if sock is self._client.socket() and self._client.want_write():
+            self._loop.add_writer(fd, self._writable, sock, fd)
+        else:
+            self._loop.remove_writer(fd)
 
     async def wait_connected(self, timeout: float | None = None) -> bool:
         """Wait until connected and subscribed; False when `timeout` passes first."""
