@@ -83,8 +83,8 @@ class ServerSettings:
     drain_timeout_s: float = 30.0
     log_level: str = "INFO"
     log_format: str = "auto"  # auto | plain | journald | json
-    # The CPU shared by the event loop and the engine worker threads (edge_batcher/cpu_affinity.py):
-    # "auto" (the highest CPU the process may use), "off", or a CPU number as a string ("3").
+    # Whether the event loop and the engine worker threads share one CPU (cpu_affinity.py):
+    # "auto" (measured after warm-up, placement.py), "off", or a CPU number as a string ("3").
     loop_cpu: str = "auto"
 
 

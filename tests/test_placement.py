@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 
-import pytest
-
 from edge_batcher import placement
 from edge_batcher.cpu_affinity import PROCESS_CPUS, choose
 from edge_batcher.metrics import Metrics

@@ -6,14 +6,15 @@ Each round runs, one after another on the same machine and the same demo vibrati
 * **MLServer** (the `.venv-mlserver` that `make test` creates) with adaptive batching (max 8,
   2 ms) on TCP, loaded with v2 JSON by `edge_batcher.bench_http` (closed loop);
 * **edge-batcher, Unix socket**: `edge-batcher serve`, the same JSON requests and load;
-* **bare MQTT responder**: a paho client that answers every request at once with a fixed
-  reply (QoS 1): the floor that mosquitto and paho allow here, loaded by `edge_batcher.bench_mqtt`;
+* **bare MQTT responder**: a paho client (its own process) that answers every request at once
+  with a fixed reply (QoS 1): the floor that mosquitto and paho allow here, loaded by
+  `edge_batcher.bench_mqtt`;
 * **edge-batcher, MQTT**: the same daemon through the same broker and load.
 
-For the servers it prints CPU seconds per request: the whole process tree, and the daemon's
-event-loop thread alone. The table gives medians over the rounds and the two ratios issue 20
-sets goals for (Unix socket >= 3x MLServer with a lower p99; MQTT >= 0.8 of the responder with
-p50 <= 2x). `--daemon KEY=VALUE` sets daemon config keys ("server.loop_cpu=off",
+For every server it prints CPU time per request: the whole process tree, and its main thread
+alone (the daemon's event loop; the responder's main thread runs paho's network loop). The
+table gives medians over the rounds and the two ratios issue 20 sets goals for (Unix socket
+>= 3x MLServer with a lower p99; MQTT >= 0.8 of the responder with p50 <= 2x). `--daemon KEY=VALUE` sets daemon config keys ("server.loop_cpu=off",
 "mqtt.max_inflight=256") to measure one lever at a time; `--baseline DIR` also runs the daemon
 from another checkout (`git worktree add /tmp/base HEAD~3`) in the same rounds, so a change to
 the code is measured side by side with the code before it.
@@ -163,7 +164,9 @@ def start_daemon(home: Path, repo: Path, broker_port: int | None, settings: dict
     return Server(proc, f"unix://{sock}")
 
 
-def bare_responder(port: int) -> Client:
+def bare_responder(port: int) -> None:
+    """Answer every request at once, from paho's network thread, until killed (a subprocess:
+    `bench_compare.py --bare-responder PORT`, so that its CPU is counted like a server's)."""
     client = Client(CallbackAPIVersion.VERSION2, client_id="bare-responder", protocol=MQTTProtocolVersion.MQTTv5)
     client.max_inflight_messages_set(1000)
 
@@ -173,13 +176,23 @@ def bare_responder(port: int) -> Client:
         props.UserProperty = [("status", "200")]
         c.publish(msg.properties.ResponseTopic, REPLY, qos=1, properties=props)
 
+    def on_subscribe(*args) -> None:
+        print("subscribed", flush=True)
+
     client.on_socket_open = tcp_no_delay
     client.on_message = on_message
+    client.on_subscribe = on_subscribe
     client.connect("127.0.0.1", port)
     client.subscribe(f"{PREFIX}/infer/+", qos=1)
-    client.loop_start()
-    time.sleep(0.3)
-    return client
+    client.loop_forever()
+
+
+def start_bare_responder(port: int) -> Server:
+    proc = subprocess.Popen([sys.executable, __file__, "--bare-responder", str(port)], stdout=subprocess.PIPE)
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != b"subscribed":
+        raise RuntimeError(f"the bare responder did not subscribe (exit {proc.poll()})")
+    return Server(proc, f"mqtt://127.0.0.1:{port}")
 
 
 def measured(load, server: Server | None) -> dict:
@@ -209,6 +222,9 @@ def parse_settings(pairs: list[str]) -> dict[str, dict]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--bare-responder"]:
+        bare_responder(int(sys.argv[2]))
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=3.0)
@@ -253,12 +269,11 @@ def main() -> None:
                 finally:
                     server.stop()
             if "mqtt-bare" in phases:
-                bare = bare_responder(broker.port)
+                bare = start_bare_responder(broker.port)
                 try:
-                    results["mqtt-bare"].append(measured(mqtt_load, None))
+                    results["mqtt-bare"].append(measured(mqtt_load, bare))
                 finally:
-                    bare.disconnect()
-                    bare.loop_stop()
+                    bare.stop()
             for source, suffix in ((ROOT, ""), *(((args.baseline, " (baseline)"),) if args.baseline else ())):
                 if not {"unix", "mqtt"} & set(phases):
                     break
