@@ -130,8 +130,12 @@ class Daemon:
             if measure_placement and cpu is not None:
                 self.notifier.extend_timeout(LOAD_TIMEOUT_EXTENSION_S)
                 self.notifier.status("measuring the CPU placement")
-                choice = await placement.choose(cpu, self.runtime.local_runners())
-                log.info("%s", choice.describe())
+                try:
+                    choice = await placement.choose(cpu, self.runtime.local_runners())
+                    log.info("%s", choice.describe())
+                except OSError as exc:  # the system refused an affinity change: a slower daemon, not a broken one
+                    log.warning("could not measure or apply the CPU placement ([server] loop_cpu = \"auto\"): %s; "
+                                "threads run where the OS puts them", exc)
             await self._listen()
             await self._listen_grpc()
             if self.mqtt is not None:
