@@ -14,8 +14,9 @@ Each round runs, one after another on the same machine and the same demo vibrati
 For every server it prints CPU time per request: the whole process tree, and its main thread
 alone (the daemon's event loop; the responder's main thread runs paho's network loop). The
 table gives medians over the rounds and the two ratios issue 20 sets goals for (Unix socket
->= 3x MLServer with a lower p99; MQTT >= 0.8 of the responder with p50 <= 2x). `--daemon KEY=VALUE` sets daemon config keys ("server.loop_cpu=off",
-"mqtt.max_inflight=256") to measure one lever at a time; `--baseline DIR` also runs the daemon
+>= 3x MLServer with a lower p99; MQTT >= 0.8 of the responder with p50 <= 2x). `--daemon
+SECTION.KEY=VALUE` sets daemon config keys ("server.loop_cpu=off", "mqtt.max_inflight=256") to
+measure one lever at a time; `--baseline DIR` also runs the daemon
 from another checkout (`git worktree add /tmp/base HEAD~3`) in the same rounds, so a change to
 the code is measured side by side with the code before it.
 
