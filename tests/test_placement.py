@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+from pathlib import Path
+
+import numpy as np
 
 from edge_batcher import placement
+from edge_batcher.config import BatchingSettings, ModelConfig
 from edge_batcher.cpu_affinity import PROCESS_CPUS, choose
 from edge_batcher.metrics import Metrics
 from edge_batcher.placement import shared_cpu_wins
 from edge_batcher.runtime import discover_models, load_runner
 from edge_batcher.scheduler import runner as runner_module
+from edge_batcher.scheduler.runner import ModelRunner
+from edge_batcher.types import TensorSpec
 from tests.test_cpu_affinity import in_thread, needs_two_cpus
 
 
@@ -104,3 +110,40 @@ def test_sample_inputs_fit_the_model(model_repo):
     sample = placement.sample_inputs(runner)
     assert {k: v.shape for k, v in sample.items()} == {"signal": (1, 256)}
     runner.validator.validate(runner_module.InferRequest("vibration", sample), check_length=True)
+
+
+class FailsOnRealDataEngine:
+    """Passes warm-up (all-zero batches), fails every real request: a broken model."""
+
+    inputs = [TensorSpec("x", "FP32", (-1, 2))]
+    outputs = [TensorSpec("y", "FP32", (-1, 2))]
+
+    def infer(self, inputs):
+        if np.any(inputs["x"]):
+            raise RuntimeError("injected: this engine fails real data")
+        return {"y": inputs["x"]}
+
+    def close(self) -> None:
+        pass
+
+
+@needs_two_cpus
+def test_a_model_that_fails_hands_the_measurement_to_the_next(model_repo):
+    """The broken model has the shortest batches, so it is tried first; the daemon still gets a
+    measured placement, from the demo model, and starts."""
+    cpu = choose("auto")
+
+    async def body(vibration):
+        config = ModelConfig(name="broken", directory=Path("."),
+                             batching=BatchingSettings(preferred_batch_sizes=[1, 2], max_batch_size=2))
+        broken = ModelRunner(config, [FailsOnRealDataEngine()], Metrics())
+        await asyncio.get_running_loop().run_in_executor(None, broken.warm_up)
+        await broken.start()
+        try:
+            return await placement.choose(cpu, [broken, vibration])
+        finally:
+            await broken.close()
+
+    choice, *_ = run_on_fresh_loop_thread(model_repo, body)
+    assert set(choice.rates) == {"vibration"}
+    assert "vibration" in choice.why and "failed" not in choice.why
