@@ -22,7 +22,7 @@ the code is measured side by side with the code before it.
 
 Usage: python tools/bench_compare.py [--rounds 3] [--seconds 3] [--concurrency 32]
            [--phases mlserver,unix,mqtt-bare,mqtt] [--daemon server.loop_cpu=off] [--baseline DIR]
-           [--json FILE]
+           [--mqtt-binary] [--json FILE]
 """
 
 from __future__ import annotations
@@ -234,6 +234,8 @@ def main() -> None:
     ap.add_argument("--mlserver-workers", type=int, default=1,
                     help="MLServer parallel_workers (its default 1; 0: in-process)")
     ap.add_argument("--daemon", action="append", default=[], help="daemon config SECTION.KEY=VALUE")
+    ap.add_argument("--mqtt-binary", action="store_true",
+                    help="MQTT requests in the v2 binary extension, not JSON (the responder answers alike)")
     ap.add_argument("--baseline", type=Path, help="another checkout whose daemon runs in the same rounds")
     ap.add_argument("--json", type=Path, help="also write every run's figures here")
     args = ap.parse_args()
@@ -259,7 +261,7 @@ def main() -> None:
 
     def mqtt_load(warm):
         return bench_mqtt(mqtt_address, topic_prefix=PREFIX, duration_s=warm or args.seconds, warmup_s=0,
-                          concurrency=args.concurrency)
+                          concurrency=args.concurrency, binary=args.mqtt_binary)
 
     try:
         for r in range(args.rounds):
@@ -308,7 +310,7 @@ def report(results: dict[str, list[dict]], args, settings: dict) -> str:
               "unix (baseline)": "baseline, Unix socket", "mqtt (baseline)": "baseline, MQTT"}
     lines = [f"{date.today()}, {platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}; "
              f"medians of {args.rounds} rounds of {args.seconds:g} s, {args.concurrency} closed-loop clients, "
-             f"v2 JSON, demo vibration model; daemon settings {settings or 'defaults'}",
+             f"v2 JSON{' (MQTT: binary)' if args.mqtt_binary else ''}, demo vibration model; daemon settings {settings or 'defaults'}",
              f"{'':28} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'CPU us/req':>11} {'loop us/req':>12}"]
     for name in results:
         lines.append(f"{labels[name]:28} {med(name, 'throughput_rps'):8.0f} {med(name, 'latency_ms', 'p50'):8.2f} "
