@@ -310,7 +310,8 @@ def report(results: dict[str, list[dict]], args, settings: dict) -> str:
               "unix (baseline)": "baseline, Unix socket", "mqtt (baseline)": "baseline, MQTT"}
     lines = [f"{date.today()}, {platform.node()}: {os.cpu_count()} CPUs, Python {platform.python_version()}; "
              f"medians of {args.rounds} rounds of {args.seconds:g} s, {args.concurrency} closed-loop clients, "
-             f"v2 JSON{' (MQTT: binary)' if args.mqtt_binary else ''}, demo vibration model; daemon settings {settings or 'defaults'}",
+             f"v2 JSON{' (MQTT: binary)' if args.mqtt_binary else ''}, demo vibration model; "
+             f"daemon settings {settings or 'defaults'}",
              f"{'':28} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8} {'CPU us/req':>11} {'loop us/req':>12}"]
     for name in results:
         lines.append(f"{labels[name]:28} {med(name, 'throughput_rps'):8.0f} {med(name, 'latency_ms', 'p50'):8.2f} "
