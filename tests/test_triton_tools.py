@@ -8,11 +8,13 @@ requests go through the clients' own async_infer.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import socket
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,7 @@ import onnxruntime as ort
 import pytest
 
 from tests.support.daemon import DaemonProcess
+from tests.support.faulty_engine import HELD, RELEASE_ENV
 from tests.support.models import add_vibration_variant
 
 httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the dev extra")
@@ -32,10 +35,6 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 TOKEN = "triton-tools-token"
 GRPC_HEADERS = {"authorization": f"Bearer {TOKEN}"}
 OUTPUTS = ("class_probs", "class_id", "anomaly_score")
-# tests/support/faulty_engine.py: a batch holding it takes 2 s, long enough for 18 requests to
-# queue behind it even when each comes from a thread with its own connection (0.5 s was not, on
-# a clean-clone CI run: the second urgent request arrived after the first batch had left).
-SLOW = -2000.0
 
 
 def headers() -> dict[str, str]:
@@ -59,7 +58,8 @@ class Endpoints:
         config = (f'[server]\nhttp = "{self.http}"\ntoken_file = "{home / "token"}"\n'
                   f'grpc = ["{self.grpc_tcp}", "{self.grpc_unix}"]\n'
                   '[models]\nload = ["vibration", "faulty"]\n')
-        self.daemon = DaemonProcess(home, config, repo=model_repo)
+        self.release = home / "release"  # tests/support/faulty_engine.py: HELD batches wait for it
+        self.daemon = DaemonProcess(home, config, repo=model_repo, env={RELEASE_ENV: str(self.release)})
         self.model_repo = model_repo
 
     def http_client(self):
@@ -77,7 +77,7 @@ def endpoints(tmp_path_factory, model_repo):
     # level (the scheduler's 2), not the default (the scheduler's 1, which the old scale gave).
     add_vibration_variant(repo, "faulty", "tests.support.faulty_engine:FaultyOnnxEngine",
                           "max_queue_delay_ms = 2.0\npriority_levels = 3\ndefault_priority = 1\nqueue_capacity = 64\n"
-                          "default_timeout_ms = 15000\n")  # the queue behind two 2 s batches waits ~4 s
+                          "default_timeout_ms = 15000\n")  # the queue waits behind two held batches
     e = Endpoints(tmp_path_factory.mktemp("triton-tools"), repo)
     e.daemon.start().wait_ready()
     yield e
@@ -210,10 +210,19 @@ def test_grpc_statistics_equal_http_statistics(endpoints) -> None:
     assert int(over_grpc["execution_count"]) == over_http["execution_count"]
 
 
-def _completion_order(submit, count_default: int) -> list[str]:
-    """Hold the engine with slow batches (one in each of its two batch slots), queue
-    `count_default` default-priority requests and then two priority-1 requests behind them; the
-    order in which they are answered."""
+def _queue_depth(endpoints: Endpoints, model: str) -> int:
+    request = urllib.request.Request(f"http://{endpoints.http}/v2/models/{model}/stats", headers=headers())
+    with urllib.request.urlopen(request, timeout=5) as r:
+        return json.load(r)["model_stats"][0]["queue_depth"]
+
+
+def _completion_order(endpoints: Endpoints, submit, count_default: int) -> list[str]:
+    """Hold the engine with two batches that wait for a release file (one in each of its two
+    batch slots), queue `count_default` default-priority requests and then two priority-1
+    requests behind them, wait until the daemon reports all of them queued, release; the order
+    in which they are answered. Deterministic: however slowly the clients connect, nothing is
+    dispatched before every request is waiting."""
+    endpoints.release.unlink(missing_ok=True)
     order: list[str] = []
     lock = threading.Lock()
     done = threading.Event()
@@ -227,14 +236,21 @@ def _completion_order(submit, count_default: int) -> list[str]:
                     done.set()
         return callback
 
-    slow = np.full((1, 256), SLOW, np.float32)
-    for _ in range(2):
-        submit(slow, None, lambda *_: None)
-        time.sleep(0.05)  # dispatched alone (after max_queue_delay_ms)
-    for i in range(count_default):
-        submit(_windows(1, i), None, answered("default"))
-    for _ in range(2):
-        submit(_windows(1, 99), 1, answered("urgent"))
+    held = np.full((1, 256), HELD, np.float32)
+    try:
+        for _ in range(2):
+            submit(held, None, lambda *_: None)
+            time.sleep(0.05)  # dispatched alone (after max_queue_delay_ms)
+        for i in range(count_default):
+            submit(_windows(1, i), None, answered("default"))
+        for _ in range(2):
+            submit(_windows(1, 99), 1, answered("urgent"))
+        deadline = time.monotonic() + 30
+        while _queue_depth(endpoints, "faulty") < total:
+            assert time.monotonic() < deadline, f"only {_queue_depth(endpoints, 'faulty')} of {total} queued"
+            time.sleep(0.02)
+    finally:
+        endpoints.release.touch()
     assert done.wait(30), f"only {len(order)} of {total} answered"
     return order
 
@@ -260,7 +276,7 @@ def test_priority_1_is_served_before_default_priority_requests_queued_earlier(en
             client.async_infer("faulty", [_grpc_input(x)], callback=lambda result, error: callback(result, error),
                                headers=GRPC_HEADERS, priority=priority or 0)
 
-    order = _completion_order(submit, count_default=16)
+    order = _completion_order(endpoints, submit, count_default=16)
     client.close()
     # The first batch after the slow one (8 rows) takes both urgent requests: the scheduler's
     # higher level first, though 16 default ones were waiting longer.

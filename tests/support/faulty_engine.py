@@ -4,12 +4,16 @@ Clearly a test double, used as `backend = "tests.support.faulty_engine:FaultyOnn
 a test model.toml. It runs the real model; only batches carrying a sentinel value misbehave:
   -999 anywhere in the batch: infer() raises (an engine failure);
   -500 anywhere in the batch: infer() sleeps 0.5 s first (a slow batch, to build a queue);
-  -2000: it sleeps 2 s (a queue built by slow clients, e.g. a thread and a connection each).
+  -2000: it sleeps 2 s (a queue built by slow clients, e.g. a thread and a connection each);
+  -3000: it waits until the file named by the environment variable FAULTY_ENGINE_RELEASE
+         exists (at most 60 s): a queue that the test builds at its own pace, then releases.
 """
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -18,6 +22,8 @@ from edge_batcher.engines.onnxruntime import OnnxRuntimeEngine
 FAIL = -999.0
 SLOW = -500.0
 VERY_SLOW = -2000.0
+HELD = -3000.0
+RELEASE_ENV = "FAULTY_ENGINE_RELEASE"
 
 
 class FaultyOnnxEngine(OnnxRuntimeEngine):
@@ -29,6 +35,11 @@ class FaultyOnnxEngine(OnnxRuntimeEngine):
             time.sleep(0.5)
         elif np.any(values == VERY_SLOW):
             time.sleep(2.0)
+        elif np.any(values == HELD):
+            release = Path(os.environ.get(RELEASE_ENV, "/nonexistent"))
+            deadline = time.monotonic() + 60
+            while not release.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
         return super().infer(inputs)
 
 
