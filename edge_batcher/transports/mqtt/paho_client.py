@@ -279,7 +279,10 @@ class PahoClient:
         on a broker that stopped answering (then on_disconnect, and a reconnect)."""
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
-            self._client.loop_misc()
+            try:
+                self._client.loop_misc()
+            except Exception:  # a paho bug must not end the keepalive for good
+                log.exception("MQTT: paho's keepalive check failed; trying again in %g s", HOUSEKEEPING_S)
 
     # ------------------------------------------------------------------ the socket on the event loop
 
