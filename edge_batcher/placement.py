@@ -18,7 +18,6 @@ hands the measurement to the next.
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import statistics
 import time
@@ -30,8 +29,6 @@ from .cpu_affinity import pin_this_thread, pin_thread
 from .errors import EdgeBatcherError
 from .scheduler.runner import ModelRunner
 from .types import DATATYPE_TO_NUMPY, InferRequest
-
-log = logging.getLogger(__name__)
 
 ROUNDS = 3
 SECONDS_PER_RUN = 0.2  # 1.2 s in all: 3 rounds of both placements
