@@ -96,3 +96,15 @@ def test_open_loop_arrivals_keep_their_schedule_and_latency_counts_from_the_arri
     # its end; timing from submission would see at most the one then in flight.
     waited_out = sum(1 for latency in latencies if latency >= 0.5 * stall)
     assert waited_out >= 0.25 * rate * stall
+
+
+def test_the_http_load_generator_counts_answers_by_status(daemon):
+    """edge_batcher/bench_http.py (tools/bench_compare.py's load) against a real daemon: every
+    answer framed and counted, for a served model and an unknown one."""
+    from edge_batcher.bench_http import bench_http
+
+    ok = bench_http(f"unix://{daemon.socket}", duration_s=0.3, warmup_s=0.1, concurrency=4)
+    assert ok["requests"] > 0 and ok["status"] == {"200": ok["requests"]}
+    assert 0 < ok["latency_ms"]["p50"] <= ok["latency_ms"]["p99"] <= ok["latency_ms"]["max"]
+    missing = bench_http(f"unix://{daemon.socket}", model="nosuch", duration_s=0.2, warmup_s=0, concurrency=2)
+    assert missing["requests"] > 0 and missing["status"] == {"404": missing["requests"]}
