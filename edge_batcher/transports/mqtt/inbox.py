@@ -1,12 +1,10 @@
 """The MQTT transport's inbox: the messages taken from the broker and not answered yet, bounded
 in bytes (``max_held_bytes``) and, for QoS 0, in number (``max_pending``). paho's reader admits a
-message, the transport releases it once answered; a lock keeps the two consistent (paho called
-back on its own thread before issue 20, and a test may still admit from another thread). What does not
+message and the transport releases it once answered, both on the event loop. What does not
 fit is the transport's to defer (QoS 1/2, fetched again by a reconnect) or refuse (QoS 0: 429)."""
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 from .paho_client import Message
@@ -16,13 +14,9 @@ MESSAGE_OVERHEAD_BYTES = 2048  # a held message's Python objects, properties, bo
 
 class Inbox:
     """Bookkeeping of the messages taken from the broker and not answered yet: their bytes (each
-    counted as its payload plus MESSAGE_OVERHEAD_BYTES of Python objects) and how many are QoS 0.
-
-    paho's reader admits, the transport releases; a lock keeps the two consistent.
-    """
+    counted as its payload plus MESSAGE_OVERHEAD_BYTES of Python objects) and how many are QoS 0."""
 
     def __init__(self, max_bytes: int, max_qos0: int):
-        self._lock = threading.Lock()
         self.max_bytes = max_bytes
         self.max_qos0 = max_qos0
         self.bytes = 0
@@ -32,23 +26,21 @@ class Inbox:
     def admit(self, qos: int, cost: int) -> bool:
         """Take a message of `cost` bytes. A QoS 0 message needs one of max_pending places; a QoS 1/2
         message needs room in max_bytes (an empty inbox always takes one, however large)."""
-        with self._lock:
-            if qos == 0:
-                if self.qos0 >= self.max_qos0:
-                    return False
-                self.qos0 += 1
-            elif self.count and self.bytes + cost > self.max_bytes:
+        if qos == 0:
+            if self.qos0 >= self.max_qos0:
                 return False
-            self.bytes += cost
-            self.count += 1
-            return True
+            self.qos0 += 1
+        elif self.count and self.bytes + cost > self.max_bytes:
+            return False
+        self.bytes += cost
+        self.count += 1
+        return True
 
     def release(self, qos: int, cost: int) -> None:
-        with self._lock:
-            self.bytes -= cost
-            self.count -= 1
-            if qos == 0:
-                self.qos0 -= 1
+        self.bytes -= cost
+        self.count -= 1
+        if qos == 0:
+            self.qos0 -= 1
 
 
 @dataclass(eq=False)

@@ -331,9 +331,6 @@ class PahoClient:
             self._write_scheduled = True
             self._loop.call_soon(self._writable, sock, fd)
 
-    def _wrote_all(self, client: Client, userdata: Any, sock: Any) -> None:
-        pass  # _writable stops watching once paho has written everything
-
     def _readable(self, sock: Any, fd: int) -> None:
         if sock is not self._client.socket():  # left from a connection paho has replaced
             self._unwatch(fd)
@@ -463,8 +460,7 @@ class PahoClient:
                 client.tls_insecure_set(True)
         client.on_socket_open = self._socket_open
         client.on_socket_close = self._socket_close
-        client.on_socket_register_write = self._want_write
-        client.on_socket_unregister_write = self._wrote_all
+        client.on_socket_register_write = self._want_write  # no unregister: _writable knows when all is out
         client.on_connect = self._on_connect
         client.on_connect_fail = self._on_connect_fail
         client.on_disconnect = self._on_disconnect
@@ -554,62 +550,46 @@ def _is_published(info: MQTTMessageInfo) -> bool:
 
 
 class _PublishTracker:
-    """Futures that resolve when paho reports a publish as sent (on_publish).
+    """Futures that resolve when paho reports a publish as sent (on_publish). All of it runs on
+    the event loop: paho calls back inside the loop's reads and writes.
 
-    on_publish may run (inside paho's write) before publish() has even returned our mid, so a mid that
-    completes before anyone waits on it is remembered in `early` and consumed by the waiter. Every
-    mid is either waited on or forgotten, so neither table grows.
+    paho writes what publish() queued on a later loop turn, so on_publish comes after wait(); a
+    mid that completes before anyone waits on it (were paho to write at once) is still
+    remembered in `early` and consumed by the waiter. Every mid is either waited on or
+    forgotten, so neither table grows.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._waiters: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._waiters: dict[int, asyncio.Future] = {}
         self._early: dict[int, bool] = {}
         self._ignored: set[int] = set()
 
     def wait(self, loop: asyncio.AbstractEventLoop, mid: int) -> asyncio.Future:
         future = loop.create_future()
-        with self._lock:
-            self._ignored.discard(mid)  # a new publish reuses the mid of one that never completed
-            ok = self._early.pop(mid, None)
-            if ok is None:
-                self._waiters[mid] = (loop, future)
-                return future
-        future.set_result(ok)
+        self._ignored.discard(mid)  # a new publish reuses the mid of one that never completed
+        ok = self._early.pop(mid, None)
+        if ok is None:
+            self._waiters[mid] = future
+        else:
+            future.set_result(ok)
         return future
 
     def done(self, mid: int, ok: bool) -> None:
-        """Called by paho's on_publish (on the event loop, or on a thread that connects)."""
-        with self._lock:
-            if mid in self._ignored:
-                self._ignored.discard(mid)
-                return
-            entry = self._waiters.pop(mid, None)
-            if entry is None:
-                self._early[mid] = ok
-                return
-        loop, future = entry
-        if _running_loop() is loop:
-            _resolve(future, ok)
+        """Called by paho's on_publish."""
+        if mid in self._ignored:
+            self._ignored.discard(mid)
             return
-        try:
-            loop.call_soon_threadsafe(_resolve, future, ok)
-        except RuntimeError:  # the loop is closed: nobody waits any more
-            pass
+        future = self._waiters.pop(mid, None)
+        if future is None:
+            self._early[mid] = ok
+        else:
+            _resolve(future, ok)
 
     def forget(self, mid: int, pending: bool = True) -> None:
         """Nobody will wait for `mid`; `pending`: its on_publish may still come (ignore it then)."""
-        with self._lock:
-            self._waiters.pop(mid, None)
-            if self._early.pop(mid, None) is None and pending:
-                self._ignored.add(mid)
-
-
-def _running_loop() -> asyncio.AbstractEventLoop | None:
-    try:
-        return asyncio.get_running_loop()
-    except RuntimeError:
-        return None
+        self._waiters.pop(mid, None)
+        if self._early.pop(mid, None) is None and pending:
+            self._ignored.add(mid)
 
 
 def _resolve(future: asyncio.Future, value: Any) -> None:

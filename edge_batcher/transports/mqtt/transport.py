@@ -15,7 +15,6 @@ import functools
 import json
 import logging
 import socket
-import threading
 import time
 from typing import Any
 
@@ -73,7 +72,6 @@ class MqttTransport:
         self._routes: list[StreamRoute] = []
         self._client: PahoClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: int | None = None
         self._inbox = Inbox(settings.max_held_bytes, settings.max_pending)
         self._waiting: collections.deque[Held] = collections.deque()  # in the inbox, not started yet
         self._active = 0  # messages being answered (at most max_pending)
@@ -130,7 +128,6 @@ class MqttTransport:
     async def start(self) -> None:
         s = self.settings
         self._loop = asyncio.get_running_loop()
-        self._loop_thread = threading.get_ident()
         self._routes = [compile_stream(m, self.runtime, f"{self._where} streams[{i}]") for i, m in enumerate(s.streams)]
         self._client = PahoClient(s, client_id=self.client_id, password=self._password, where=self._where,
                                   subscriptions=self.subscriptions, on_message=self._on_message,
@@ -218,18 +215,12 @@ class MqttTransport:
             log.exception("MQTT: could not reject a message on %s", msg.topic)
 
     def _call_on_loop(self, callback, *args) -> bool:
-        """Run callback on the event loop soon, after paho's read in progress; False when the loop
-        is closed (we are going away). paho calls back on the loop, bar a connecting thread."""
+        """Run callback on the event loop once paho's read in progress is done (paho calls back
+        inside its reads, on the loop); False when the loop is closed (we are going away)."""
         loop = self._loop
-        if loop is None:
+        if loop is None or loop.is_closed():
             return False
-        try:
-            if threading.get_ident() == self._loop_thread:
-                loop.call_soon(callback, *args)
-            else:
-                loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:
-            return False
+        loop.call_soon(callback, *args)
         return True
 
     # ------------------------------------------------------------------ the inbox (event loop)
