@@ -19,7 +19,7 @@ import pytest
 from edge_batcher.config import DaemonConfig, MqttSettings
 from edge_batcher.runtime import Runtime
 from edge_batcher.transports.mqtt import MESSAGE_OVERHEAD_BYTES, MqttTransport
-from edge_batcher.transports.mqtt.paho_client import Message
+from edge_batcher.transports.mqtt.messages import Message
 from tests.support.models import ROOT
 from tests.support.mqtt import INFER, signal_rows, v2_json, wait_until
 

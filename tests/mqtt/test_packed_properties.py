@@ -6,7 +6,7 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from edge_batcher.transports.mqtt.paho_client import PackedProperties, Reply
+from edge_batcher.transports.mqtt.messages import PackedProperties, Reply
 
 
 @pytest.mark.parametrize("reply", [

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .paho_client import Message
+from .messages import Message
 
 MESSAGE_OVERHEAD_BYTES = 2048  # a held message's Python objects, properties, bookkeeping (~1.9 KiB measured)
 

@@ -4,8 +4,8 @@ aiomqtt does, behind a small interface. paho's reads, writes and callbacks run o
 thread hop and no GIL hand-over per message, and a publish or an ack is a write on the loop
 (issue 20: a paho thread cost the loop a wake-up per reply and per ack). Only connecting
 (DNS, TCP, TLS: blocking) runs in the loop's executor, and paho opens the socket there. An
-incoming MQTTMessage becomes the package's own frozen Message at this edge, stamped with the
-connection it arrived on. A publish is tracked until paho reports it sent (QoS 1: the broker's
+incoming MQTTMessage becomes the package's own frozen Message at this edge (messages.py),
+stamped with the connection it arrived on. A publish is tracked until paho reports it sent (QoS 1: the broker's
 PUBACK), retried while paho's outgoing queue is full, and an ack goes back only on the
 connection its message came from. A lost connection is retried with backoff
 (reconnect_min_s..reconnect_max_s). docs/mqtt.md describes the whole flow.
@@ -20,8 +20,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 from paho.mqtt.client import Client, MQTTMessage, MQTTMessageInfo
 from paho.mqtt.enums import CallbackAPIVersion, MQTTErrorCode, MQTTProtocolVersion
@@ -30,106 +29,16 @@ from paho.mqtt.properties import Properties
 
 from ...config import MqttSettings
 from ...errors import ConfigError
+from .messages import Message, Reply, message_from_paho, publish_properties
 
 log = logging.getLogger(__name__)
 
-STATUS_PROPERTY = "status"
 PUBLISH_RECHECK_S = 5.0  # a reply not reported sent by then is checked against paho's own flag
 QUEUE_RETRY_S = 0.01  # a reply paho cannot queue yet (max_queued) is tried again after this long
 LOG_INTERVAL_S = 10.0  # repeated warnings (outgoing queue full, session taken over) are logged at most this often
 SESSION_TAKEN_OVER = 0x8E  # MQTT 5 DISCONNECT reason: another connection took our client id
 HOUSEKEEPING_S = 1.0  # how often paho's keepalive duties run (loop_misc)
 RECONNECT_DRAIN_S = 2.0  # the longest a reconnect or close waits for the DISCONNECT to go out
-
-
-@dataclass(frozen=True)
-class Message:
-    """A message from the broker, copied out of paho's MQTTMessage as it arrives."""
-
-    topic: str
-    payload: bytes
-    qos: int
-    mid: int
-    dup: bool
-    connection: int  # the connection (counted by CONNACKs) it arrived on: its ack goes back only there
-    response_topic: str | None = None
-    correlation_data: bytes | None = None
-    content_type: str | None = None
-    user_properties: tuple[tuple[str, str], ...] = ()
-    expiry_s: int | None = None  # the MQTT 5 Message Expiry Interval left when it arrived
-
-
-@dataclass(frozen=True)
-class Reply:
-    """A message to publish: the status travels in the user property "status", before any other."""
-
-    topic: str
-    payload: bytes
-    status: int
-    content_type: str
-    correlation_data: bytes | None = None
-    user_properties: tuple[tuple[str, str], ...] = ()
-
-
-def message_from_paho(msg: MQTTMessage, connection: int) -> Message:
-    props = msg.properties
-    return Message(
-        topic=msg.topic,
-        payload=cast(bytes, msg.payload),  # bytes when received (paho's struct.unpack); bytearray is outgoing
-        qos=msg.qos,
-        mid=msg.mid,
-        dup=bool(msg.dup),
-        connection=connection,
-        response_topic=getattr(props, "ResponseTopic", None),
-        correlation_data=getattr(props, "CorrelationData", None),
-        content_type=getattr(props, "ContentType", None),
-        user_properties=tuple((name, value) for name, value in getattr(props, "UserProperty", None) or ()),
-        expiry_s=getattr(props, "MessageExpiryInterval", None),
-    )
-
-
-class PackedProperties:
-    """A reply's MQTT 5 PUBLISH properties, encoded once. paho only calls `pack()` on the
-    properties it is given (to write the packet, and again to resend it after a reconnect), and
-    its own Properties class costs ~37 us per reply to fill and pack (a tenth of the MQTT path's
-    CPU per request, issue 20); this writes the same bytes in ~3 us (tested against paho's
-    Properties.unpack)."""
-
-    packetType = PacketTypes.PUBLISH  # noqa: N815 - paho's attribute name
-
-    def __init__(self, reply: Reply):
-        out = bytearray()
-        if reply.correlation_data is not None:
-            out += b"\x09" + _binary(reply.correlation_data)
-        out += b"\x03" + _binary(reply.content_type.encode())
-        for name, value in ((STATUS_PROPERTY, str(reply.status)), *reply.user_properties):
-            out += b"\x26" + _binary(name.encode()) + _binary(value.encode())
-        self._packed = _variable_byte_integer(len(out)) + bytes(out)
-
-    def pack(self) -> bytes:
-        return self._packed
-
-    def __str__(self) -> str:  # paho's debug log names the properties of what it sends
-        return f"[{len(self._packed)} bytes of properties]"
-
-
-def _binary(data: bytes) -> bytes:
-    if len(data) > 0xFFFF:
-        raise ValueError(f"an MQTT property holds at most 65535 bytes, got {len(data)}")
-    return len(data).to_bytes(2, "big") + data
-
-
-def _variable_byte_integer(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        n, digit = divmod(n, 128)
-        out.append(digit | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def _publish_properties(reply: Reply) -> Properties:
-    return cast(Properties, PackedProperties(reply))
 
 
 def tcp_no_delay(client: Client, userdata: Any, sock: Any) -> None:
@@ -369,7 +278,7 @@ class PahoClient:
         """Publish and wait until paho reports it sent (QoS 1: the broker's PUBACK). False when
         the reply could not be queued: its request is then left unacked for redelivery."""
         qos = self.settings.qos
-        properties = _publish_properties(reply)
+        properties = publish_properties(reply)
         while True:
             if self._closed:
                 return False
@@ -418,7 +327,7 @@ class PahoClient:
     def publish_nowait(self, reply: Reply) -> bool:
         """Queue a reply without waiting (safe inside paho's callbacks); False when paho refused it."""
         qos = self.settings.qos
-        info = self._client.publish(reply.topic, reply.payload, qos=qos, properties=_publish_properties(reply))
+        info = self._client.publish(reply.topic, reply.payload, qos=qos, properties=publish_properties(reply))
         # Not waited for; on_publish is still coming unless the publish was refused outright.
         pending = info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS or (info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN and qos > 0)
         self._tracker.forget(info.mid, pending)

@@ -28,7 +28,8 @@ from ...runtime import Runtime
 from ...types import InferRequest
 from ..v2_decode import decode_request
 from .inbox import MESSAGE_OVERHEAD_BYTES, Held, Inbox
-from .paho_client import Message, PahoClient, Reply
+from .messages import Message, Reply
+from .paho_client import PahoClient
 from .settings import default_client_id, read_password, validate_settings
 from .streams import StreamRoute, compile_stream
 
