@@ -13,12 +13,12 @@ Entry point: :func:`bench_http` (returns a dict like `bench_mqtt`'s).
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 from collections import Counter
 
 import numpy as np
 
+from .bench_mqtt import latency_summary
 from .protocol import v2
 
 
@@ -115,14 +115,9 @@ def bench_http(address: str, *, model: str = "vibration", inputs: dict[str, np.n
         asyncio.run(_run(address, request, concurrency, warmup_s))
     latencies, statuses, wall = asyncio.run(_run(address, request, concurrency, duration_s))
     ms = sorted(x * 1e3 for x in latencies)
-
-    def pct(p: float) -> float:
-        return ms[min(len(ms) - 1, int(p / 100 * len(ms)))] if ms else float("nan")
-
     return {
         "address": address, "concurrency": concurrency, "requests": len(ms),
         "throughput_rps": len(ms) / wall if wall else 0.0,
-        "latency_ms": {"p50": pct(50), "p95": pct(95), "p99": pct(99), "max": ms[-1] if ms else float("nan"),
-                       "mean": statistics.fmean(ms) if ms else float("nan")},
+        "latency_ms": latency_summary(ms),
         "status": {str(k): v for k, v in sorted(statuses.items())},
     }

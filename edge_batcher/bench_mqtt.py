@@ -149,13 +149,17 @@ def bench_mqtt(
         "total_s": time.perf_counter() - started,
         "completed": completed,
         "throughput_rps": completed / measured_s if measured_s > 0 else 0.0,
-        "latency_ms": {
-            "p50": _percentile(ms, 50), "p95": _percentile(ms, 95), "p99": _percentile(ms, 99),
-            "mean": statistics.fmean(ms) if ms else float("nan"), "max": ms[-1] if ms else float("nan"),
-        },
+        "latency_ms": latency_summary(ms),
         "status": dict(statuses),
         "unanswered": unanswered,
     }
+
+
+def latency_summary(sorted_ms: list[float]) -> dict[str, float]:
+    """p50/p95/p99, mean and max of sorted latencies (NaN for none); bench_http reports the same."""
+    nan = float("nan")
+    return {"p50": _percentile(sorted_ms, 50), "p95": _percentile(sorted_ms, 95), "p99": _percentile(sorted_ms, 99),
+            "mean": statistics.fmean(sorted_ms) if sorted_ms else nan, "max": sorted_ms[-1] if sorted_ms else nan}
 
 
 def _percentile(sorted_values: list[float], p: float) -> float:
