@@ -31,15 +31,12 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from datetime import date
 from pathlib import Path
 
@@ -58,19 +55,12 @@ from paho.mqtt.properties import Properties  # noqa: E402
 from edge_batcher.bench_http import bench_http  # noqa: E402
 from edge_batcher.bench_mqtt import bench_mqtt  # noqa: E402
 from edge_batcher.transports.mqtt import tcp_no_delay  # noqa: E402
+from tests.support.mlserver_peer import MLSERVER, MLServerPeer  # noqa: E402
 
 PHASES = ("mlserver", "unix", "mqtt-bare", "mqtt")
 PREFIX = "edge-batcher/compare"
 REPLY = json.dumps({"model_name": "vibration", "outputs": [{"name": "class_id", "shape": [1],
                                                              "datatype": "INT64", "data": [0]}]}).encode()
-MLSERVER = ROOT / ".venv-mlserver" / "bin" / "mlserver"
-MLSERVER_RUNTIME = ROOT / "tests" / "support" / "mlserver" / "runtime.py"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(check, what: str, proc: subprocess.Popen, log: Path, timeout_s: float = 120.0) -> None:
@@ -79,14 +69,6 @@ def wait_until(check, what: str, proc: subprocess.Popen, log: Path, timeout_s: f
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"{what} did not start (exit {proc.poll()}); see {log}")
         time.sleep(0.1)
-
-
-def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 class Server:
@@ -120,22 +102,11 @@ class Server:
 
 
 def start_mlserver(home: Path, repo: Path, workers: int) -> Server:
-    folder = home / "vibration"
-    folder.mkdir(parents=True)
-    shutil.copy(repo / "vibration" / "model.onnx", folder / "model.onnx")
-    shutil.copy(MLSERVER_RUNTIME, home / "runtime.py")
-    (folder / "model-settings.json").write_text(json.dumps({
-        "name": "vibration", "implementation": "runtime.OnnxModel", "max_batch_size": 8, "max_batch_time": 0.002,
-        "parameters": {"uri": str(folder / "model.onnx")}}))
-    port = free_port()
-    (home / "settings.json").write_text(json.dumps({
-        "host": "127.0.0.1", "http_port": port, "grpc_port": free_port(), "metrics_port": free_port(),
-        "parallel_workers": workers}))
-    log = home / "mlserver.log"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen([str(MLSERVER), "start", str(home)], cwd=home, stdout=out, stderr=subprocess.STDOUT)
-    wait_until(lambda: http_ok(f"http://127.0.0.1:{port}/v2/models/vibration/ready"), "mlserver", proc, log)
-    return Server(proc, f"http://127.0.0.1:{port}")
+    """The test suite's MLServer peer (tests/support/mlserver_peer.py), with adaptive batching."""
+    peer = MLServerPeer(home, repo, model_settings={"max_batch_size": 8, "max_batch_time": 0.002},
+                        parallel_workers=workers).start()
+    assert peer.proc is not None
+    return Server(peer.proc, peer.url)
 
 
 def start_daemon(home: Path, repo: Path, broker_port: int | None, settings: dict[str, dict],

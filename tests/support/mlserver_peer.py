@@ -29,19 +29,24 @@ def _free_port() -> int:
 
 
 class MLServerPeer:
-    def __init__(self, home: Path, model_repo: Path, model: str = "vibration"):
+    def __init__(self, home: Path, model_repo: Path, model: str = "vibration", *,
+                 model_settings: dict | None = None, parallel_workers: int = 0):
+        """`model_settings`: more keys for the model's model-settings.json (e.g. adaptive
+        batching's max_batch_size and max_batch_time); `parallel_workers`: MLServer's inference
+        processes (0: in its own process; 1 is MLServer's default)."""
         self.home = home
         folder = home / model
         folder.mkdir(parents=True)
         shutil.copy(model_repo / model / "model.onnx", folder / "model.onnx")
         shutil.copy(Path(__file__).parent / "mlserver" / "runtime.py", home / "runtime.py")
         (folder / "model-settings.json").write_text(json.dumps(
-            {"name": model, "implementation": "runtime.OnnxModel", "parameters": {"uri": str(folder / "model.onnx")}}
+            {"name": model, "implementation": "runtime.OnnxModel", "parameters": {"uri": str(folder / "model.onnx")},
+             **(model_settings or {})}
         ))
         self.port = _free_port()
         (home / "settings.json").write_text(json.dumps({
             "host": "127.0.0.1", "http_port": self.port, "grpc_port": _free_port(),
-            "metrics_port": _free_port(), "parallel_workers": 0,
+            "metrics_port": _free_port(), "parallel_workers": parallel_workers,
         }))
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = home / "mlserver.log"
