@@ -13,6 +13,7 @@ import bisect
 import math
 import os
 import resource
+from abc import ABC, abstractmethod
 from typing import Any
 
 PREFIX = "edge_batcher_"
@@ -38,7 +39,7 @@ def _number(value: float) -> str:
     return repr(float(value)) if not float(value).is_integer() else str(int(value))
 
 
-class _Metric:
+class _Metric(ABC):
     kind = ""
 
     def __init__(self, name: str, help: str, labels: tuple[str, ...] = ()):
@@ -58,8 +59,9 @@ class _Metric:
     def header(self) -> list[str]:
         return [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
 
+    @abstractmethod
     def render(self) -> list[str]:
-        raise NotImplementedError
+        """The metric's exposition lines: its header and one line per labelled child."""
 
 
 class _Child:
