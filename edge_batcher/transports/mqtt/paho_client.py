@@ -29,7 +29,8 @@ from paho.mqtt.properties import Properties
 
 from ...config import MqttSettings
 from ...errors import ConfigError
-from .messages import Message, Reply, message_from_paho, publish_properties
+from .batched_io import BatchedClient
+from .messages import Message, Reply, decode_publish, message_from_paho, publish_properties
 
 log = logging.getLogger(__name__)
 
@@ -244,7 +245,12 @@ class PahoClient:
         if sock is not self._client.socket():  # left from a connection paho has replaced
             self._unwatch(fd)
             return
-        self._client.loop_read()
+        client = self._client
+        client.loop_read()
+        # loop_read parses a bounded number of packets; what it read ahead and left (and what TLS
+        # decrypted and holds) is parsed now, as no readable event will announce it.
+        while sock is client.socket() and (client.buffered() or _tls_pending(sock)):
+            client.loop_read()
 
     def _writable(self, sock: Any, fd: int) -> None:
         assert self._loop is not None
@@ -254,6 +260,7 @@ class PahoClient:
             if current is not None and self._client.want_write():
                 self._write_soon(current, current.fileno())
             return
+        self._client.coalesce()
         self._client.loop_write()
         # paho asks to be told of writability only once until all is written: if the socket took
         # only part, watch it until it takes the rest.
@@ -342,9 +349,9 @@ class PahoClient:
 
     # ------------------------------------------------------------------ setup
 
-    def _make_client(self, password: str | None) -> Client:
+    def _make_client(self, password: str | None) -> BatchedClient:
         s = self.settings
-        client = Client(
+        client = BatchedClient(
             CallbackAPIVersion.VERSION2, client_id=self.client_id, protocol=MQTTProtocolVersion.MQTTv5, manual_ack=True
         )
         paho_log = logging.getLogger(f"{__package__}.paho")
@@ -374,7 +381,8 @@ class PahoClient:
         client.on_connect_fail = self._on_connect_fail
         client.on_disconnect = self._on_disconnect
         client.on_subscribe = self._on_subscribe
-        client.on_message = self._on_message
+        client.on_message = self._on_message  # QoS 2 (paho keeps it until PUBREL)
+        client.on_publish_packet = self._on_publish_packet  # QoS 0 and 1
         client.on_publish = self._on_publish
         return client
 
@@ -436,6 +444,9 @@ class PahoClient:
     def _on_message(self, client: Client, userdata: Any, msg: MQTTMessage) -> None:
         self._deliver(message_from_paho(msg, self.connection))
 
+    def _on_publish_packet(self, command: int, packet: bytearray) -> None:
+        self._deliver(decode_publish(command, packet, self.connection))
+
     def _on_publish(self, client: Client, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
         if reason_code.is_failure:
             log.warning("MQTT: the broker refused a reply (mid %d): %s", mid, reason_code)
@@ -449,6 +460,10 @@ class PahoClient:
             loop.call_soon_threadsafe(event.set if connected else event.clear)
         except RuntimeError:
             pass
+
+
+def _tls_pending(sock: Any) -> int:
+    return sock.pending() if isinstance(sock, ssl.SSLSocket) else 0
 
 
 def _is_published(info: MQTTMessageInfo) -> bool:

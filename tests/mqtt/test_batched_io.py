@@ -1,0 +1,176 @@
+"""The lean packet path under paho (batched_io.BatchedClient, messages.decode_publish): it must
+read what paho reads, refuse what breaks the framing, and cut the syscalls per packet, against
+the installed paho and a real mosquitto."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+from paho.mqtt import _packet
+from paho.mqtt.client import Client, MQTTMessage, MQTTMessageInfo
+from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
+from paho.mqtt.exception import MalformedPacket
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from edge_batcher.config import MqttSettings
+from edge_batcher.transports.mqtt.batched_io import BatchedClient
+from edge_batcher.transports.mqtt.messages import Message, Reply, decode_publish, message_from_paho
+from edge_batcher.transports.mqtt.paho_client import PahoClient
+from tests.support.mqtt import LoopThread, wait_until
+
+
+def publish_packet(topic: str, payload: bytes, qos: int, mid: int, **props) -> tuple[int, bytearray]:
+    """(command byte, the rest) of a PUBLISH, its properties packed by paho's own Properties."""
+    properties = Properties(PacketTypes.PUBLISH)
+    for name, value in props.items():
+        setattr(properties, name, value)
+    raw_topic = topic.encode()
+    body = len(raw_topic).to_bytes(2, "big") + raw_topic
+    if qos:
+        body += mid.to_bytes(2, "big")
+    return 0x30 | (qos << 1), bytearray(body + properties.pack() + payload)
+
+
+def paho_reads(command: int, packet: bytearray, connection: int) -> Message:
+    """What paho's own decoder makes of the packet, as the transport's Message."""
+    decoded = _packet.decode_publish(command, packet, MQTTProtocolVersion.MQTTv5)
+    msg = MQTTMessage(mid=decoded.mid, topic=decoded.topic)
+    msg.qos, msg.dup, msg.properties, msg.payload = decoded.qos, decoded.dup, decoded.properties, decoded.payload
+    return message_from_paho(msg, connection)
+
+
+PACKETS = {
+    "qos 1, request properties": publish_packet(
+        "edge/dev/infer/vibration", b'{"inputs": []}', 1, 7, ResponseTopic="r/abc", CorrelationData=b"\x00\x01c",
+        ContentType="application/json"),
+    "qos 0, no properties": publish_packet("a/b", b"x", 0, 0),
+    "user properties kept in order, expiry": publish_packet(
+        "s/ünï/cödé", b"\x00" * 10, 1, 65535, UserProperty=[("b", "2"), ("a", "1"), ("b", "3")],
+        MessageExpiryInterval=3600),
+    "lengths over 127 (two-byte variable integers)": publish_packet(
+        "t/" + "x" * 300, b"p" * 70_000, 1, 1, CorrelationData=b"c" * 200, UserProperty=[("k" * 150, "v" * 150)]),
+    "properties the Message does not keep": publish_packet(
+        "t", b"{}", 1, 2, PayloadFormatIndicator=1, SubscriptionIdentifier=[300], ContentType="text/plain"),
+    "empty payload and topic": publish_packet("", b"", 1, 9, ResponseTopic="r"),
+}
+
+
+@pytest.mark.parametrize("case", PACKETS)
+@pytest.mark.parametrize("dup", [False, True])
+def test_the_lean_decoder_reads_what_paho_reads(case, dup):
+    command, packet = PACKETS[case]
+    if dup:
+        command |= 0x08
+    ours = decode_publish(command, packet, connection=3)
+    assert ours == paho_reads(command, packet, connection=3)
+    assert type(ours.payload) is bytes
+
+
+def _truncated_properties() -> bytearray:
+    _, packet = publish_packet("t", b"", 1, 1, ResponseTopic="reply/topic")
+    return packet[:-4]
+
+
+MALFORMED = {
+    "topic length past the end": bytearray(b"\x00\x09abc"),
+    "no packet identifier": bytearray(b"\x00\x01t\x00"),
+    "property length past the end": bytearray(b"\x00\x01t\x00\x01\x20\x08"),
+    "a string past its properties": _truncated_properties(),
+    "a property that is not a PUBLISH's": bytearray(b"\x00\x01t\x00\x01\x02\x11\x00"),
+    "topic not UTF-8": bytearray(b"\x00\x02\xc3\x28\x00\x01\x00"),
+    "U+0000 in a string": bytearray(b"\x00\x01t\x00\x01\x05\x03\x00\x02a\x00"),
+    "a property twice": bytearray(b"\x00\x01t\x00\x01\x08\x03\x00\x01a\x03\x00\x01b"),
+    "variable integer of five bytes": bytearray(b"\x00\x01t\x00\x01\xff\xff\xff\xff\x01"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_a_broken_publish_is_malformed(case):
+    with pytest.raises(MalformedPacket):
+        decode_publish(0x32, MALFORMED[case], connection=1)
+
+
+@pytest.fixture
+def counted_syscalls(monkeypatch):
+    """How often paho's socket primitives (one recv or send each) ran for a BatchedClient (not
+    for the test's own paho clients)."""
+    counts = {"recv": 0, "send": 0}
+    recv, send = Client._sock_recv, Client._sock_send
+
+    def counting_recv(self, bufsize):
+        counts["recv"] += isinstance(self, BatchedClient)
+        return recv(self, bufsize)
+
+    def counting_send(self, buf):
+        counts["send"] += isinstance(self, BatchedClient)
+        return send(self, buf)
+
+    monkeypatch.setattr(Client, "_sock_recv", counting_recv)
+    monkeypatch.setattr(Client, "_sock_send", counting_send)
+    return counts
+
+
+def test_a_burst_is_read_and_answered_with_few_syscalls(broker, mqtt_client, counted_syscalls):
+    """200 requests published at once arrive intact, and 200 replies and acks go back. paho alone
+    makes >= 4 recv calls per PUBLISH and one send per packet (400 here); batched, the acks and the
+    first max_inflight replies leave together, and each later reply at worst with the PUBACK read
+    that releases it (measured: ~33 recv and ~11 send calls)."""
+    n = 200
+    lt = LoopThread()
+    received: list[Message] = []
+    settings = MqttSettings(enabled=True, host="127.0.0.1", port=broker.port, reconnect_min_s=0.1,
+                            reconnect_max_s=0.5, keepalive_s=5)
+    client = PahoClient(settings, client_id=f"batched-{uuid.uuid4().hex[:8]}", password=None, where="[mqtt]",
+                        subscriptions=["batched/in/+"], on_message=received.append,
+                        on_session_resumed=lambda: None)
+    try:
+        lt.run(client.connect())
+        assert lt.run(client.wait_connected(10))
+        sender = mqtt_client()
+        counted_syscalls.update(recv=0, send=0)
+        for i in range(n):
+            sender.publish(f"batched/in/{i % 3}", f"request {i}".encode(), correlation=str(i).encode(),
+                           content_type="text/plain", user_properties=[("seq", str(i))])
+        wait_until(lambda: len(received) == n, 10, f"{n} requests delivered")
+        assert counted_syscalls["recv"] < 2 * n, counted_syscalls  # at worst one per PUBLISH
+        for msg in received:
+            i = int(msg.correlation_data)
+            assert (msg.topic, msg.payload, msg.qos) == (f"batched/in/{i % 3}", f"request {i}".encode(), 1)
+            assert (msg.content_type, msg.user_properties, msg.response_topic) == (
+                "text/plain", (("seq", str(i)),), sender.response_topic)
+
+        async def answer_all() -> list[bool]:
+            replies = [client.publish(Reply(m.response_topic, b"reply " + m.correlation_data, 200, "text/plain",
+                                            m.correlation_data)) for m in received]
+            for m in received:
+                client.ack(m)
+            return await asyncio.gather(*replies)
+
+        counted_syscalls.update(send=0)
+        assert lt.run(answer_all()) == [True] * n  # every reply's PUBACK came (the lean PUBACK path)
+        replies = sender.collect(n)
+        assert sorted(r.payload for r in replies) == sorted(b"reply " + m.correlation_data for m in received)
+        assert all(r.status == "200" for r in replies)
+        assert counted_syscalls["send"] < n, counted_syscalls
+        # No subscriber: mosquitto's PUBACK carries reason 0x10, which paho's own decoder reads.
+        assert lt.run(client.publish(Reply("batched/nobody-listens", b"x", 200, "text/plain")))
+    finally:
+        lt.run(client.close())
+        lt.close()
+
+
+def test_coalescing_keeps_apart_the_packets_paho_acts_on_once_written():
+    """A QoS 0 PUBLISH (paho then calls on_publish) and a DISCONNECT (paho then closes the socket)
+    keep their own entries; the rest is joined, a partly written packet from where it stopped."""
+    client = BatchedClient(CallbackAPIVersion.VERSION2, protocol=MQTTProtocolVersion.MQTTv5)
+    qos0 = MQTTMessageInfo(3)
+    for command, qos, data, info in [(0x40, 0, b"ack1", None), (0x32, 1, b"pub1", None), (0x30, 0, b"pub0", qos0),
+                                     (0x40, 0, b"ack2", None), (0x40, 0, b"ack3", None), (0xE0, 0, b"bye", None)]:
+        client._packet_queue(command, data, 1, qos, info)
+    client._out_packet[0]["pos"] = 2  # "ac" already written
+    client.coalesce()
+    assert [bytes(p["packet"][p["pos"]:]) for p in client._out_packet] == [b"k1pub1", b"pub0", b"ack2ack3", b"bye"]
+    assert client._out_packet[1]["info"] is qos0 and client._out_packet[3]["command"] == 0xE0
