@@ -69,6 +69,7 @@ class MqttTransport:
         self.client_id = settings.client_id or default_client_id(self.device_id, runtime.config)
         self.prefix = settings.topic_prefix or f"edge-batcher/{self.device_id}"
         self._infer_filter = f"{self.prefix}/infer/+"
+        self._infer_topics = f"{self.prefix}/infer/"  # what the filter matches: this and one level
         self._password = read_password(settings, where)
         self._routes: list[StreamRoute] = []
         self._client: PahoClient | None = None
@@ -287,8 +288,10 @@ class MqttTransport:
 
     def _route(self, topic: str) -> Route | None:
         """("infer", model) for <prefix>/infer/<model>, ("stream", StreamRoute), or None."""
-        if topic_matches_sub(self._infer_filter, topic):
-            return "infer", topic[len(self.prefix) + len("/infer/"):]
+        # The infer filter by hand: paho's topic_matches_sub builds a matcher per call (~4 us).
+        infer = self._infer_topics
+        if topic.startswith(infer) and "/" not in topic[len(infer):]:
+            return "infer", topic[len(infer):]
         for route in self._routes:
             if topic_matches_sub(route.filter, topic):
                 return "stream", route
