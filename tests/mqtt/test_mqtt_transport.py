@@ -71,6 +71,19 @@ def test_request_without_response_topic_is_answered_on_the_result_topic(start_tr
     assert reply.status == "200" and reply.json()["id"] == "no-rt" and reply.correlation == b"c"
 
 
+@pytest.mark.parametrize("topic, route", [
+    (INFER, ("infer", "vibration")),
+    (f"{PREFIX}/infer/", ("infer", "")),  # '+' matches an empty level: the model "" is answered 404
+    (f"{PREFIX}/infer/vibration/extra", None),
+    (f"{PREFIX}/inferx/vibration", None),
+    (f"{PREFIX}x/infer/vibration", None),
+])
+def test_a_request_topic_is_the_infer_filter_and_one_level(served, topic, route):
+    _, runtime = served
+    transport = MqttTransport(MqttSettings(enabled=True, device_id="testdev"), runtime, source="test")
+    assert transport._route(topic) == route
+
+
 def test_malformed_requests_get_error_replies_and_serving_goes_on(start_transport, mqtt_client):
     transport = start_transport()
     client = mqtt_client()
