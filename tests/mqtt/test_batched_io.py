@@ -93,6 +93,12 @@ def test_a_broken_publish_is_malformed(case):
         decode_publish(0x32, MALFORMED[case], connection=1)
 
 
+def test_qos_3_is_malformed():
+    command, packet = PACKETS["qos 1, request properties"]
+    with pytest.raises(MalformedPacket, match="QoS 3"):
+        decode_publish(command | 0x06, packet, connection=1)
+
+
 @pytest.fixture
 def counted_syscalls(monkeypatch):
     """How often paho's socket primitives (one recv or send each) ran for a BatchedClient (not

@@ -1,9 +1,10 @@
 """The MQTT transport's own message types at paho's edge: a received Message, decoded from the
-PUBLISH packet as it arrives (frozen, stamped with its connection), and a Reply to publish,
+PUBLISH packet as it arrives (immutable, stamped with its connection), and a Reply to publish,
 whose MQTT 5 properties PackedProperties encodes once (the status travels in the user property
 "status", before any other). Both codecs stand in for paho's Properties class, which costs
 ~40 us to decode a request's PUBLISH and ~37 us to fill and pack a reply's properties (issue
-20); tests/mqtt/test_messages.py holds them to paho's own encoder and decoder."""
+20); tests/mqtt/test_batched_io.py and test_packed_properties.py hold them to paho's own
+decoder."""
 
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ def decode_publish(command: int, packet: bytes | bytearray, connection: int) -> 
     remaining length. MalformedPacket when it breaks the framing (paho then drops the connection,
     as it does for what its own decoder refuses)."""
     qos = (command >> 1) & 3
+    if qos == 3:
+        raise MalformedPacket("a PUBLISH with QoS 3")
     data = memoryview(packet)
     try:
         raw_topic, pos = _length_prefixed(data, 0, len(data))
