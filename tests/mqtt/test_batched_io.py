@@ -119,12 +119,9 @@ def counted_syscalls(monkeypatch):
     return counts
 
 
-def test_a_burst_is_read_and_answered_with_few_syscalls(broker, mqtt_client, counted_syscalls):
-    """200 requests published at once arrive intact, and 200 replies and acks go back. paho alone
-    makes >= 4 recv calls per PUBLISH and one send per packet (400 here); batched, the acks and the
-    first max_inflight replies leave together, and each later reply at worst with the PUBACK read
-    that releases it (measured: ~33 recv and ~11 send calls)."""
-    n = 200
+@pytest.fixture
+def paho_client(broker):
+    """(loop thread, a connected PahoClient subscribed to batched/in/+, the Messages it received)."""
     lt = LoopThread()
     received: list[Message] = []
     settings = MqttSettings(enabled=True, host="127.0.0.1", port=broker.port, reconnect_min_s=0.1,
@@ -132,40 +129,72 @@ def test_a_burst_is_read_and_answered_with_few_syscalls(broker, mqtt_client, cou
     client = PahoClient(settings, client_id=f"batched-{uuid.uuid4().hex[:8]}", password=None, where="[mqtt]",
                         subscriptions=["batched/in/+"], on_message=received.append,
                         on_session_resumed=lambda: None)
-    try:
-        lt.run(client.connect())
-        assert lt.run(client.wait_connected(10))
-        sender = mqtt_client()
-        counted_syscalls.update(recv=0, send=0)
-        for i in range(n):
-            sender.publish(f"batched/in/{i % 3}", f"request {i}".encode(), correlation=str(i).encode(),
-                           content_type="text/plain", user_properties=[("seq", str(i))])
-        wait_until(lambda: len(received) == n, 10, f"{n} requests delivered")
-        assert counted_syscalls["recv"] < 2 * n, counted_syscalls  # at worst one per PUBLISH
-        for msg in received:
-            i = int(msg.correlation_data)
-            assert (msg.topic, msg.payload, msg.qos) == (f"batched/in/{i % 3}", f"request {i}".encode(), 1)
-            assert (msg.content_type, msg.user_properties, msg.response_topic) == (
-                "text/plain", (("seq", str(i)),), sender.response_topic)
+    lt.run(client.connect())
+    assert lt.run(client.wait_connected(10))
+    yield lt, client, received
+    lt.run(client.close())
+    lt.close()
 
-        async def answer_all() -> list[bool]:
-            replies = [client.publish(Reply(m.response_topic, b"reply " + m.correlation_data, 200, "text/plain",
-                                            m.correlation_data)) for m in received]
-            for m in received:
-                client.ack(m)
-            return await asyncio.gather(*replies)
 
-        counted_syscalls.update(send=0)
-        assert lt.run(answer_all()) == [True] * n  # every reply's PUBACK came (the lean PUBACK path)
-        replies = sender.collect(n)
-        assert sorted(r.payload for r in replies) == sorted(b"reply " + m.correlation_data for m in received)
-        assert all(r.status == "200" for r in replies)
-        assert counted_syscalls["send"] < n, counted_syscalls
-        # No subscriber: mosquitto's PUBACK carries reason 0x10, which paho's own decoder reads.
-        assert lt.run(client.publish(Reply("batched/nobody-listens", b"x", 200, "text/plain")))
-    finally:
-        lt.run(client.close())
-        lt.close()
+def answer(lt: LoopThread, client: PahoClient, received: list[Message], body) -> list[bool]:
+    """Publish body(message) as each message's reply and ack it, all in one loop turn; whether
+    each reply was accepted by the broker."""
+
+    async def answer_all() -> list[bool]:
+        replies = [client.publish(Reply(m.response_topic, body(m), 200, "text/plain", m.correlation_data))
+                   for m in received]
+        for m in received:
+            client.ack(m)
+        return await asyncio.gather(*replies)
+
+    return lt.run(answer_all())
+
+
+def test_a_burst_is_read_and_answered_with_few_syscalls(paho_client, mqtt_client, counted_syscalls):
+    """200 requests published at once arrive intact, and 200 replies and acks go back. paho alone
+    makes >= 4 recv calls per PUBLISH and one send per packet (400 here); batched, the acks and the
+    first max_inflight replies leave together, and each later reply at worst with the PUBACK read
+    that releases it (measured: ~33 recv and ~11 send calls)."""
+    lt, client, received = paho_client
+    n = 200
+    sender = mqtt_client()
+    counted_syscalls.update(recv=0, send=0)
+    for i in range(n):
+        sender.publish(f"batched/in/{i % 3}", f"request {i}".encode(), correlation=str(i).encode(),
+                       content_type="text/plain", user_properties=[("seq", str(i))])
+    wait_until(lambda: len(received) == n, 10, f"{n} requests delivered")
+    assert counted_syscalls["recv"] < 2 * n, counted_syscalls  # at worst one per PUBLISH
+    for msg in received:
+        i = int(msg.correlation_data)
+        assert (msg.topic, msg.payload, msg.qos) == (f"batched/in/{i % 3}", f"request {i}".encode(), 1)
+        assert (msg.content_type, msg.user_properties, msg.response_topic) == (
+            "text/plain", (("seq", str(i)),), sender.response_topic)
+
+    counted_syscalls.update(send=0)
+    # Every reply's PUBACK came back (the lean PUBACK path).
+    assert answer(lt, client, received, lambda m: b"reply " + m.correlation_data) == [True] * n
+    replies = sender.collect(n)
+    assert sorted(r.payload for r in replies) == sorted(b"reply " + m.correlation_data for m in received)
+    assert all(r.status == "200" for r in replies)
+    assert counted_syscalls["send"] < n, counted_syscalls
+    # No subscriber: mosquitto's PUBACK carries reason 0x10, which paho's own decoder reads.
+    assert lt.run(client.publish(Reply("batched/nobody-listens", b"x", 200, "text/plain")))
+
+
+def test_messages_larger_than_a_read_and_a_joined_write_arrive_whole(paho_client, mqtt_client):
+    """A 1 MiB request among small ones spans several reads of RECV_CHUNK; a 300 KiB reply among
+    small ones is written on its own (JOIN_MAX): all arrive intact and in order."""
+    lt, client, received = paho_client
+    sender = mqtt_client()
+    sizes = [10, 1024 * 1024 + 3, 10, 20, 300 * 1024, 10]
+    payloads = [bytes([i]) * size for i, size in enumerate(sizes)]
+    for i, payload in enumerate(payloads):
+        sender.publish("batched/in/big", payload, correlation=str(i).encode())
+    wait_until(lambda: len(received) == len(sizes), 10, "the requests delivered")
+    assert [m.payload for m in received] == payloads
+    assert answer(lt, client, received, lambda m: m.payload[::-1]) == [True] * len(sizes)
+    replies = sender.collect(len(sizes))
+    assert [r.payload for r in replies] == [p[::-1] for p in payloads]
 
 
 def test_coalescing_keeps_apart_the_packets_paho_acts_on_once_written():
