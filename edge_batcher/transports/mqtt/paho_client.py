@@ -1,14 +1,15 @@
-"""The paho-mqtt 2.x adapter (MQTT 5): one paho Client whose socket the event loop serves, as
-aiomqtt does, behind a small interface. paho's reads, writes and callbacks run on the loop
-(add_reader/add_writer, and loop_misc every second for keepalive): no network thread, so no
-thread hop and no GIL hand-over per message, and a publish or an ack is a write on the loop
-(issue 20: a paho thread cost the loop a wake-up per reply and per ack). Only connecting
-(DNS, TCP, TLS: blocking) runs in the loop's executor, and paho opens the socket there. An
-incoming MQTTMessage becomes the package's own frozen Message at this edge (messages.py),
-stamped with the connection it arrived on. A publish is tracked until paho reports it sent (QoS 1: the broker's
-PUBACK), retried while paho's outgoing queue is full, and an ack goes back only on the
-connection its message came from. A lost connection is retried with backoff
-(reconnect_min_s..reconnect_max_s). docs/mqtt.md describes the whole flow.
+"""The paho-mqtt 2.x adapter (MQTT 5): one paho Client (a BatchedClient, batched_io.py) whose
+socket the event loop serves, as aiomqtt does, behind a small interface. paho's reads, writes
+and callbacks run on the loop (add_reader/add_writer, and loop_misc every second for
+keepalive): no network thread, so no thread hop and no GIL hand-over per message, and a
+publish or an ack is a write on the loop (issue 20: a paho thread cost the loop a wake-up per
+reply and per ack). Only connecting (DNS, TCP, TLS: blocking) runs in the loop's executor, and
+paho opens the socket there. An incoming PUBLISH becomes the package's own immutable Message at
+this edge (messages.py), stamped with the connection it arrived on. A publish is tracked until
+paho reports it sent (publish_tracker.py; QoS 1: the broker's PUBACK), retried while paho's
+outgoing queue is full, and an ack goes back only on the connection its message came from. A
+lost connection is retried with backoff (reconnect_min_s..reconnect_max_s). docs/mqtt.md
+describes the whole flow.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ...config import MqttSettings
 from ...errors import ConfigError
 from .batched_io import BatchedClient
 from .messages import Message, Reply, decode_publish, message_from_paho, publish_properties
+from .publish_tracker import PublishTracker, resolve
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +77,7 @@ class PahoClient:
         self._subscriptions = subscriptions
         self._deliver = on_message
         self._session_resumed = on_session_resumed
-        self._tracker = _PublishTracker()
+        self._tracker = PublishTracker()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._write_scheduled = False  # a write of paho's queued bytes is due this loop turn
@@ -317,7 +319,7 @@ class PahoClient:
                 return
             if _is_published(info):
                 self._tracker.forget(info.mid, pending=False)
-                _resolve(sent, True)
+                resolve(sent, True)
             else:
                 timer[0] = loop.call_later(PUBLISH_RECHECK_S, recheck)
 
@@ -471,51 +473,3 @@ def _is_published(info: MQTTMessageInfo) -> bool:
         return info.is_published()
     except (ValueError, RuntimeError):  # rc records a failure (or NO_CONN: queued for the reconnect)
         return False
-
-
-class _PublishTracker:
-    """Futures that resolve when paho reports a publish as sent (on_publish). All of it runs on
-    the event loop: paho calls back inside the loop's reads and writes.
-
-    paho writes what publish() queued on a later loop turn, so on_publish comes after wait(); a
-    mid that completes before anyone waits on it (were paho to write at once) is still
-    remembered in `early` and consumed by the waiter. Every mid is either waited on or
-    forgotten, so neither table grows.
-    """
-
-    def __init__(self) -> None:
-        self._waiters: dict[int, asyncio.Future] = {}
-        self._early: dict[int, bool] = {}
-        self._ignored: set[int] = set()
-
-    def wait(self, loop: asyncio.AbstractEventLoop, mid: int) -> asyncio.Future:
-        future = loop.create_future()
-        self._ignored.discard(mid)  # a new publish reuses the mid of one that never completed
-        ok = self._early.pop(mid, None)
-        if ok is None:
-            self._waiters[mid] = future
-        else:
-            future.set_result(ok)
-        return future
-
-    def done(self, mid: int, ok: bool) -> None:
-        """Called by paho's on_publish."""
-        if mid in self._ignored:
-            self._ignored.discard(mid)
-            return
-        future = self._waiters.pop(mid, None)
-        if future is None:
-            self._early[mid] = ok
-        else:
-            _resolve(future, ok)
-
-    def forget(self, mid: int, pending: bool = True) -> None:
-        """Nobody will wait for `mid`; `pending`: its on_publish may still come (ignore it then)."""
-        self._waiters.pop(mid, None)
-        if self._early.pop(mid, None) is None and pending:
-            self._ignored.add(mid)
-
-
-def _resolve(future: asyncio.Future, value: Any) -> None:
-    if not future.done():
-        future.set_result(value)
