@@ -16,7 +16,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from edge_batcher.config import MqttSettings
-from edge_batcher.transports.mqtt.batched_io import BatchedClient
+from edge_batcher.transports.mqtt.batched_io import COALESCE_MAX, BatchedClient
 from edge_batcher.transports.mqtt.messages import Message, Reply, decode_publish, message_from_paho
 from edge_batcher.transports.mqtt.paho_client import PahoClient
 from tests.support.mqtt import LoopThread, wait_until
@@ -209,3 +209,18 @@ def test_coalescing_keeps_apart_the_packets_paho_acts_on_once_written():
     client.coalesce()
     assert [bytes(p["packet"][p["pos"]:]) for p in client._out_packet] == [b"k1pub1", b"pub0", b"ack2ack3", b"bye"]
     assert client._out_packet[1]["info"] is qos0 and client._out_packet[3]["command"] == 0xE0
+
+
+def test_coalescing_looks_only_at_the_head_of_a_long_queue():
+    """Behind a socket that takes little, the queue grows: each write joins its first
+    COALESCE_MAX bytes and leaves the rest as paho queued it, so no turn copies the backlog."""
+    client = BatchedClient(CallbackAPIVersion.VERSION2, protocol=MQTTProtocolVersion.MQTTv5)
+    for i in range(1000):
+        client._packet_queue(0x40, bytes([i % 256]) * 1024, i, 0, None)
+    tail = list(client._out_packet)[300:]
+    expected = b"".join(bytes(p["packet"]) for p in client._out_packet)
+    client.coalesce()
+    head = client._out_packet[0]
+    assert COALESCE_MAX <= head["to_process"] <= COALESCE_MAX + 1024
+    assert all(a is b for a, b in zip(list(client._out_packet)[-700:], tail[-700:]))
+    assert b"".join(bytes(p["packet"]) for p in client._out_packet) == expected

@@ -25,6 +25,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 
 RECV_CHUNK = 256 * 1024  # what one readable event takes from the socket at most
 JOIN_MAX = 64 * 1024  # a larger packet is written on its own: copying it would cost more than a send
+COALESCE_MAX = 256 * 1024  # how much of the queue one write's joining looks at
 # What a two-byte PUBACK means (MQTT 5 3.4.2.1: no reason code is Success, no properties), shared
 # by every on_publish call for one; on_publish callbacks only read them.
 PUBACK_SUCCESS = ReasonCode(PacketTypes.PUBACK)
@@ -91,28 +92,36 @@ class BatchedClient(Client):
         super()._sock_close()
 
     def coalesce(self) -> None:
-        """Join the queued packets into as few writes as paho's bookkeeping allows. A packet paho
-        acts on once written (a QoS 0 PUBLISH: its on_publish; a DISCONNECT: closing the socket)
-        keeps its own entry; PUBACKs, QoS 1/2 PUBLISHes and the rest are plain bytes to paho once
-        queued, and are joined with their neighbours."""
+        """Join the packets at the head of the queue into as few writes as paho's bookkeeping
+        allows. A packet paho acts on once written (a QoS 0 PUBLISH: its on_publish; a
+        DISCONNECT: closing the socket) keeps its own entry, as does one over JOIN_MAX; PUBACKs,
+        QoS 1/2 PUBLISHes and the rest are plain bytes to paho once queued, and are joined with
+        their neighbours. Only the first COALESCE_MAX bytes are looked at: behind a socket that
+        takes little, a backlog is not copied again on every loop turn."""
         queue: deque[Any] = self._out_packet
         if len(queue) < 2:
             return
         joined: deque[Any] = deque()
-        run: list[bytes] = []
+        run: list[memoryview] = []
+        seen = taken = 0
         for packet in queue:
+            if seen >= COALESCE_MAX:
+                break
+            taken += 1
+            seen += packet["to_process"]
             kind = packet["command"] & 0xF0
             if kind == DISCONNECT or (kind == PUBLISH and packet["qos"] == 0) or packet["to_process"] > JOIN_MAX:
                 _flush(run, joined)
                 joined.append(packet)
             else:
-                run.append(bytes(packet["packet"][packet["pos"]:]))
+                run.append(memoryview(packet["packet"])[packet["pos"]:])
         _flush(run, joined)
-        queue.clear()
-        queue.extend(joined)
+        for _ in range(taken):
+            queue.popleft()
+        queue.extendleft(reversed(joined))
 
 
-def _flush(run: list[bytes], joined: deque[Any]) -> None:
+def _flush(run: list[memoryview], joined: deque[Any]) -> None:
     if run:
         data = b"".join(run)
         joined.append({"command": 0, "mid": 0, "qos": 0, "pos": 0, "to_process": len(data), "packet": data,
