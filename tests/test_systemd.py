@@ -330,13 +330,20 @@ def test_listen_fds_under_systemd_socket_activate(tmp_path):
     )
     try:
         deadline = time.monotonic() + 20
-        while not os.path.exists(path):  # systemd-socket-activate binds asynchronously
+        # systemd-socket-activate binds and listens asynchronously: the path exists from bind(),
+        # and a connect is refused until listen().
+        while True:
             assert proc.poll() is None, proc.stderr.read()
-            assert time.monotonic() < deadline, "systemd-socket-activate never bound the socket"
-            time.sleep(0.02)
-        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as client:
-            client.settimeout(20)
-            client.connect(path)
+            assert time.monotonic() < deadline, "systemd-socket-activate never listened on the socket"
+            client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                client.settimeout(20)
+                client.connect(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                client.close()
+                time.sleep(0.02)
+        with client:
             greeting = _recv_line(client)
         out, err = proc.communicate(timeout=30)
     finally:
