@@ -12,6 +12,7 @@ tests/mqtt/test_batched_io.py checks against the installed paho.
 
 from __future__ import annotations
 
+import ssl
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -33,9 +34,8 @@ NO_PROPERTIES = Properties(PacketTypes.PUBACK)
 
 
 class BatchedClient(Client):
-    """paho's Client, reading ahead into a buffer (`buffered()` bytes wait to be parsed: call
-    loop_read() again until none do) and joining queued packets before each write
-    (`coalesce()`)."""
+    """paho's Client, reading ahead into a buffer that loop_read() parses to its end, and joining
+    queued packets before each write (`coalesce()`)."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -45,9 +45,14 @@ class BatchedClient(Client):
         # Properties (~40 us). It may raise paho's MalformedPacket, which drops the connection.
         self.on_publish_packet: Callable[[int, bytearray], None] | None = None
 
-    def buffered(self) -> int:
-        """Bytes received but not parsed yet."""
-        return len(self._read_ahead)
+    def loop_read(self, max_packets: int = 1) -> MQTTErrorCode:
+        """paho's loop_read, repeated while it leaves bytes read ahead (or decrypted by TLS) that
+        no readable event will announce: paho parses a bounded number of packets per call."""
+        sock = self._sock
+        rc = super().loop_read(max_packets)
+        while sock is not None and self._sock is sock and (self._read_ahead or _tls_pending(sock)):
+            rc = super().loop_read(max_packets)
+        return rc
 
     def _sock_recv(self, bufsize: int) -> bytes:
         ahead = self._read_ahead
@@ -119,6 +124,10 @@ class BatchedClient(Client):
         for _ in range(taken):
             queue.popleft()
         queue.extendleft(reversed(joined))
+
+
+def _tls_pending(sock: Any) -> int:
+    return sock.pending() if isinstance(sock, ssl.SSLSocket) else 0
 
 
 def _flush(run: list[memoryview], joined: deque[Any]) -> None:

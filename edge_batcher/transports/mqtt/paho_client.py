@@ -247,12 +247,7 @@ class PahoClient:
         if sock is not self._client.socket():  # left from a connection paho has replaced
             self._unwatch(fd)
             return
-        client = self._client
-        client.loop_read()
-        # loop_read parses a bounded number of packets; what it read ahead and left (and what TLS
-        # decrypted and holds) is parsed now, as no readable event will announce it.
-        while sock is client.socket() and (client.buffered() or _tls_pending(sock)):
-            client.loop_read()
+        self._client.loop_read()  # BatchedClient's: parses everything it reads ahead
 
     def _writable(self, sock: Any, fd: int) -> None:
         assert self._loop is not None
@@ -462,10 +457,6 @@ class PahoClient:
             loop.call_soon_threadsafe(event.set if connected else event.clear)
         except RuntimeError:
             pass
-
-
-def _tls_pending(sock: Any) -> int:
-    return sock.pending() if isinstance(sock, ssl.SSLSocket) else 0
 
 
 def _is_published(info: MQTTMessageInfo) -> bool:
