@@ -58,9 +58,7 @@ def pin_this_thread(cpu: int | None) -> None:
     """Keep the calling thread (and the threads it starts from now on) on `cpu`; None: on
     every CPU of the process. Raises OSError when the system refuses (a seccomp filter, a
     cpuset that changed)."""
-    if _set is None or PROCESS_CPUS is None:
-        return
-    _set(0, {cpu} if cpu is not None else PROCESS_CPUS)
+    pin_thread(0, cpu)  # 0: the calling thread
 
 
 def pin_thread(native_id: int, cpu: int | None) -> None:
