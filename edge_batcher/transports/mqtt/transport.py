@@ -68,8 +68,8 @@ class MqttTransport:
         self.device_id = settings.device_id or socket.gethostname()
         self.client_id = settings.client_id or default_client_id(self.device_id, runtime.config)
         self.prefix = settings.topic_prefix or f"edge-batcher/{self.device_id}"
-        self._infer_filter = f"{self.prefix}/infer/+"
-        self._infer_topics = f"{self.prefix}/infer/"  # what the filter matches: this and one level
+        self._infer_topics = f"{self.prefix}/infer/"  # and one level more: what _infer_filter matches
+        self._infer_filter = self._infer_topics + "+"
         self._password = read_password(settings, where)
         self._routes: list[StreamRoute] = []
         self._client: PahoClient | None = None
