@@ -290,7 +290,12 @@ class OnnxFootprintEstimator:
         for out in graph.output:
             if out.type.WhichOneof("value") == "tensor_type":
                 out.type.tensor_type.ClearField("shape")
-        return model
+        # A copy, so the loaded model can be freed: protobuf keeps a message's memory (its
+        # weights here) until the whole message goes, whatever was deleted from it. Holding it
+        # kept a second copy of the weights in the daemon's memory (86 MiB for MiniLM).
+        template = ModelProto()
+        template.CopyFrom(model)
+        return template
 
     def _bound_model(self, batch: int, seq_len: int | None) -> ModelProto:
         """A copy of the template with batch and sequence dims of the inputs made concrete."""

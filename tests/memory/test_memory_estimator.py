@@ -414,3 +414,29 @@ def test_estimate_is_within_a_sane_factor_of_onnxruntime_rss(tmp_path: Path) -> 
     assert result.returncode == 0, result.stderr
     measured = int(result.stdout.strip())
     assert 0.5 * expected <= measured <= 2.0 * expected, (measured, expected)
+
+
+def test_the_estimator_does_not_keep_a_copy_of_the_weights(tmp_path):
+    """On unified memory (a Jetson, a cgroup) every byte the estimator keeps is taken from the
+    batches: it once held the whole loaded model (86 MiB for MiniLM) next to the engine's copy."""
+    import subprocess
+    import sys
+
+    weights = numpy_helper.from_array(np.ones((4096, 4096), np.float32), "w")  # 64 MiB
+    path = save(tmp_path, "big", [helper.make_node("MatMul", ["x", "w"], ["y"])],
+                [helper.make_tensor_value_info("x", F, ["batch", 4096])],
+                [helper.make_tensor_value_info("y", F, ["batch", 4096])], [weights])
+    script = (
+        "import gc, sys, psutil\n"
+        "from edge_batcher.memory.estimator import OnnxFootprintEstimator\n"
+        "rss = lambda: psutil.Process().memory_info().rss\n"
+        "before = rss()\n"
+        "estimator = OnnxFootprintEstimator(sys.argv[1])\n"
+        "estimator.estimate(8, None)\n"
+        "gc.collect()\n"
+        "print((rss() - before) / 2**20)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, check=True,
+                         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
+    kept_mib = float(out.stdout.strip())
+    assert kept_mib < 16, f"the estimator keeps {kept_mib:.1f} MiB after reading a model with 64 MiB of weights"
