@@ -101,8 +101,9 @@ class MemorySettings:
     probe: str = "auto"  # auto | jetson | cuda | nvml | cpu | fixed
     budget_mb: float = 0.0  # > 0: a fixed budget instead of the probe's free memory
     reserve_fraction: float = 0.1
-    headroom_mb: float = 256.0
+    headroom_mb: float = 64.0
     refresh_interval_s: float = 1.0
+    check_interval_s: float = 5.0  # how often, while serving, the memory in use is compared with the plan
     # At load, measure one batch per ONNX model in a subprocess and scale the activation
     # estimate to what ONNX Runtime really allocated (docs/memory.md). Costs a second or two
     # and a second copy of the weights briefly: off by default on small devices.
@@ -307,6 +308,7 @@ def _validate_daemon(config: DaemonConfig, source: str) -> None:
     check_positive(m.budget_mb, f"{source}: [memory] budget_mb", allow_zero=True)
     check_positive(m.headroom_mb, f"{source}: [memory] headroom_mb", allow_zero=True)
     check_positive(m.refresh_interval_s, f"{source}: [memory] refresh_interval_s")
+    check_positive(m.check_interval_s, f"{source}: [memory] check_interval_s")
 
 
 def read_secret(value: str, file: str, where: str) -> str:

@@ -68,6 +68,14 @@ def pin_thread(native_id: int, cpu: int | None) -> None:
     _set(native_id, {cpu} if cpu is not None else PROCESS_CPUS)
 
 
+def follow_this_thread(native_id: int) -> None:
+    """Give thread `native_id` the calling thread's CPUs (an engine worker made on the loader's
+    thread joins the event loop's CPU when it starts serving)."""
+    if _get is None or _set is None:
+        return
+    _set(native_id, _get(0))
+
+
 def thread_is_pinned() -> bool:
     """Whether the calling thread runs on fewer CPUs than the process may use."""
     return _get is not None and PROCESS_CPUS is not None and frozenset(_get(0)) != PROCESS_CPUS

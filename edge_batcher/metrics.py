@@ -220,6 +220,13 @@ class Metrics:
         self.oom_retries_total = Counter(
             "oom_retries_total", "Batches split and retried after the engine ran out of memory.", ("model",)
         )
+        self.memory_resident_bytes = Gauge(
+            "memory_resident_bytes", "Memory the plan counts for each loaded model (measured at load, or its "
+            "weights where nothing measures it).", ("model",))
+        self.memory_planned_bytes = Gauge(
+            "memory_planned_bytes", "What the plan says the memory in use is now: its use when the daemon "
+            "started, plus the resident memory of the models measured in it, plus batches in flight; by meter "
+            "(the device probe's name, or \"process\": this process's resident memory).", ("meter",))
         self.process_resident_bytes = Gauge("process_resident_bytes", "Resident memory of the daemon process.")
         self.device_memory_bytes = Gauge(
             "device_memory_bytes", "Device memory as the memory probe last read it.", ("kind",)

@@ -9,6 +9,7 @@ InferRequest, call `infer`, and encode the InferResponse or the error.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +19,8 @@ from .cpu_affinity import full_affinity
 from .engines.registry import REMOTE, create_engine, is_service, service_class
 from .errors import ConfigError, ModelNotFound
 from .memory.budget import MemoryBudget
-from .memory.device import DeviceLoad
+from .memory.device import DeviceLoad, ModelDoesNotFit
+from .memory.plan import MemoryPlan
 from .memory.wiring import MiB, build_budget, model_admission, release_resident
 from .metrics import Metrics
 from .offload.remote_model import RemoteModel, declared_specs
@@ -42,25 +44,94 @@ def load_runner(config: ModelConfig, metrics: Metrics, warmup: bool = True,
 
 def _load_runner(config: ModelConfig, metrics: Metrics, warmup: bool, budget: MemoryBudget | None,
                  calibrate: bool, offload) -> ModelRunner:
-    engines = []
-    load = DeviceLoad(budget)  # device memory before the engines load (memory/device.py)
+    runner = _load_within_budget(config, metrics, budget, calibrate, offload)
+    profile = runner.admission.device if runner.admission is not None else None
+    if profile is not None and profile.over_budget and profile.smallest_failed is not None:
+        # A size took the model past the budget, and its engines' arenas hold what it took:
+        # load them again, serving only the sizes below it (measured afresh).
+        capped = [s for s in config.batching.preferred_batch_sizes if s < profile.smallest_failed]
+        _discard(runner, budget)
+        if not capped:
+            raise ModelDoesNotFit(f"model {config.name!r}: {next(iter(profile.failed.values()))}")
+        log.warning("model %s: reloading it with batch sizes %s to stay within the memory budget",
+                    config.name, capped)
+        config = dataclasses.replace(config, batching=dataclasses.replace(
+            config.batching, preferred_batch_sizes=capped, max_batch_size=capped[-1]))
+        runner = _load_within_budget(config, metrics, budget, calibrate, offload, profile.fixed_bytes)
+        profile = runner.admission.device if runner.admission is not None else None
+        if profile is not None and profile.over_budget:
+            _discard(runner, budget)
+            raise ModelDoesNotFit(f"model {config.name!r}: {next(iter(profile.failed.values()))}")
     try:
-        for _ in range(config.instances):
-            engine = create_engine(config)
-            load.prepare(engine)
-            engine.load()
-            engines.append(engine)
-        admission, resident = model_admission(config, engines, metrics, budget, calibrate, load)
-        runner = ModelRunner(config, engines, metrics, admission=admission, offload=offload,
-                             resident_bytes=resident)  # given back to the budget when unloaded
         _check_batching(config, runner)
         if warmup:
             runner.warm_up()
-    except Exception:
+    except BaseException:
+        _discard(runner, budget)
+        raise
+    return runner
+
+
+def _discard(runner: ModelRunner, budget: MemoryBudget | None) -> None:
+    """Close a runner that never served and give its memory back to the budget."""
+    runner.close_unstarted()
+    if budget is not None:
+        release_resident(budget, runner.resident_bytes)
+
+
+def _load_within_budget(config: ModelConfig, metrics: Metrics, budget: MemoryBudget | None, calibrate: bool,
+                        offload, known_load_bytes: int | None = None) -> ModelRunner:
+    """The model's engines loaded and its memory measured on their serving threads, the sizes
+    the budget cannot hold left out (memory/device.py). Not warmed up yet."""
+    created = [create_engine(config) for _ in range(config.instances)]
+    load = DeviceLoad(budget, config.instances, known_load_bytes)  # memory before the load (memory/device.py)
+    load.check_weights(config)
+    engines = []
+    try:
+        for engine in created:
+            load.prepare(engine)
+            engine.load()
+            engines.append(engine)
+    except BaseException:
         for engine in engines:
             engine.close()
         raise
+    runner = ModelRunner(config, engines, metrics, offload=offload)
+    try:
+        admission, resident = model_admission(config, runner.engines, metrics, budget, calibrate, load,
+                                              run=runner.infer_on)
+    except BaseException:
+        runner.close_unstarted()
+        raise
+    runner.set_admission(admission, resident)  # given back to the budget when unloaded
+    try:
+        _serve_what_fits(runner, offload is not None)
+    except BaseException:
+        _discard(runner, budget)
+        raise
     return runner
+
+
+def _serve_what_fits(runner: ModelRunner, has_peer: bool) -> None:
+    """A model of which not even the smallest batch fits the memory budget (in some length
+    bucket) serves nothing here: refused (ModelDoesNotFit), unless an offload peer can take its
+    batches. The sizes that do not fit are never planned (admission.fits)."""
+    admission = runner.admission
+    if admission is None:
+        return
+    sizes = runner.settings.preferred_batch_sizes
+    buckets = runner.config.sequence.buckets if runner.config.sequence else [0]
+    device = admission.device
+    unservable = [b for b in buckets if not admission.fits(sizes[0], b)]
+    if not unservable:
+        return
+    why = (device.failed.get((sizes[0], unservable[0])) if device is not None else None) or admission.explain(
+        sizes[0], unservable[0])
+    if not has_peer:
+        raise ModelDoesNotFit(f"model {runner.name!r}: not even its smallest batch fits the memory budget: {why}")
+    log.warning("model %s: not even its smallest batch fits the memory budget here (%s): its batches%s go to the "
+                "offload peers", runner.name, why,
+                "" if len(unservable) == len(buckets) else f" of length {', '.join(map(str, unservable))}")
 
 
 def _check_batching(config: ModelConfig, runner: ModelRunner) -> None:
@@ -105,12 +176,18 @@ class Runtime:
 
             self.offload = PeerPool(config.offload)
         self._reload_lock = asyncio.Lock()
+        self.memory_plan = MemoryPlan(self.budget.probe)  # memory/plan.py
+        self._batches_seen: dict[str, int] = {}  # batches started per model at the last memory check
 
     def _collect_memory(self) -> None:
         import psutil
 
         m = self.metrics
         m.memory_budget_bytes.set(self.budget.available())
+        for name, runner in self.runners.items():
+            m.memory_resident_bytes.set(runner.resident_bytes, model=name)
+        for meter, value in self.memory_plan.planned(self.residents(), self.budget.reserved).items():
+            m.memory_planned_bytes.set(value, meter=meter)
         m.process_resident_bytes.set(psutil.Process().memory_info().rss)
         snapshot = self.budget.snapshot
         if snapshot is not None:
@@ -124,6 +201,7 @@ class Runtime:
             None, discover_models, Path(self.config.models.repository), self.config.models.load
         )
         snapshot = self.budget.refresh()
+        self.memory_plan.start()
         log.info(
             "memory: probe %s, %.0f MiB free of %.0f MiB; budget available %.0f MiB",
             snapshot.source, snapshot.free_bytes / MiB, snapshot.total_bytes / MiB, self.budget.available() / MiB,
@@ -236,6 +314,41 @@ class Runtime:
                 changes["removed"].append(name)
             log.info("reload: %s", ", ".join(f"{k} {v}" for k, v in changes.items() if v) or "no changes")
             return changes
+
+    def residents(self) -> dict[str, int]:
+        """The resident memory of the loaded models, by the meter that measured it."""
+        by_meter: dict[str, int] = {}
+        for runner in self.local_runners():
+            device = runner.admission.device if runner.admission is not None else None
+            if device is not None:
+                by_meter[device.meter] = by_meter.get(device.meter, 0) + runner.resident_bytes
+        return by_meter
+
+    def settle_memory_plan(self) -> None:
+        """Count what the daemon holds at ready beyond its models (memory/plan.py). Just before ready."""
+        self.memory_plan.settle(self.residents())
+        self._batches_seen = {r.name: r.batches_started for r in self.local_runners()}
+
+    def check_memory(self) -> None:
+        """Compare the memory in use with the plan (a few times a minute while serving); growth
+        beyond it is logged at WARNING, naming the models that ran since the last check, and counted."""
+        residents = self.residents()
+        tolerance = {meter: self.budget.headroom_bytes if meter == "process" else resident // 20
+                     for meter, resident in residents.items()}
+        overruns = self.memory_plan.check(residents, self.budget.reserved, tolerance)
+        ran = []
+        for runner in self.local_runners():
+            count = runner.batches_started
+            if count != self._batches_seen.get(runner.name, 0):
+                ran.append(f"{runner.name} (sizes up to {runner.settings.max_batch_size})")
+            self._batches_seen[runner.name] = count
+        for overrun in overruns:
+            log.warning("memory: %s in use is %.1f MiB, %.1f MiB above the plan (%.1f MiB): growth that no "
+                        "measurement at load saw, now counted in the plan; models that ran since the last check: %s",
+                        overrun.meter, overrun.used / MiB, overrun.excess / MiB, overrun.planned / MiB,
+                        ", ".join(ran) or "none")
+        if overruns:
+            self.budget.refresh()
 
     def local_runners(self) -> list[ModelRunner]:
         """The models served by engines in this process (not by a peer, not RAG services)."""

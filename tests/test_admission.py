@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 
 import numpy as np
-import pytest
 
-from edge_batcher.client import AsyncClient, ClientError
+from edge_batcher.client import AsyncClient
 from edge_batcher.memory.estimator import OnnxFootprintEstimator
 
 MiB = 1 << 20
@@ -50,16 +51,50 @@ def test_a_tight_budget_serves_a_burst_in_smaller_batches_that_fit(start_daemon,
     assert stats["inference_count"] == 64
 
 
-def test_a_request_that_can_never_fit_gets_a_clear_error(start_daemon, model_repo):
+def test_a_model_that_can_never_fit_is_refused_at_start_with_the_figures(tmp_path, model_repo):
+    """Not ready with a model that can serve nothing: the start fails and says why."""
     est = estimates(model_repo)
-    d = start_daemon(fixed_budget(model_repo, est[2].activations // 4))
-    with d.client() as client:
-        with pytest.raises(ClientError) as info:
-            client.infer("vibration", {"signal": np.zeros((1, 256), np.float32)})
-        assert client.live()
-    assert info.value.status == 503
-    message = info.value.message
-    assert "does not fit in device memory" in message and "a batch of 2 needs" in message and "MiB" in message
+    config = tmp_path / "config.toml"
+    config.write_text(fixed_budget(model_repo, est[2].activations // 4))
+    proc = subprocess.run([sys.executable, "-m", "edge_batcher.cli", "serve", "--config", str(config), "--models",
+                           str(model_repo), "--unix-socket", str(tmp_path / "eb.sock")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert ("configuration error: model 'vibration': not even its smallest batch fits the memory budget: "
+            "a batch of 2 needs") in proc.stderr and "MiB available" in proc.stderr
+    assert "ready:" not in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_a_request_that_cannot_fit_now_gets_a_clear_error(model_repo):
+    """Memory taken by others after the model loaded: its smallest batch no longer fits, and the
+    request is answered 503 with the figures (the daemon keeps serving)."""
+    from edge_batcher.config import load_model_config
+    from edge_batcher.errors import DoesNotFit
+    from edge_batcher.memory.budget import MemoryBudget
+    from edge_batcher.memory.probe import FixedProbe
+    from edge_batcher.metrics import Metrics
+    from edge_batcher.runtime import load_runner
+    from edge_batcher.types import InferRequest
+
+    probe = FixedProbe(64 * MiB)
+    budget = MemoryBudget(probe, reserve_fraction=0.0, headroom_bytes=0, refresh_interval_s=0.0)
+    runner = load_runner(load_model_config(model_repo / "vibration"), Metrics(), warmup=False, budget=budget)
+
+    async def ask() -> BaseException | None:
+        await runner.start()
+        probe.free_bytes = 0  # another process took the memory
+        try:
+            await runner.infer(InferRequest("vibration", {"signal": np.zeros((1, 256), np.float32)}))
+            return None
+        except DoesNotFit as exc:
+            return exc
+        finally:
+            await runner.close()
+
+    error = asyncio.run(ask())
+    assert error is not None and error.status == 503
+    assert "does not fit in device memory" in error.message and "a batch of 2 needs" in error.message
+    assert "MiB" in error.message
 
 
 def test_metrics_show_the_budget_and_estimates(start_daemon, model_repo):

@@ -22,6 +22,10 @@ import numpy as np
 from ..config import ModelConfig
 from ..types import TensorSpec
 
+# ONNX Runtime execution providers whose memory is a device's, not the process's heap
+# (memory/device.py measures it with the device's probe).
+DEVICE_PROVIDERS = frozenset({"CUDAExecutionProvider", "TensorrtExecutionProvider", "NvTensorRTRTXExecutionProvider"})
+
 # prepare(inputs as clients send them) -> (inputs as the model runs on them, sequence length)
 PrepareHook = Callable[[dict[str, np.ndarray]], "tuple[dict[str, np.ndarray], int]"]
 # memory_footprint(batch, seq_len) -> {"resident": bytes, "per_batch": bytes}

@@ -17,7 +17,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ConfigError, EngineError, OutOfMemory
 from ..types import TensorSpec
-from .base import Engine, apply_overrides
+from .base import DEVICE_PROVIDERS, Engine, apply_overrides
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,8 @@ def uses_memory_pattern(providers: list[str]) -> bool:
 
 class OnnxRuntimeEngine(Engine):
     def __init__(self, config: ModelConfig):
+        import onnxruntime  # noqa: F401 - lazily, but before the load: its own memory is not the model's
+
         self.config = config
         self.session: Any = None  # an onnxruntime.InferenceSession once loaded
         self.providers: list[str] = []
@@ -137,8 +139,11 @@ class OnnxRuntimeEngine(Engine):
         self.outputs = apply_overrides(
             [_spec(o) for o in self.session.get_outputs()], self.config.outputs, "output", self.config.name
         )
-        # The TensorRT execution provider builds an engine per new input shape: keep it on buckets.
-        self.accepts_any_length = ("TensorrtExecutionProvider" not in self.providers
+        # Only the CPU takes batches padded to their longest member. On a device every shape is a
+        # bucket's, warmed up and measured: a new length could grow the CUDA arena or load other
+        # kernels past the memory plan (docs/memory.md), and the TensorRT EP builds an engine per
+        # new shape.
+        self.accepts_any_length = (self.providers[0] not in DEVICE_PROVIDERS
                                    and _sequence_dim_is_dynamic(self.session.get_inputs(), self.config.sequence))
         log.info("model %s: onnxruntime session on %s", self.config.name, ", ".join(self.providers))
 

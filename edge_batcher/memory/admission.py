@@ -45,6 +45,8 @@ class Admission:
         return f.activations + f.kv_cache
 
     def fits(self, size: int, seq_len: int) -> bool:
+        if self.device is not None and self.device.refuses(size, seq_len):
+            return False  # measured at load: it ran out of memory, or the budget could not hold it
         return self.batch_bytes(size, seq_len) <= self.budget.available()
 
     def reserve(self, size: int, seq_len: int) -> int:

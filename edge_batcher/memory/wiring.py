@@ -22,7 +22,7 @@ from ..errors import ConfigError
 from ..metrics import Metrics
 from .admission import Admission
 from .budget import MemoryBudget
-from .device import DeviceLoad, measure_device, runs_on_device
+from .device import DeviceLoad, RunOnInstance, measure_device
 from .estimator import Footprint, OnnxFootprintEstimator
 from .probe import detect_probe
 
@@ -76,11 +76,14 @@ def footprint_source(
 
 
 def model_admission(config: ModelConfig, engines: list[Engine], metrics: Metrics, budget: MemoryBudget | None,
-                    calibrate: bool = False, load: DeviceLoad | None = None) -> tuple[Admission | None, int]:
+                    calibrate: bool = False, load: DeviceLoad | None = None,
+                    run: RunOnInstance | None = None) -> tuple[Admission | None, int]:
     """(admission control, resident bytes) for a model's loaded instances `engines`: (None, 0)
-    without a budget or a footprint source. `load` (created before the engines loaded) turns
-    on device measurement where it applies. The resident bytes are already counted in the
-    budget; give them back (`release_resident`) when the model is unloaded."""
+    without a budget or a footprint source. `load` (created before the engines loaded) and
+    `run` (a batch on an instance's own thread) turn on measurement where a meter sees what the
+    engine allocates (device.py: the device, a Jetson's memory, the process's for a CPU engine);
+    a model the budget cannot hold raises ModelDoesNotFit. The resident bytes are already
+    counted in the budget; give them back (`release_resident`) when the model is unloaded."""
     if budget is None:
         return None, 0
     engine = engines[0]
@@ -88,17 +91,19 @@ def model_admission(config: ModelConfig, engines: list[Engine], metrics: Metrics
     if footprint is None:
         return None, 0
     device = None
-    if load is not None and load.active and runs_on_device(engine) and engine.memory_footprint is None:
-        # TensorRT (memory_footprint) knows its sizes exactly; ONNX Runtime's arena is measured.
-        device = measure_device(config, engines, load)
-        if estimator is not None:
-            from .calibration import calibrate_on_device
-
-            calibrate_on_device(config, estimator, device)
-    elif calibrate and estimator is not None:
-        from .calibration import calibrate_model
+    meter = load.meter(engine) if load is not None else None
+    if meter is not None and run is not None and load is not None and engine.memory_footprint is None:
+        # TensorRT (memory_footprint) knows its sizes exactly; everything else is measured.
+        device = measure_device(config, engine.batch_inputs or engine.inputs, run, len(engines), load, meter,
+                                estimator.activation_peak if estimator is not None else None)
+    if estimator is not None and calibrate and (device is None or device.meter == "process"):
+        from .calibration import calibrate_model  # asked for, and the measurement was not a device's
 
         calibrate_model(config, estimator)
+    elif estimator is not None and device is not None:
+        from .calibration import calibrate_on_device
+
+        calibrate_on_device(config, estimator, device)
     admission = Admission(config.name, budget, footprint, estimator, device)
     return admission, publish_estimates(config, admission, metrics, budget)
 
@@ -128,9 +133,10 @@ def publish_estimates(config: ModelConfig, admission: Admission, metrics: Metric
     budget.refresh()
     if device is not None:
         log.info(
-            "model %s: %.1f MiB of device memory measured (load %.1f MiB, arena %.1f MiB, %d instance(s)), "
+            "model %s: %.1f MiB of %s measured (load %.1f MiB, runs %.1f MiB, %d instance(s)), "
             "resident; largest batch needs %.1f MiB more; budget available %.1f MiB",
-            config.name, resident / MiB, device.load_bytes / MiB, device.arena_bytes / MiB, config.instances,
+            config.name, resident / MiB, "device memory" if device.meter != "process" else "process memory",
+            device.load_bytes / MiB, device.arena_bytes / MiB, config.instances,
             admission.batch_bytes(config.batching.preferred_batch_sizes[-1], buckets[-1]) / MiB,
             budget.available() / MiB,
         )

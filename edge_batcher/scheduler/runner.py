@@ -19,9 +19,9 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..config import ModelConfig
 from ..cpu_affinity import thread_is_pinned
@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     from ..memory.admission import Admission
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 BATCHES_IN_FLIGHT_PER_INSTANCE = 2
 # An engine whose batches take at least this long (measured at warm-up) runs its worker
@@ -113,13 +115,17 @@ class ModelRunner:
         self._default_timeout_s = b.default_timeout_ms / 1000.0
         self._max_timeout_s = b.max_timeout_ms / 1000.0
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
-        self._workers: list[EngineWorker] = []  # one per engine instance, from start()
+        # One thread per engine instance, from now on: measurement and warm-up run on the
+        # thread that serves (worker.py: device libraries keep per-thread memory).
+        self._workers = [EngineWorker(f"engine-{self.name}-{i}") for i in range(len(engines))]
+        self._serving = False
         self._free_slots: list[int] = []  # engine instances with a free batch slot
         self._busy_until = [0.0] * len(engines)  # when each instance's dispatched work should end
         self._dispatched: list[deque[float]] = [deque() for _ in engines]  # dispatch times in flight
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None  # when the policy wants to look again; None: no timer
         self._local_batches = 0  # batches with a worker (queued there or running)
+        self.batches_started = 0  # local batches handed to a worker, ever (the memory watch's "what ran")
         self._draining = False
         self._closed = False
         # Set when a batch or an offload finished, or requests were rejected: drain() waits on it.
@@ -130,6 +136,23 @@ class ModelRunner:
             settled=self._schedule, progress=self._progress)
 
     # ------------------------------------------------------------------ lifecycle
+
+    def set_admission(self, admission: Admission | None, resident_bytes: int) -> None:
+        """The model's memory plan, measured after the runner exists (memory/wiring.py runs the
+        measurement on its instances' threads): admission control and the resident bytes
+        counted in the budget."""
+        self.admission = admission
+        self.fits = admission.fits if admission is not None else (lambda size, seq_len: True)
+        self.resident_bytes = resident_bytes
+
+    def on_instance(self, instance: int, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on an engine instance's own thread, waited for: load-time work only
+        (measurement, warm-up). Blocking: call off the event loop, before start()."""
+        return self._workers[instance].call(fn, *args)
+
+    def infer_on(self, instance: int, batch: dict[str, Any]) -> dict[str, Any]:
+        """One batch on an instance's own thread, waited for (the memory measurement's runs)."""
+        return self.on_instance(instance, self.engines[instance].infer, batch)
 
     def warm_up(self) -> None:
         """Run every allowed batch size on every instance once before serving (warmup.py).
@@ -143,8 +166,9 @@ class ModelRunner:
         if every_cpu and thread_is_pinned():
             log.info("model %s: batches take up to %.2f ms: its engine worker threads run on every CPU, "
                      "not only on the event loop's", self.name, slowest * 1e3)
-        self._workers = [EngineWorker(f"engine-{self.name}-{i}", self._loop, every_cpu=every_cpu)
-                         for i in range(len(self.engines))]
+        for worker in self._workers:
+            worker.serve(self._loop, every_cpu=every_cpu)
+        self._serving = True
         # Two batch slots per instance: the next batch waits in the worker's queue while the
         # current one runs, so the engine thread never idles through a round trip to the loop.
         self._free_slots = [i for _ in range(BATCHES_IN_FLIGHT_PER_INSTANCE) for i in range(len(self.engines))]
@@ -171,13 +195,16 @@ class ModelRunner:
             self._timer.cancel()
         for req in self.queue.take_all():
             self._fail(req, Unavailable(f"model {self.name!r} was unloaded"))
-        if self._workers:
+        if self._serving:
             for engine, worker in zip(self.engines, self._workers):
                 await worker.stop(engine.close)
-        else:  # never started (warm-up only): close on any thread
-            loop = asyncio.get_running_loop()
-            for engine in self.engines:
-                await loop.run_in_executor(None, engine.close)
+        else:  # never started (warm-up only)
+            await asyncio.get_running_loop().run_in_executor(None, self.close_unstarted)
+
+    def close_unstarted(self) -> None:
+        """close() for a runner that never served (its load failed): blocking, off the loop."""
+        for engine, worker in zip(self.engines, self._workers):
+            worker.stop_now(engine.close)
 
     # ------------------------------------------------------------------ requests
 
@@ -382,6 +409,7 @@ class ModelRunner:
     def _start_batch(self, plan: policy.BatchPlan, instance: int, now: float, *, holds_slot: bool) -> None:
         reserved = self.admission.reserve(plan.size, plan.bucket) if self.admission is not None else 0
         self._local_batches += 1
+        self.batches_started += 1
         batch = LocalBatch(plan, instance, reserved, now, holds_slot)
         self._workers[instance].submit(self._execute, batch, self._batch_done)
 

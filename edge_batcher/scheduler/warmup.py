@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from ..config import ModelConfig
 from ..engines.base import Engine
@@ -22,6 +23,8 @@ from .timing import ExecTimeModel
 from .validate import RequestValidator
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 RUNS_PER_SIZE = 3  # the median of three is the time seeded: the first run of a size is often slow
 
@@ -39,6 +42,8 @@ class Warmable(Protocol):
     exec_time: ExecTimeModel
     admission: Any  # memory.admission.Admission or None
 
+    def on_instance(self, instance: int, fn: Callable[..., T], *args: Any) -> T: ...
+
 
 def warm_up(runner: Warmable) -> None:
     """Run the runner's sizes on its engines, seed its exec-time model, cap its settings on
@@ -49,13 +54,8 @@ def warm_up(runner: Warmable) -> None:
             batch = {spec.name: batching.zeros(spec, size, runner.validator.seq_axis(spec.name), bucket)
                      for spec in runner.batch_inputs}
             try:
-                for engine in runner.engines:
-                    timings = []
-                    for _ in range(RUNS_PER_SIZE):
-                        t0 = time.perf_counter()
-                        engine.infer(batch)
-                        timings.append(time.perf_counter() - t0)
-                    runner.exec_time.observe(size, sorted(timings)[RUNS_PER_SIZE // 2])
+                for instance, engine in enumerate(runner.engines):
+                    runner.exec_time.observe(size, runner.on_instance(instance, _median_time, engine, batch))
             except OutOfMemory as exc:
                 _cap_batch_size(runner, size, bucket, exc)
                 break
@@ -63,6 +63,16 @@ def warm_up(runner: Warmable) -> None:
         "model %s: warmed up sizes %s: %s", runner.name, list(runner.settings.preferred_batch_sizes),
         ", ".join(f"{s}: {t * 1e3:.2f} ms" for s, t in sorted(runner.exec_time.measured().items())),
     )
+
+
+def _median_time(engine: Engine, batch: dict[str, Any]) -> float:
+    """Seconds of the median of RUNS_PER_SIZE runs (on the instance's own thread)."""
+    timings = []
+    for _ in range(RUNS_PER_SIZE):
+        t0 = time.perf_counter()
+        engine.infer(batch)
+        timings.append(time.perf_counter() - t0)
+    return sorted(timings)[RUNS_PER_SIZE // 2]
 
 
 def _cap_batch_size(runner: Warmable, size: int, bucket: int, error: OutOfMemory) -> None:

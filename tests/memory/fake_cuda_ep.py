@@ -6,7 +6,8 @@ OnnxRuntimeEngine); the device memory the CUDA EP would take is allocated from a
 
 * load: the primary context's first user pays CONTEXT_BYTES once per device, then the weights
   (the model file's size) are allocated;
-* first run: WORKSPACE_BYTES once per engine outside the arena (cuBLAS/cuDNN handles);
+* first run on each thread: WORKSPACE_BYTES outside the arena (the CUDA EP's per-thread
+  context: cuBLAS/cuDNN handles and workspace, +74-76 MiB per thread on an H100, issue 26);
 * every run needs PLANNER_FACTOR x the liveness estimate at its shape from the arena (ONNX
   Runtime's per-shape pools, 1.75x on the encoder: docs/memory.md), as REQUESTS_PER_RUN
   separate buffers; with the memory pattern on (`memory_pattern`, default: what the real
@@ -25,6 +26,7 @@ memory.device.DeviceLoad). Set `FakeCudaEpEngine.device` to the FakeCuda the tes
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -123,7 +125,7 @@ class FakeCudaEpEngine(OnnxRuntimeEngine):
                 _contexts[id(fake)] = fake.mem_alloc(CONTEXT_BYTES)
             self._weights = fake.mem_alloc(self.config.model_path.stat().st_size)
         self.arena = FakeArena(fake, self.cuda_options["arena_extend_strategy"], int(limit) if limit else None)
-        self._workspace = None
+        self._workspaces: dict[int, object | None] = {}  # thread id -> its context's allocation
         self._shapes_run: set[tuple] = set()
         self._pattern = (uses_memory_pattern(["CUDAExecutionProvider"]) if self.memory_pattern is None
                          else self.memory_pattern)
@@ -138,8 +140,9 @@ class FakeCudaEpEngine(OnnxRuntimeEngine):
 
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         with self._current():
-            if self._workspace is None:
-                self._workspace = self.device.mem_alloc(WORKSPACE_BYTES)
+            if threading.get_ident() not in self._workspaces:
+                self._workspaces[threading.get_ident()] = (
+                    self.device.mem_alloc(WORKSPACE_BYTES) if WORKSPACE_BYTES else None)
             shape = tuple(a.shape for a in inputs.values())
             if shape in self._shapes_run:
                 if self._pattern:
@@ -153,9 +156,10 @@ class FakeCudaEpEngine(OnnxRuntimeEngine):
         if getattr(self, "arena", None) is not None:
             with self._current():
                 self.arena.free_all()
-                for allocation in (self._weights, self._workspace):
+                for allocation in (self._weights, *self._workspaces.values()):
                     if allocation is not None:
                         allocation.free()
+                self._workspaces.clear()
             self._context.detach()
             self.arena = None
         super().close()

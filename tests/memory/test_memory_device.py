@@ -13,8 +13,9 @@ import pytest
 
 from edge_batcher.config import load_model_config
 from edge_batcher.engines.onnxruntime import provider_options
+from edge_batcher.memory import device as device_module
 from edge_batcher.memory.budget import MemoryBudget
-from edge_batcher.memory.device import DeviceProfile, SizeMeasurement
+from edge_batcher.memory.device import DeviceProfile, ModelDoesNotFit, SizeMeasurement
 from edge_batcher.memory.probe import CudaProbe, FixedProbe
 from edge_batcher.memory.wiring import release_resident
 from edge_batcher.metrics import Metrics
@@ -133,10 +134,40 @@ def test_two_models_add_up_against_one_budget(gpu, model_repo, tmp_path):
     assert budget.available() == (1 << 30) - a.resident_bytes
 
 
-def test_growing_past_the_budget_takes_the_out_of_memory_path(gpu, model_repo, tmp_path):
+def context_paid(gpu: FakeCuda) -> None:
+    """The primary context exists before the model loads (the cuda probe's first read makes it)."""
+    gpu.init()
+    context = gpu.get_device(0).retain_primary_context()
+    context.push()
+    try:
+        fake_cuda_ep._contexts[id(gpu)] = gpu.mem_alloc(CONTEXT_BYTES)
+    finally:
+        context.pop()
+
+
+def test_a_size_the_budget_cannot_hold_is_never_run(gpu, model_repo, tmp_path):
     config = fake_gpu_model(model_repo, tmp_path)
     weights = config.model_path.stat().st_size
-    # the arena may take 3 MiB: batch 256 holds 1.0 MiB, batch 1024 would hold 4.1 MiB
+    # room for the context, weights, the serving thread's workspace and 3 MiB of arena: batch
+    # 256 holds 1.3 MiB, batch 1024 would need 5.3 (4.5 predicted above 256's)
+    fixed = CONTEXT_BYTES + weights + WORKSPACE_BYTES + 3 * MiB
+    budget = budget_on(gpu, fixed_bytes=fixed)
+    before = gpu.used_memory()
+    runner = load_runner(config, Metrics(), warmup=True, budget=budget)
+    device = runner.admission.device
+    assert set(device.sizes) == {(16, 0), (256, 0)}
+    assert "batch 1024 would need about 4.5 MiB more; the budget has" in device.failed[(1024, 0)]
+    assert runner.engines[0].arena.capacity < 2 * MiB  # 1024 never ran, not even once
+    assert not runner.admission.fits(1024, 0) and runner.admission.fits(256, 0)  # never planned
+    assert gpu.used_memory() - before == runner.resident_bytes <= fixed
+
+
+def test_the_arena_limit_stops_growth_the_prediction_missed(gpu, model_repo, tmp_path, monkeypatch):
+    monkeypatch.setattr(device_module, "PREDICTION_FACTOR", 0.0)  # a prediction that sees nothing
+    monkeypatch.setattr(fake_cuda_ep, "WORKSPACE_BYTES", 0)  # all of the growth is the arena's
+    context_paid(gpu)
+    config = fake_gpu_model(model_repo, tmp_path)
+    weights = config.model_path.stat().st_size
     budget = budget_on(gpu, fixed_bytes=weights + 3 * MiB)
     runner = load_runner(config, Metrics(), warmup=True, budget=budget)
     engine = runner.engines[0]
@@ -145,10 +176,62 @@ def test_growing_past_the_budget_takes_the_out_of_memory_path(gpu, model_repo, t
     assert set(device.sizes) == {(16, 0), (256, 0)}
     assert "Failed to allocate" in device.failed[(1024, 0)]
     assert engine.arena.capacity <= 3 * MiB
-    # 1024 is not served: admission refuses it (its calibrated estimate exceeds the budget) or
-    # warm-up's out-of-memory capped the sizes below it
-    assert not runner.admission.fits(1024, 0) or runner.settings.max_batch_size == 256
-    assert runner.admission.fits(256, 0)
+    assert not runner.admission.fits(1024, 0) and runner.admission.fits(256, 0)  # 1024 is never planned
+
+
+def test_a_size_that_took_the_model_past_the_budget_is_dropped_by_a_reload(gpu, model_repo, tmp_path, monkeypatch,
+                                                                            caplog):
+    monkeypatch.setattr(device_module, "PREDICTION_FACTOR", 0.0)
+    context_paid(gpu)
+    config = fake_gpu_model(model_repo, tmp_path)
+    weights = config.model_path.stat().st_size
+    fixed = weights + WORKSPACE_BYTES + 3 * MiB  # the arena's cap at load cannot see the workspace
+    budget = budget_on(gpu, fixed_bytes=fixed)
+    before = gpu.used_memory()
+    with caplog.at_level(logging.WARNING, logger="edge_batcher"):
+        runner = load_runner(config, Metrics(), warmup=True, budget=budget)
+    assert "took the model to" in caplog.text and "reloading it with batch sizes [16, 256]" in caplog.text
+    assert runner.config.batching.preferred_batch_sizes == [16, 256]
+    assert set(runner.admission.device.sizes) == {(16, 0), (256, 0)}
+    assert gpu.used_memory() - before == runner.resident_bytes <= fixed  # the first arenas were freed
+
+
+def test_a_model_whose_load_does_not_fit_is_refused_with_the_figures(gpu, model_repo, tmp_path):
+    config = fake_gpu_model(model_repo, tmp_path)
+    budget = budget_on(gpu, fixed_bytes=100 * MiB)  # the 300 MiB context alone is more
+    before = gpu.used_memory()
+    with pytest.raises(ModelDoesNotFit, match=r"model 'vib': loading it took 300\.\d MiB of device memory, more "
+                                              r"than the 100\.0 MiB the memory budget had for it"):
+        load_runner(config, Metrics(), warmup=True, budget=budget)
+    assert budget.resident == 0
+    assert gpu.used_memory() - before == CONTEXT_BYTES  # the engine closed; the primary context stays
+
+
+def test_the_thread_that_serves_is_the_one_measured(gpu, model_repo, tmp_path):
+    """The CUDA EP's per-thread workspace (the fake's WORKSPACE_BYTES) is paid by the thread that
+    serves, at measurement: serving grows nothing the plan did not count."""
+    import asyncio
+
+    config = fake_gpu_model(model_repo, tmp_path)
+    budget = budget_on(gpu)
+    before = gpu.used_memory()
+    runner = load_runner(config, Metrics(), warmup=True, budget=budget)
+    planned = gpu.used_memory() - before
+    assert runner.resident_bytes == planned
+
+    async def serve() -> int:
+        from edge_batcher.types import InferRequest
+
+        await runner.start()
+        x = np.zeros((1, 256), np.float32)
+        await asyncio.gather(*(runner.infer(InferRequest("vib", {"signal": x})) for _ in range(64)))
+        serving = gpu.used_memory() - before
+        await runner.close()
+        return serving
+
+    assert asyncio.run(serve()) == planned  # once 32 MiB more: the workspace of an unmeasured thread
+    assert runner.stats.inference_count == 64
+    assert gpu.used_memory() - before == CONTEXT_BYTES  # closed: all given back but the primary context
 
 
 def test_unified_memory_reserves_the_batch_host_arrays():

@@ -7,6 +7,9 @@ a test model.toml. It runs the real model; only batches carrying a sentinel valu
   -2000: it sleeps 2 s (a queue built by slow clients, e.g. a thread and a connection each);
   -3000: it waits until the file named by the environment variable FAULTY_ENGINE_RELEASE
          exists (at most 60 s): a queue that the test builds at its own pace, then releases.
+
+LeakyEngine (another test double) instead keeps LEAK_BYTES of memory, touched, for every batch
+carrying -777: memory that serving takes and no measurement at load saw.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ SLOW = -500.0
 VERY_SLOW = -2000.0
 HELD = -3000.0
 RELEASE_ENV = "FAULTY_ENGINE_RELEASE"
+LEAK = -777.0
+LEAK_BYTES = 48 << 20
 
 
 class FaultyOnnxEngine(OnnxRuntimeEngine):
@@ -54,4 +59,13 @@ class OomAboveFourEngine(OnnxRuntimeEngine):
         first = next(iter(inputs.values()))
         if first.shape[0] > 4 and np.any(first):
             raise OutOfMemory(f"injected out-of-memory: batch of {first.shape[0]} rows (this test engine allows 4)")
+        return super().infer(inputs)
+
+
+class LeakyEngine(OnnxRuntimeEngine):
+    kept: list[np.ndarray] = []
+
+    def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if any(np.any(np.asarray(v) == LEAK) for v in inputs.values()):
+            self.kept.append(np.ones(LEAK_BYTES, np.uint8))  # ones: every page touched, resident
         return super().infer(inputs)

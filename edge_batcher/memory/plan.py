@@ -1,0 +1,77 @@
+"""The daemon's memory plan, per meter, and the watch that holds the memory in use to it.
+
+Every meter that measures models (memory/device.py: the GPU's probe, or "process" for the
+daemon's resident memory) has a plan: what it read when the daemon started, plus the resident
+memory of every model measured with it, plus what else the daemon holds at ready (services,
+transports, Python: counted once, then part of the plan), plus batches in flight. The daemon
+publishes it (`edge_batcher_memory_planned_bytes`), and `check` compares it with the meters now
+and then while serving: growth beyond it is what no measurement at load saw. It is logged at
+WARNING with the models that ran since the last look and counted into the plan, so the budget
+and the figures stay true (docs/memory.md, "The plan under traffic").
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from .device import memory_in_use
+from .snapshot import MemoryProbe
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+# Growth beyond the plan below this is noise (the driver's 2 MiB steps, RSS counters batched per CPU).
+NOISE_BYTES = 4 * MiB
+
+
+@dataclass(frozen=True)
+class Overrun:
+    meter: str
+    used: int
+    planned: int
+
+    @property
+    def excess(self) -> int:
+        return self.used - self.planned
+
+
+class MemoryPlan:
+    def __init__(self, probe: MemoryProbe):
+        self.probe = probe
+        self.at_start: dict[str, int] = {}
+        self.other: dict[str, int] = {}  # held beyond the models: counted at ready, and growth seen since
+
+    def start(self) -> None:
+        """Read every meter before any model loads."""
+        self.at_start = memory_in_use(self.probe)
+        self.other = {meter: 0 for meter in self.at_start}
+
+    def settle(self, residents: dict[str, int]) -> None:
+        """At ready: what the meters read beyond the start and the models is counted as the
+        daemon's own (services' state, transports, Python objects); logged once."""
+        now = memory_in_use(self.probe)
+        for meter, used in now.items():
+            self.other[meter] = used - self.at_start.get(meter, used) - residents.get(meter, 0)
+        log.info("memory plan at ready: %s", "; ".join(
+            f"{meter} {now[meter] / MiB:.0f} MiB = {self.at_start[meter] / MiB:.0f} at start + "
+            f"{residents.get(meter, 0) / MiB:.0f} models + {self.other[meter] / MiB:.0f} other"
+            for meter in now))
+
+    def planned(self, residents: dict[str, int], reserved: int = 0) -> dict[str, int]:
+        """What each meter should read now by the plan."""
+        return {meter: start + self.other.get(meter, 0) + residents.get(meter, 0) + reserved
+                for meter, start in self.at_start.items()}
+
+    def check(self, residents: dict[str, int], reserved: int, tolerance: dict[str, int]) -> list[Overrun]:
+        """The meters above the plan by more than tolerance[meter] (at least NOISE_BYTES): each
+        is counted into the plan (the next check compares with it) and returned for the caller
+        to log with what ran."""
+        now = memory_in_use(self.probe)
+        overruns = []
+        for meter, planned in self.planned(residents, reserved).items():
+            used = now.get(meter)
+            if used is not None and used - planned > max(NOISE_BYTES, tolerance.get(meter, 0)):
+                overruns.append(Overrun(meter, used, planned))
+                self.other[meter] += used - planned
+        return overruns

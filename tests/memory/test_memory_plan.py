@@ -1,0 +1,61 @@
+"""The memory plan under traffic (memory/plan.py): what the daemon holds at ready is counted, and
+growth beyond it while serving is seen, logged with the models that ran, and counted."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import time
+
+import numpy as np
+
+from edge_batcher.memory.plan import NOISE_BYTES, MemoryPlan
+from edge_batcher.memory.probe import FixedProbe
+from tests.support import rawhttp
+from tests.support.faulty_engine import LEAK, LEAK_BYTES
+from tests.support.models import add_vibration_variant, build_demo
+
+MiB = 1 << 20
+
+
+def test_growth_beyond_the_plan_is_reported_once_and_counted():
+    plan = MemoryPlan(FixedProbe(1 << 30))  # not a device: the process's resident memory is the meter
+    plan.start()
+    plan.settle({"process": 0})
+    assert plan.check({"process": 0}, 0, {}) == []  # nothing grew
+    grown = np.ones(64 * MiB, np.uint8)  # resident: every page written
+    overruns = plan.check({"process": 0}, 0, {})
+    assert [o.meter for o in overruns] == ["process"]
+    assert 60 * MiB < overruns[0].excess < 80 * MiB
+    assert plan.check({"process": 0}, 0, {}) == []  # counted: the next check compares with it
+    assert plan.planned({"process": 0})["process"] >= overruns[0].used
+    # growth that the models' plan or the tolerance explain is not an overrun
+    more = np.ones(32 * MiB, np.uint8)
+    assert plan.check({"process": 32 * MiB}, 0, {}) == []
+    assert plan.check({"process": 0}, 0, {"process": 64 * MiB}) == []
+    assert NOISE_BYTES < 32 * MiB
+    del grown, more
+
+
+def test_a_daemon_warns_of_memory_that_serving_took_and_no_load_measured(start_daemon, tmp_path):
+    repo = tmp_path / "engines"
+    build_demo(repo)
+    add_vibration_variant(repo, "leaky", "tests.support.faulty_engine:LeakyEngine", "max_queue_delay_ms = 2.0\n")
+    shutil.rmtree(repo / "vibration")
+    d = start_daemon("[memory]\ncheck_interval_s = 0.2\nheadroom_mb = 8\n", repo=repo)
+    _, metrics = rawhttp.request(d.socket, "GET", "/metrics")
+    planned = float(re.search(r'edge_batcher_memory_planned_bytes\{meter="process"\} (\S+)', metrics).group(1))
+    with d.client() as client:
+        client.infer("leaky", {"signal": np.zeros((1, 256), np.float32)})
+        time.sleep(0.6)
+        assert "above the plan" not in d.log_text()  # serving as measured grows nothing
+        client.infer("leaky", {"signal": np.full((1, 256), LEAK, np.float32)})
+    deadline = time.monotonic() + 30
+    while "above the plan" not in d.log_text() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    line = next(line for line in d.log_text().splitlines() if "above the plan" in line)
+    assert "WARNING" in line and "memory: process in use is" in line
+    assert "models that ran since the last check: leaky (sizes up to 8)" in line
+    _, metrics = rawhttp.request(d.socket, "GET", "/metrics")
+    now = float(re.search(r'edge_batcher_memory_planned_bytes\{meter="process"\} (\S+)', metrics).group(1))
+    assert now - planned >= LEAK_BYTES - 8 * MiB  # counted into the plan
