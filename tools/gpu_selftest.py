@@ -198,6 +198,7 @@ def soak(args: argparse.Namespace, on_gpu: bool) -> list[Check]:
                                           clients=args.soak_clients, meter="device" if on_gpu else "process")
         except RuntimeError as exc:
             return [Check("soak", "daemon", False, str(exc).splitlines()[0])]
+    print(result.memory_log)
     print(result.report())
     failures = result.failures()
     return [Check("soak", f"{result.meter} memory under load", not failures,

@@ -266,6 +266,7 @@ class SoakResult:
     cgroup: dict[str, int] | None
     margin: int  # bytes the peak may exceed the plan by
     log_tail: str = ""
+    memory_log: str = ""  # the daemon's log lines about memory
 
     @property
     def requests(self) -> int:
@@ -317,7 +318,7 @@ class SoakResult:
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if k != "log_tail"} | {
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("log_tail", "memory_log")} | {
             "failures": self.failures()}
 
 
@@ -435,7 +436,7 @@ def run_soak(*, config: str | None = None, models: str | None = None, seconds: f
         margin = (int(daemon_config.memory.headroom_mb * MiB) if meter == "process"
                   else int(tolerance * sum(resident.values())))
         return SoakResult(meter, before, ready, peak, int(planned[plan_key]), resident, dict(statuses), errors,
-                          elapsed, clients, alive, cg, margin, _tail(log_path))
+                          elapsed, clients, alive, cg, margin, _tail(log_path), _memory_lines(log_path))
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -463,6 +464,15 @@ def _wait_ready(proc: subprocess.Popen, sock: str, timeout: float, log_path: Pat
             pass
         time.sleep(0.2)
     raise RuntimeError(f"the daemon was not ready after {timeout:.0f} s:\n{_tail(log_path)}")
+
+
+def _memory_lines(path: Path) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(line for line in text.splitlines()
+                     if "memory" in line and "grew" not in line or "WARNING" in line or "ERROR" in line)
 
 
 def _tail(path: Path, lines: int = 30) -> str:
