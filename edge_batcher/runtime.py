@@ -333,8 +333,10 @@ class Runtime:
         """Compare the memory in use with the plan (a few times a minute while serving); growth
         beyond it is logged at WARNING, naming the models that ran since the last check, and counted."""
         residents = self.residents()
-        tolerance = {meter: self.budget.headroom_bytes if meter == "process" else resident // 20
-                     for meter, resident in residents.items()}
+        # The process's own memory always (request bodies and Python objects use the headroom);
+        # a device's, where other processes allocate too, only once it holds measured models.
+        tolerance = {meter: resident // 20 for meter, resident in residents.items()}
+        tolerance["process"] = self.budget.headroom_bytes
         overruns = self.memory_plan.check(residents, self.budget.reserved, tolerance)
         ran = []
         for runner in self.local_runners():
@@ -344,8 +346,9 @@ class Runtime:
             self._batches_seen[runner.name] = count
         for overrun in overruns:
             log.warning("memory: %s in use is %.1f MiB, %.1f MiB above the plan (%.1f MiB): growth that no "
-                        "measurement at load saw, now counted in the plan; models that ran since the last check: %s",
+                        "measurement at load saw%s, now counted in the plan; models that ran since the last check: %s",
                         overrun.meter, overrun.used / MiB, overrun.excess / MiB, overrun.planned / MiB,
+                        "" if overrun.meter == "process" else " (by this daemon or another process on the device)",
                         ", ".join(ran) or "none")
         if overruns:
             self.budget.refresh()

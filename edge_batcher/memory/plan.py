@@ -64,14 +64,14 @@ class MemoryPlan:
                 for meter, start in self.at_start.items()}
 
     def check(self, residents: dict[str, int], reserved: int, tolerance: dict[str, int]) -> list[Overrun]:
-        """The meters above the plan by more than tolerance[meter] (at least NOISE_BYTES): each
-        is counted into the plan (the next check compares with it) and returned for the caller
-        to log with what ran."""
+        """The meters named in `tolerance` that read more than the plan by more than their
+        tolerance (at least NOISE_BYTES): each is counted into the plan (the next check compares
+        with it) and returned for the caller to log with what ran."""
         now = memory_in_use(self.probe)
         overruns = []
         for meter, planned in self.planned(residents, reserved).items():
             used = now.get(meter)
-            if used is not None and used - planned > max(NOISE_BYTES, tolerance.get(meter, 0)):
+            if used is not None and meter in tolerance and used - planned > max(NOISE_BYTES, tolerance[meter]):
                 overruns.append(Overrun(meter, used, planned))
                 self.other[meter] += used - planned
         return overruns

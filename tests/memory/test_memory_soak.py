@@ -30,8 +30,10 @@ def cgroup_or_skip(limit_mb: float):
 
 
 def demo_config(tmp_path: Path, models: list[str], memory: str = "") -> str:
+    """Models on the CPU with the cpu probe: the unified-memory path, also on a machine with a GPU
+    (whose probe would otherwise plan these CPU models against the GPU's memory)."""
     path = tmp_path / "config.toml"
-    path.write_text(f"[models]\nload = {models!r}\n[memory]\n{memory}".replace("'", '"'))
+    path.write_text(f"[models]\nload = {models!r}\n[memory]\nprobe = \"cpu\"\n{memory}".replace("'", '"'))
     return str(path)
 
 
@@ -41,7 +43,7 @@ def test_under_a_cgroup_limit_of_1_5x_its_peak_nothing_is_oom_killed_or_refused(
     memory, answers served, usage under the limit, the daemon's memory within its plan + headroom."""
     cgroup_or_skip(490).remove()
     result = memory_soak.run_soak(config=demo_config(tmp_path, ["minilm", "vibration"]), models=str(demo_repo),
-                                  seconds=10, clients=32, cgroup_limit_mb=490)
+                                  seconds=10, clients=32, cgroup_limit_mb=490, meter="process")
     print(result.report())
     assert result.failures() == [], result.report() + "\n" + result.log_tail
     assert result.cgroup["oom_kills"] == 0 and result.cgroup["peak"] < 490 * MiB
