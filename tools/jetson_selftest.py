@@ -13,6 +13,12 @@ What it does, with the demo model (engines/vibration/model.onnx, from tools/buil
      throughput).
 
     python tools/jetson_selftest.py [--fp16] [--dla-core 0] [--sizes 1,2,4,8] [--out report.md]
+                                    [--soak SECONDS [--models engines] [--soak-clients 32]]
+
+With --soak it then soaks a real daemon on the model repository (`make run`'s by default:
+every model, services included) with mixed traffic (tools/memory_soak.py): the Jetson's shared
+memory after warm-up, the peak under load and the daemon's plan go into the report, and a peak
+beyond the plan or an error answer fails it.
 
 Works with TensorRT 10.x (JetPack 6 and 7) and 11.x (desktop GPUs; --fp16 there converts the model
 to FP16 first, see edge_batcher/engines/trt_build.py), and with either CUDA binding. The report
@@ -352,6 +358,9 @@ def main(argv: list[str] | None = None, trt_module: Any = None, cuda_module: Any
     p.add_argument("--iterations", type=int, default=50, help="timed batches per size")
     p.add_argument("--workdir", type=Path, help="keep the built plan here (default: a temporary directory)")
     p.add_argument("--out", type=Path, help="also write the report to this file")
+    p.add_argument("--soak", type=float, metavar="SECONDS", help="then soak a real daemon with mixed traffic")
+    p.add_argument("--models", type=Path, default=ROOT / "engines", help="the soak's model repository")
+    p.add_argument("--soak-clients", type=int, default=32, help="the soak's concurrent connections (default 32)")
     p.add_argument("--root", type=Path, default=Path("/"), help=argparse.SUPPRESS)  # tests: a fake Jetson root
     args = p.parse_args(argv)
 
@@ -402,10 +411,27 @@ def main(argv: list[str] | None = None, trt_module: Any = None, cuda_module: Any
         with tempfile.TemporaryDirectory(prefix="eb-selftest-") as tmp:
             report = go(Path(tmp))
     text = format_report(report)
+    ok = report.ok
+    if args.soak:
+        soak_text, soak_ok = memory_soak_section(args)
+        text += soak_text
+        ok = ok and soak_ok
     print(text)
     if args.out:
         args.out.write_text(text)
-    return 0 if report.ok else 1
+    return 0 if ok else 1
+
+
+def memory_soak_section(args: argparse.Namespace) -> tuple[str, bool]:
+    """The report's section for tools/memory_soak.py on args.models: (markdown, passed)."""
+    sys.path.insert(1, str(ROOT / "tools"))
+    import memory_soak  # noqa: PLC0415
+
+    try:
+        result = memory_soak.run_soak(models=str(args.models), seconds=args.soak, clients=args.soak_clients)
+    except RuntimeError as exc:
+        return f"\n## Memory under traffic\n\n**FAIL**: {exc}\n", False
+    return f"\n## Memory under traffic (tools/memory_soak.py)\n\n```\n{result.report()}\n```\n", not result.failures()
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ request of 1 to max_batch_size rows (random text of 5-100 words, token sequences
 length up to the longest bucket, sensor windows). Memory is sampled every 50 ms on one meter:
 
   device   the GPU's memory in use (NVML; nvidia-smi when pynvml is missing), the daemon's GPU plan;
-  process  the daemon's resident memory (psutil), the plan of CPU engines and of unified memory.
+  jetson   a Jetson's shared memory in use, as the daemon's jetson probe reads it (NVML has none);
+  process  the daemon's resident memory (psutil), the plan of CPU engines under the cpu probe.
 
 It prints memory before the daemon, after warm-up (ready and idle), the peak under load, the
 plan (the daemon's `edge_batcher_memory_planned_bytes` for that meter: what was in use at its
@@ -103,6 +104,30 @@ class DeviceMeter:
         out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, check=True, timeout=30).stdout
         return int(out.split()[0]) * MiB
+
+
+class JetsonMeter:
+    """A Jetson's shared memory in use (the daemon's own jetson probe: MemTotal - what is free)."""
+
+    name = "jetson"
+
+    def __init__(self) -> None:
+        from edge_batcher.memory.jetson import JetsonProbe
+
+        self._probe = JetsonProbe()
+
+    def used(self) -> int:
+        snapshot = self._probe.read()
+        return snapshot.total_bytes - snapshot.free_bytes
+
+
+def auto_meter() -> str:
+    """The meter for this machine: jetson on a Jetson, device with a discrete GPU, else process."""
+    from edge_batcher.memory.jetson import is_jetson
+
+    if is_jetson():
+        return "jetson"
+    return "device" if gpu_here() else "process"
 
 
 def gpu_here() -> bool:
@@ -391,7 +416,7 @@ def run_soak(*, config: str | None = None, models: str | None = None, seconds: f
     repository = Path(models) if models else Path(daemon_config.models.repository)
     configs = {mc.name: mc for mc in discover_models(repository, daemon_config.models.load)}
     if meter == "auto":
-        meter = "device" if gpu_here() else "process"
+        meter = auto_meter()
     cgroup = MemoryCgroup(int(cgroup_limit_mb * MiB)) if cgroup_limit_mb else None
     workdir = Path(tempfile.mkdtemp(prefix="eb-soak-"))
     sock = str(workdir / "eb.sock")
@@ -399,7 +424,7 @@ def run_soak(*, config: str | None = None, models: str | None = None, seconds: f
     cmd = [sys.executable, "-m", "edge_batcher.cli", "serve", "--unix-socket", sock, "--models", str(repository)]
     if config:
         cmd += ["--config", config]
-    device = DeviceMeter() if meter == "device" else None
+    device = DeviceMeter() if meter == "device" else JetsonMeter() if meter == "jetson" else None
     before = device.used() if device is not None else 0
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
@@ -413,7 +438,7 @@ def run_soak(*, config: str | None = None, models: str | None = None, seconds: f
         metrics = _http(sock, "GET", "/metrics")[1].decode()
         planned = _metric_values(metrics, "edge_batcher_memory_planned_bytes")
         resident = {k: int(v) for k, v in _metric_values(metrics, "edge_batcher_memory_resident_bytes").items()}
-        plan_key = next((k for k in planned if (k == "process") == (meter == "process")), None)
+        plan_key = next((k for k in planned if k == meter or (meter == "device" and k in ("cuda", "nvml"))), None)
         if plan_key is None:
             raise RuntimeError(f"the daemon has no memory plan for the {meter} meter: {planned or 'none'} "
                                "(are its models on the CPU while a GPU is measured, or the other way round?)")
@@ -488,8 +513,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", help="model repository (default: the config's)")
     ap.add_argument("--seconds", type=float, default=30.0, help="seconds of traffic (default 30)")
     ap.add_argument("--clients", type=int, default=48, help="concurrent connections (default 48)")
-    ap.add_argument("--meter", choices=("auto", "device", "process"), default="auto",
-                    help="what to measure: the GPU, or the daemon's resident memory (auto: the GPU if there is one)")
+    ap.add_argument("--meter", choices=("auto", "device", "jetson", "process"), default="auto",
+                    help="what to measure: the GPU, a Jetson's shared memory, or the daemon's resident memory "
+                         "(auto: the Jetson's, else the GPU's if there is one, else the daemon's)")
     ap.add_argument("--cgroup-limit-mb", type=float, help="run the daemon in a memory cgroup with this limit (root)")
     ap.add_argument("--tolerance", type=float, default=0.05,
                     help="on the GPU, peak above the plan allowed as a fraction of the models' resident memory "

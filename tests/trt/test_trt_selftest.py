@@ -175,3 +175,22 @@ def test_missing_demo_model_and_dla_without_fp16_exit_2(st, tmp_path, capsys):
     assert "build_demo_models.py" in capsys.readouterr().err
     assert st.main(["--onnx", str(SCRIPT), "--dla-core", "0"], FakeTensorRT(cuda), cuda) == 2
     assert "--dla-core needs --fp16" in capsys.readouterr().err
+
+
+def test_soak_adds_the_memory_under_traffic_section(st, model_repo, tmp_path, capsys):
+    """--soak: a real daemon on the repository after the TensorRT checks (here the fakes), its
+    figures in the report; on this machine the daemon's resident memory is the meter."""
+    import shutil
+
+    repo = tmp_path / "engines"
+    shutil.copytree(model_repo / "vibration", repo / "vibration")
+    cuda = FakeCuda()
+    out = tmp_path / "report.md"
+    rc = st.main(["--onnx", str(model_repo / "vibration" / "model.onnx"), "--iterations", "2",
+                  "--root", str(tmp_path / "no-jetson"), "--out", str(out),
+                  "--soak", "2", "--soak-clients", "4", "--models", str(repo)],
+                 FakeTensorRT(cuda), fake_cuda_module("cuda-python", cuda))
+    text = out.read_text()
+    assert rc == 0, text
+    assert "## Memory under traffic (tools/memory_soak.py)" in text
+    assert "meter process" in text and "result: ok" in text and "answers by status         200:" in text
