@@ -19,6 +19,7 @@ from typing import cast
 from ..config import ModelConfig, backend_settings
 from ..cpu_affinity import full_affinity
 from ..errors import ConfigError, DeadlineExceeded, DoesNotFit, EngineError, InvalidInput, Overloaded, Unavailable
+from ..memory.device import DeviceLoad, ModelDoesNotFit
 from ..types import InferRequest, InferResponse, TensorSpec
 from . import kv as kvmath
 from .decode_loop import DecodeLoop
@@ -96,21 +97,35 @@ class GenerationService(ServiceAccounting):
 
     # ------------------------------------------------------------------ lifecycle
 
-    def _load_decoder(self) -> None:
+    def _load_decoder(self) -> int:
+        """Load the decoder; what it took of the memory the budget plans with (its weights where
+        no meter sees it: memory/device.py). A load the budget cannot hold raises ModelDoesNotFit."""
+        load = DeviceLoad(self.runtime.budget)
+        load.check_weights(self.config)
         with full_affinity():  # the session's native thread pool may use every CPU (cpu_affinity.py)
             self.decoder.load()
+        meter = load.meter(self.decoder.engine)
+        if meter is None:
+            return self.decoder.weights_bytes
+        took = load.load_bytes(meter)
+        if took > load.available_before:
+            self.decoder.engine.close()
+            raise ModelDoesNotFit(f"model {self.name!r}: loading its decoder took {took / MiB:.1f} MiB, more than the "
+                                  f"{load.available_before / MiB:.1f} MiB the memory budget had for it")
+        return took
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(None, self._load_decoder)  # loading a session blocks for seconds
+        resident = await loop.run_in_executor(None, self._load_decoder)  # loading a session blocks for seconds
         kv = self.decoder.kv
         assert kv is not None
         if self.decoder.vocab and self.decoder.vocab < self.tokenizer.vocab_size:
             log.warning("model %s: tokenizer has %d tokens, the model's vocabulary %d", self.name,
                         self.tokenizer.vocab_size, self.decoder.vocab)
-        # The weights stay resident like an engine model's: counted in the budget now, given
-        # back by the runtime (resident_bytes) when the model is unloaded.
-        self.resident_bytes = self.decoder.weights_bytes
+        # The decoder's memory stays resident like an engine model's: counted in the budget now,
+        # given back by the runtime (resident_bytes) when the model is unloaded. Its KV cache is
+        # reserved per sequence (decode_loop.py).
+        self.resident_bytes = resident
         budget = self.runtime.budget
         budget.resident += self.resident_bytes
         budget.refresh()

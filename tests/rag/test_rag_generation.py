@@ -222,3 +222,22 @@ async def test_a_stream_closed_early_cancels_its_sequence_and_frees_memory(gener
     assert pieces[-1].parameters["finish_reason"] == "length" and pieces[-1].parameters["completion_tokens"] == 12
     text = "".join(c.outputs["text_output"][0].decode() for c in pieces)
     assert text == (await generator.generate(PROMPTS[0], {"max_new_tokens": 12, **NO_STOP})).text
+
+
+async def test_the_decoder_s_memory_is_measured_and_a_budget_too_small_refuses_it(tiny_repo):
+    """With the cpu probe the decoder's load is measured in the process's memory (its engine's
+    copy of the weights and its state, not the file's size); a budget below that refuses it."""
+    from edge_batcher.memory.device import ModelDoesNotFit
+    from edge_batcher.rag.generate import GenerationService
+
+    runtime = Runtime(DaemonConfig(memory=MemorySettings(probe="cpu", headroom_mb=0, reserve_fraction=0.0)))
+    service = GenerationService(load_model_config(tiny_repo / "tinylm"), runtime)
+    await service.start()
+    try:
+        assert service.resident_bytes > 0 and service.resident_bytes != service.decoder.weights_bytes
+        assert runtime.budget.resident == service.resident_bytes
+    finally:
+        await service.close()
+    tight = Runtime(DaemonConfig(memory=MemorySettings(probe="cpu", budget_mb=0.01)))
+    with pytest.raises(ModelDoesNotFit, match="model 'tinylm': loading it needs about"):
+        await GenerationService(load_model_config(tiny_repo / "tinylm"), tight).start()
