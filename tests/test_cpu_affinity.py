@@ -51,7 +51,8 @@ async def started_worker_cpus(runner) -> set[int]:
     """Start the runner, read the CPUs its first engine worker thread may run on, close it."""
     await runner.start()
     seen = asyncio.get_running_loop().create_future()
-    runner._workers[0].submit(lambda _: os.sched_getaffinity(0), None, lambda _a, cpus, _e: seen.set_result(cpus))
+    worker = runner._threads.workers[0]
+    worker.submit(lambda _: os.sched_getaffinity(0), None, lambda _a, cpus, _e: seen.set_result(cpus))
     cpus = await seen
     await runner.close()
     return cpus

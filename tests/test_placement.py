@@ -43,7 +43,7 @@ def run_on_fresh_loop_thread(model_repo, body, *, every_cpu_from_s: float | None
         await runner.start()
         try:
             result = await body(runner)
-            worker_cpus = os.sched_getaffinity(runner._workers[0].native_id)
+            worker_cpus = os.sched_getaffinity(runner._threads.workers[0].native_id)
             return result, os.sched_getaffinity(0), worker_cpus, runner, metrics
         finally:
             await runner.close()
@@ -95,7 +95,7 @@ def test_apply_moves_the_loop_and_its_workers_and_back(model_repo):
 
     async def body(runner):
         placement.apply(cpu, [runner])
-        pinned = os.sched_getaffinity(0), os.sched_getaffinity(runner._workers[0].native_id)
+        pinned = os.sched_getaffinity(0), os.sched_getaffinity(runner._threads.workers[0].native_id)
         placement.apply(None, [runner])
         return pinned
 

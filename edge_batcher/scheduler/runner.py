@@ -47,7 +47,7 @@ from .stats import ModelStats, RunnerStats
 from .timing import ExecTimeModel
 from .validate import RequestValidator
 from .warmup import warm_up
-from .worker import EngineWorker
+from .worker import EngineThreads
 
 if TYPE_CHECKING:
     from ..memory.admission import Admission
@@ -117,8 +117,7 @@ class ModelRunner:
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
         # One thread per engine instance, from now on: measurement and warm-up run on the
         # thread that serves (worker.py: device libraries keep per-thread memory).
-        self._workers = [EngineWorker(f"engine-{self.name}-{i}") for i in range(len(engines))]
-        self._serving = False
+        self._threads = EngineThreads(self.name, self.engines)
         self._free_slots: list[int] = []  # engine instances with a free batch slot
         self._busy_until = [0.0] * len(engines)  # when each instance's dispatched work should end
         self._dispatched: list[deque[float]] = [deque() for _ in engines]  # dispatch times in flight
@@ -148,7 +147,7 @@ class ModelRunner:
     def on_instance(self, instance: int, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on an engine instance's own thread, waited for: load-time work only
         (measurement, warm-up). Blocking: call off the event loop, before start()."""
-        return self._workers[instance].call(fn, *args)
+        return self._threads.call(instance, fn, *args)
 
     def infer_on(self, instance: int, batch: dict[str, Any]) -> dict[str, Any]:
         """One batch on an instance's own thread, waited for (the memory measurement's runs)."""
@@ -166,9 +165,7 @@ class ModelRunner:
         if every_cpu and thread_is_pinned():
             log.info("model %s: batches take up to %.2f ms: its engine worker threads run on every CPU, "
                      "not only on the event loop's", self.name, slowest * 1e3)
-        for worker in self._workers:
-            worker.serve(self._loop, every_cpu=every_cpu)
-        self._serving = True
+        self._threads.serve(self._loop, every_cpu=every_cpu)
         # Two batch slots per instance: the next batch waits in the worker's queue while the
         # current one runs, so the engine thread never idles through a round trip to the loop.
         self._free_slots = [i for _ in range(BATCHES_IN_FLIGHT_PER_INSTANCE) for i in range(len(self.engines))]
@@ -195,16 +192,11 @@ class ModelRunner:
             self._timer.cancel()
         for req in self.queue.take_all():
             self._fail(req, Unavailable(f"model {self.name!r} was unloaded"))
-        if self._serving:
-            for engine, worker in zip(self.engines, self._workers):
-                await worker.stop(engine.close)
-        else:  # never started (warm-up only)
-            await asyncio.get_running_loop().run_in_executor(None, self.close_unstarted)
+        await self._threads.stop()
 
     def close_unstarted(self) -> None:
         """close() for a runner that never served (its load failed): blocking, off the loop."""
-        for engine, worker in zip(self.engines, self._workers):
-            worker.stop_now(engine.close)
+        self._threads.stop_now()
 
     # ------------------------------------------------------------------ requests
 
@@ -278,7 +270,7 @@ class ModelRunner:
     def loop_cpu_threads(self) -> list[int]:
         """Native ids of the engine worker threads that follow the event loop's CPU (all but
         those of a model with long batches, which run on every CPU)."""
-        return [w.native_id for w in self._workers if not w.every_cpu]
+        return self._threads.loop_cpu_threads()
 
     @contextlib.contextmanager
     def unrecorded(self) -> Iterator[None]:
@@ -411,7 +403,7 @@ class ModelRunner:
         self._local_batches += 1
         self.batches_started += 1
         batch = LocalBatch(plan, instance, reserved, now, holds_slot)
-        self._workers[instance].submit(self._execute, batch, self._batch_done)
+        self._threads.submit(instance, self._execute, batch, self._batch_done)
 
     def _batch_done(self, batch: LocalBatch, outcome: Outcome | None, error: BaseException | None) -> None:
         """On the loop, when a worker finished a batch: answer its requests, free its slot

@@ -1,4 +1,4 @@
-"""One engine instance's own thread: runs jobs in order and hands each outcome to the loop.
+"""One engine instance's own thread (EngineWorker), and a model's set of them (EngineThreads).
 
 The thread exists from the model's load on, and everything that ever runs the instance runs on
 it: the device measurement and the warm-up (`call`, blocking, before serving) as well as every
@@ -8,7 +8,7 @@ an H100), so warming up on one thread and serving on another held memory that no
 saw. Why not `loop.run_in_executor` for serving: each call there costs a concurrent future, a
 wrapping asyncio future and a task wake-up on the loop, per batch. Here a job is a queue entry,
 and its outcome comes back as one `call_soon_threadsafe` callback, the least an engine thread can
-cost the event loop.
+cost the event loop. EngineWorker runs jobs in order and hands each outcome to the loop.
 """
 
 from __future__ import annotations
@@ -117,3 +117,42 @@ class EngineWorker:
                 self._loop.call_soon_threadsafe(done, arg, result, error)
             except RuntimeError:  # the loop closed while this ran: nobody waits for the answer
                 return
+
+
+class EngineThreads:
+    """One EngineWorker per engine instance of a model, and their lifecycle: load-time calls,
+    serving, stopping (each engine is closed on its own thread)."""
+
+    def __init__(self, name: str, engines: list[Any]):
+        self.engines = engines
+        self.workers = [EngineWorker(f"engine-{name}-{i}") for i in range(len(engines))]
+        self.serving = False
+
+    def call(self, instance: int, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on an instance's thread, waited for (EngineWorker.call)."""
+        return self.workers[instance].call(fn, *args)
+
+    def serve(self, loop: asyncio.AbstractEventLoop, *, every_cpu: bool) -> None:
+        for worker in self.workers:
+            worker.serve(loop, every_cpu=every_cpu)
+        self.serving = True
+
+    def submit(self, instance: int, fn: Callable[[Any], Any], arg: Any, done: Done) -> None:
+        self.workers[instance].submit(fn, arg, done)
+
+    def loop_cpu_threads(self) -> list[int]:
+        """Native ids of the threads that follow the event loop's CPU (not those on every CPU)."""
+        return [w.native_id for w in self.workers if not w.every_cpu]
+
+    async def stop(self) -> None:
+        """Let queued batches finish, close each engine on its thread, end the threads."""
+        if self.serving:
+            for engine, worker in zip(self.engines, self.workers):
+                await worker.stop(engine.close)
+        else:
+            await asyncio.get_running_loop().run_in_executor(None, self.stop_now)
+
+    def stop_now(self) -> None:
+        """`stop` for threads that never served (a load that failed): blocking, off the loop."""
+        for engine, worker in zip(self.engines, self.workers):
+            worker.stop_now(engine.close)
