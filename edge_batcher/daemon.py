@@ -141,7 +141,7 @@ class Daemon:
             if self.mqtt is not None:
                 await self.mqtt.start()
             loop.add_signal_handler(signal.SIGHUP, self.request_reload)  # only once serving
-            self.runtime.settle_memory_plan()
+            self.runtime.memory_watch.settle()
             self._tasks.append(asyncio.create_task(self._watch_memory()))
             self.notifier.ready(self._status_line())
             interval = watchdog_interval()
@@ -255,7 +255,7 @@ class Daemon:
         # A read of the device probe and of the process's resident memory: cheap enough for the loop.
         while True:
             await asyncio.sleep(self.config.memory.check_interval_s)
-            self.runtime.check_memory()
+            self.runtime.memory_watch.check()
 
     def _status_line(self) -> str:
         runners = self.runtime.runners

@@ -20,8 +20,8 @@ from .engines.registry import REMOTE, create_engine, is_service, service_class
 from .errors import ConfigError, ModelNotFound
 from .memory.budget import MemoryBudget
 from .memory.device import DeviceLoad, ModelDoesNotFit
-from .memory.plan import MemoryPlan
 from .memory.wiring import MiB, build_budget, model_admission, release_resident
+from .memory_watch import MemoryWatch
 from .metrics import Metrics
 from .offload.remote_model import RemoteModel, declared_specs
 from .scheduler.runner import ModelRunner
@@ -176,8 +176,7 @@ class Runtime:
 
             self.offload = PeerPool(config.offload)
         self._reload_lock = asyncio.Lock()
-        self.memory_plan = MemoryPlan(self.budget.probe)  # memory/plan.py
-        self._batches_seen: dict[str, int] = {}  # batches started per model at the last memory check
+        self.memory_watch = MemoryWatch(self.budget, self.local_runners)  # memory_watch.py
 
     def _collect_memory(self) -> None:
         import psutil
@@ -186,7 +185,7 @@ class Runtime:
         m.memory_budget_bytes.set(self.budget.available())
         for name, runner in self.runners.items():
             m.memory_resident_bytes.set(runner.resident_bytes, model=name)
-        for meter, value in self.memory_plan.planned(self.residents(), self.budget.reserved).items():
+        for meter, value in self.memory_watch.planned().items():
             m.memory_planned_bytes.set(value, meter=meter)
         m.process_resident_bytes.set(psutil.Process().memory_info().rss)
         snapshot = self.budget.snapshot
@@ -201,7 +200,7 @@ class Runtime:
             None, discover_models, Path(self.config.models.repository), self.config.models.load
         )
         snapshot = self.budget.refresh()
-        self.memory_plan.start()
+        self.memory_watch.start()
         log.info(
             "memory: probe %s, %.0f MiB free of %.0f MiB; budget available %.0f MiB",
             snapshot.source, snapshot.free_bytes / MiB, snapshot.total_bytes / MiB, self.budget.available() / MiB,
@@ -314,44 +313,6 @@ class Runtime:
                 changes["removed"].append(name)
             log.info("reload: %s", ", ".join(f"{k} {v}" for k, v in changes.items() if v) or "no changes")
             return changes
-
-    def residents(self) -> dict[str, int]:
-        """The resident memory of the loaded models, by the meter that measured it."""
-        by_meter: dict[str, int] = {}
-        for runner in self.local_runners():
-            device = runner.admission.device if runner.admission is not None else None
-            if device is not None:
-                by_meter[device.meter] = by_meter.get(device.meter, 0) + runner.resident_bytes
-        return by_meter
-
-    def settle_memory_plan(self) -> None:
-        """Count what the daemon holds at ready beyond its models (memory/plan.py). Just before ready."""
-        self.memory_plan.settle(self.residents())
-        self._batches_seen = {r.name: r.batches_started for r in self.local_runners()}
-
-    def check_memory(self) -> None:
-        """Compare the memory in use with the plan (a few times a minute while serving); growth
-        beyond it is logged at WARNING, naming the models that ran since the last check, and counted."""
-        residents = self.residents()
-        # The process's own memory always (request bodies and Python objects use the headroom);
-        # a device's, where other processes allocate too, only once it holds measured models.
-        tolerance = {meter: resident // 20 for meter, resident in residents.items()}
-        tolerance["process"] = self.budget.headroom_bytes
-        overruns = self.memory_plan.check(residents, self.budget.reserved, tolerance)
-        ran = []
-        for runner in self.local_runners():
-            count = runner.batches_started
-            if count != self._batches_seen.get(runner.name, 0):
-                ran.append(f"{runner.name} (sizes up to {runner.settings.max_batch_size})")
-            self._batches_seen[runner.name] = count
-        for overrun in overruns:
-            log.warning("memory: %s in use is %.1f MiB, %.1f MiB above the plan (%.1f MiB): growth that no "
-                        "measurement at load saw%s, now counted in the plan; models that ran since the last check: %s",
-                        overrun.meter, overrun.used / MiB, overrun.excess / MiB, overrun.planned / MiB,
-                        "" if overrun.meter == "process" else " (by this daemon or another process on the device)",
-                        ", ".join(ran) or "none")
-        if overruns:
-            self.budget.refresh()
 
     def local_runners(self) -> list[ModelRunner]:
         """The models served by engines in this process (not by a peer, not RAG services)."""

@@ -120,6 +120,12 @@ class MemoryBudget:
             usable = min(usable, self.fixed_bytes - self.resident)
         return usable
 
+    def overdrawn(self) -> bool:
+        """True when what is free (or the fixed cap, less what is resident) is below the margins:
+        memory is held beyond what the budget allows, by growth no measurement saw."""
+        with self._lock:
+            return self._plannable(self._current()) < 0
+
     def available(self) -> int:
         """Bytes a new batch may use now: never negative. Re-reads the probe only when the
         cached snapshot is refresh_interval_s old, so it is cheap on the hot path."""

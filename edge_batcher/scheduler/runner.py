@@ -144,6 +144,15 @@ class ModelRunner:
         self.fits = admission.fits if admission is not None else (lambda size, seq_len: True)
         self.resident_bytes = resident_bytes
 
+    def shrink_batch_size(self) -> int | None:
+        """Serve only the sizes below the largest (the memory budget is overdrawn): the new
+        largest size, or None when only the smallest is left."""
+        capped = policy.capped_after_oom(self.settings, self.settings.max_batch_size)
+        if capped is None:
+            return None
+        self.settings = capped
+        return capped.max_batch_size
+
     def on_instance(self, instance: int, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on an engine instance's own thread, waited for: load-time work only
         (measurement, warm-up). Blocking: call off the event loop, before start()."""

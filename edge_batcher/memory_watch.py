@@ -1,0 +1,85 @@
+"""The memory watch while serving: the memory in use against the plan, and what follows when it grew.
+
+memory/plan.py holds the plan per meter and finds the overruns; this module ties them to the
+models (scheduler runners): which ones ran since the last look, each overrun counted in the
+budget as resident memory (it is held now, whatever holds it), and, while that leaves the budget
+overdrawn, the batch sizes of the models that ran shrink by one step per look, down to the
+smallest: their largest batches are the ones that could grow further (docs/memory.md, "The plan
+under traffic"). The daemon calls `settle` just before ready and `check` every
+`[memory] check_interval_s`; both read the meters only (cheap enough for the event loop).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from .memory.budget import MemoryBudget
+from .memory.plan import MemoryPlan
+from .scheduler.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+class MemoryWatch:
+    def __init__(self, budget: MemoryBudget, runners: Callable[[], list[ModelRunner]]):
+        self.budget = budget
+        self.plan = MemoryPlan(budget.probe)
+        self._runners = runners
+        self._batches_seen: dict[str, int] = {}  # batches started per model at the last look
+        self.unplanned = 0  # overruns counted into budget.resident since the start
+
+    def start(self) -> None:
+        """Before any model loads."""
+        self.plan.start()
+
+    def residents(self) -> dict[str, int]:
+        """The resident memory of the loaded models, by the meter that measured it."""
+        by_meter: dict[str, int] = {}
+        for runner in self._runners():
+            device = runner.admission.device if runner.admission is not None else None
+            if device is not None:
+                by_meter[device.meter] = by_meter.get(device.meter, 0) + runner.resident_bytes
+        return by_meter
+
+    def planned(self) -> dict[str, int]:
+        return self.plan.planned(self.residents(), self.budget.reserved)
+
+    def settle(self) -> None:
+        """Count what the daemon holds at ready beyond its models. Just before ready."""
+        self.plan.settle(self.residents())
+        self._batches_seen = {r.name: r.batches_started for r in self._runners()}
+
+    def check(self) -> None:
+        """Compare the memory in use with the plan; growth beyond it is logged at WARNING, naming
+        the models that ran since the last look, and counted; an overdrawn budget shrinks them."""
+        residents = self.residents()
+        # The process's own memory always (request bodies and Python objects use the headroom);
+        # a device's, where other processes allocate too, only once it holds measured models.
+        tolerance = {meter: resident // 20 for meter, resident in residents.items()}
+        tolerance["process"] = self.budget.headroom_bytes
+        overruns = self.plan.check(residents, self.budget.reserved, tolerance)
+        ran = []
+        for runner in self._runners():
+            if runner.batches_started != self._batches_seen.get(runner.name, 0):
+                ran.append(runner)
+            self._batches_seen[runner.name] = runner.batches_started
+        for overrun in overruns:
+            log.warning("memory: %s in use is %.1f MiB, %.1f MiB above the plan (%.1f MiB): growth that no "
+                        "measurement at load saw%s, now counted in the plan; models that ran since the last check: %s",
+                        overrun.meter, overrun.used / MiB, overrun.excess / MiB, overrun.planned / MiB,
+                        "" if overrun.meter == "process" else " (by this daemon or another process on the device)",
+                        ", ".join(f"{r.name} (sizes up to {r.settings.max_batch_size})" for r in ran) or "none")
+            self.budget.resident += overrun.excess
+            self.unplanned += overrun.excess
+        if not self.unplanned:
+            return
+        self.budget.refresh()
+        if self.budget.overdrawn():
+            for runner in ran:
+                smaller = runner.shrink_batch_size()
+                if smaller is not None:
+                    log.warning("model %s: the memory budget is overdrawn by growth no measurement saw (%.1f MiB "
+                                "counted): serving batch sizes up to %d", runner.name, self.unplanned / MiB, smaller)
