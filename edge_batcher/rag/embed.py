@@ -9,7 +9,9 @@ so a text's embedding does not depend on the bucket or on its batch neighbours
 (tools/build_embedding_model.py checks this for the demo model).
 
 Texts longer than `[tokenizer] max_length` tokens are truncated (as sentence-transformers
-does): an embedding of the first max_length tokens.
+does): an embedding of the first max_length tokens. Since prepare() runs on the event loop and
+tokenizing costs time per character, a text is first cut to `[tokenizer] max_chars` characters
+(default 16 per token of max_length, rag/tokenize.py): what follows is never read.
 
 model.toml::
 
@@ -33,7 +35,7 @@ from ..config import ModelConfig
 from ..engines.onnxruntime import OnnxRuntimeEngine
 from ..errors import ConfigError
 from ..types import TensorSpec
-from .tokenize import TextTokenizer, texts_from_bytes
+from .tokenize import TextTokenizer, text_heads
 
 TEXT_INPUT = "text"
 
@@ -78,9 +80,10 @@ class TextEmbeddingEngine(OnnxRuntimeEngine):
         self.outputs = [TensorSpec(out.name, out.datatype, (-1, self.dim))]
 
     def prepare(self, inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
-        """text [rows] -> input_ids, attention_mask [rows, longest] (+ token_type_ids)."""
+        """text [rows] -> input_ids, attention_mask [rows, longest] (+ token_type_ids). On the
+        event loop: at most max_chars characters of each text are decoded and tokenized."""
         assert self.tokenizer is not None, "prepare() before load()"
-        texts = texts_from_bytes(inputs[TEXT_INPUT], TEXT_INPUT)
+        texts = text_heads(inputs[TEXT_INPUT], TEXT_INPUT, self.tokenizer.max_chars)
         ids, mask = self.tokenizer.pad(self.tokenizer.encode_batch(texts, truncate=True))
         prepared = {"input_ids": ids, "attention_mask": mask}
         if self.has_token_types:
