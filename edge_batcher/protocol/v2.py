@@ -3,8 +3,9 @@
 Shared by the HTTP server, the Python clients and the offload client, so the wire format is
 defined once. Two encodings are supported, and may be mixed within one message:
 
-* JSON tensors: ``{"name", "shape", "datatype", "data"}`` with ``data`` flat or nested
-  (row-major); BYTES elements are JSON strings (utf-8).
+* JSON tensors: ``{"name", "shape", "datatype", "data"}`` with ``data`` flat (row-major) or
+  nested exactly as the shape (any other nesting is refused); BYTES elements are JSON strings
+  (utf-8).
 * Triton's binary tensor extension: the body is a JSON header followed by the raw
   little-endian bytes of every tensor whose ``parameters.binary_data_size`` is set, in the
   order those tensors appear in the header. The header's length travels in the HTTP header

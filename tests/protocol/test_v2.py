@@ -441,6 +441,12 @@ def _binary_body(inputs: list, payload: bytes) -> tuple[bytes, int]:
     return header + payload, len(header)
 
 
+def _nested(value, levels: int) -> list:
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
 def _fp32(name: str = "x", shape: list | None = None, **fields) -> dict:
     return {"name": name, "shape": shape if shape is not None else [2], "datatype": "FP32", **fields}
 
@@ -473,6 +479,25 @@ def _fp32(name: str = "x", shape: list | None = None, **fields) -> dict:
         (_json_body([_fp32("signal", shape=[2, 256], data=[0.0] * 500)]),
          "input 'signal': shape [2, 256] needs 512 elements, data has 500"),
         (_json_body([_fp32(data=[[1, 2], [3]])]), "input 'x': data is not a regular nested list"),
+        # Issue 31 row 16: data nested otherwise than its shape was flattened and accepted.
+        (_json_body([{"name": "x", "shape": [1], "datatype": "BYTES", "data": _nested("a", 100)}]),
+         "input 'x': data is nested deeper than shape [1]; send it flat or nested as the shape"),
+        (_json_body([{"name": "x", "shape": [], "datatype": "BYTES", "data": [["a"]]}]),
+         "input 'x': data is nested, but shape [] holds one string"),
+        (_json_body([{"name": "x", "shape": [2, 1], "datatype": "BYTES", "data": [["a", "b"], ["c"]]}]),
+         "input 'x': data is not nested as shape [2, 1]: a list at depth 1 has 2 elements, the shape 1"),
+        (_json_body([{"name": "x", "shape": [2, 2], "datatype": "BYTES", "data": [["a", "b"], "c", "d"]}]),
+         "input 'x': data is not nested as shape [2, 2]: a list at depth 0 has 3 elements, the shape 2"),
+        (_json_body([{"name": "x", "shape": [2, 2], "datatype": "BYTES", "data": [["a", "b"], "c"]}]),
+         "input 'x': data is not nested as shape [2, 2]: a string at depth 0, above the shape's last"),
+        (_json_body([{"name": "x", "shape": [2, 1], "datatype": "BYTES", "data": [["a"], [3]]}]),
+         "input 'x': data for BYTES must be strings, got int"),
+        (_json_body([_fp32(shape=[1], data=_nested(1.0, 30))]),
+         "input 'x': data is nested as [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, "
+         "1, 1, 1, 1, 1], not as shape [1]"),
+        (_json_body([_fp32(shape=[1], data=_nested(1.0, 100))]), "input 'x': data is not a regular nested list"),
+        (_json_body([{"name": "x", "shape": [2, 3], "datatype": "INT32", "data": [[1, 2], [3, 4], [5, 6]]}]),
+         "input 'x': data is nested as [3, 2], not as shape [2, 3]; send it flat or nested as the shape"),
         (_json_body([_fp32(data=["a", "b"])]), "input 'x': data for FP32 are not numbers"),
         (_json_body([_fp32(data=[1, None])]), "input 'x': data for FP32 are not numbers"),
         (_json_body([_fp32(data=[True, False])]), "input 'x': data for FP32 are not numbers"),
