@@ -28,6 +28,7 @@ model.toml::
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -35,7 +36,7 @@ from ..config import ModelConfig
 from ..engines.onnxruntime import OnnxRuntimeEngine
 from ..errors import ConfigError
 from ..types import TensorSpec
-from .tokenize import TextTokenizer, text_heads
+from .tokenize import TextTokenizer, text_head, text_heads
 
 TEXT_INPUT = "text"
 
@@ -106,18 +107,23 @@ class TextEmbeddingEngine(OnnxRuntimeEngine):
         return {"real_tokens": real, "batch_tokens": total,
                 "token_padding_ratio": (total - real) / total if total else 0.0}
 
-    def embed(self, texts: list[str], batch_size: int = 16) -> np.ndarray:
-        """Embed many texts directly (no scheduler: index building). Sorted by length so each
-        chunk pads little; returned in the original order. Blocking."""
+    def embed(self, texts: list[str], batch_size: int = 16,
+              progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+        """Embed many texts directly (no scheduler: index building). Blocking. Texts are taken
+        in order of length, so each chunk pads little, and tokenized a chunk at a time, so only
+        one chunk's tokens are held; returned in the original order. `progress(done, total)` is
+        called after each chunk."""
         assert self.tokenizer is not None, "embed() before load()"
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        rows = self.tokenizer.encode_batch(texts, truncate=True)
-        order = sorted(range(len(texts)), key=lambda i: len(rows[i]))
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # characters: a cheap proxy for tokens
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]
-            ids, mask = self.tokenizer.pad([rows[i] for i in chunk])
+            heads = [text_head(texts[i], self.tokenizer.max_chars) for i in chunk]  # as prepare() cuts them
+            ids, mask = self.tokenizer.pad(self.tokenizer.encode_batch(heads, truncate=True))
             feed = {"input_ids": ids, "attention_mask": mask}
             if self.has_token_types:
                 feed["token_type_ids"] = np.zeros_like(ids)
             out[chunk] = super().infer(feed)[self.outputs[0].name]
+            if progress is not None:
+                progress(start + len(chunk), len(texts))
         return out

@@ -173,9 +173,8 @@ def texts_from_bytes(array: np.ndarray, name: str, max_chars: int, reader: str) 
 
 
 def text_heads(array: np.ndarray, name: str, max_chars: int) -> list[str]:
-    """The first max_chars characters of each element of a BYTES tensor (utf-8), cut back to the
-    last space when one is in their second half, so no word is split; InvalidInput naming the
-    input when that part is not text. The rest of a longer element is not read."""
+    """text_head() of each element of a BYTES tensor (utf-8); InvalidInput naming the input
+    when that part is not text. The rest of a longer element is not read."""
     out = []
     for i, value in enumerate(array.reshape(-1).tolist()):
         where = f"input {name!r}: element {i}"
@@ -186,14 +185,18 @@ def text_heads(array: np.ndarray, name: str, max_chars: int) -> list[str]:
                 value = codecs.getincrementaldecoder("utf-8")().decode(value[:UTF8_MAX_BYTES * max_chars])
             except UnicodeDecodeError:
                 raise InvalidInput(f"{where} is not valid UTF-8 text") from None
-        text = _text(value, where)
-        if len(text) > max_chars:
-            text = text[:max_chars]
-            space = text.rfind(" ")
-            if space > max_chars // 2:
-                text = text[:space]
-        out.append(text)
+        out.append(text_head(_text(value, where), max_chars))
     return out
+
+
+def text_head(text: str, max_chars: int) -> str:
+    """The first max_chars characters of `text`, cut back to its last space when one is in
+    their second half, so no word is split."""
+    if len(text) <= max_chars:
+        return text
+    text = text[:max_chars]
+    space = text.rfind(" ")
+    return text[:space] if space > max_chars // 2 else text
 
 
 def _text(value: object, where: str) -> str:
