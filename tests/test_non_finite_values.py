@@ -88,11 +88,17 @@ def test_nan_and_infinity_are_refused_on_every_door_and_replies_stay_strict_json
     status, body = post(daemon, "vibration", v2_body(nan_rows))
     assert status == 400, body
     assert strict_json(body)["error"] == (
-        "input 'signal': 1 of 512 values are NaN or Infinity (the first at [1, 17]); model 'vibration' takes "
-        "finite numbers only (a broken sensor sends these): allow_non_finite_inputs = true in its model.toml "
-        "accepts them")
+        "input 'signal': 1 of 512 values are NaN or Infinity (or beyond FP32's range, +-3.403e+38; the first at "
+        "[1, 17]); model 'vibration' takes finite numbers only (a broken sensor sends these): "
+        "allow_non_finite_inputs = true in its model.toml accepts them")
     status, body = post(daemon, "vibration", v2_body(inf_rows))
-    assert status == 400 and "2 of 512 values are NaN or Infinity (the first at [0, 3])" in strict_json(body)["error"]
+    assert status == 400 and "2 of 512 values are NaN or Infinity" in strict_json(body)["error"]
+    assert "the first at [0, 3]" in strict_json(body)["error"]
+    beyond = rows.tolist()
+    beyond[0][5] = 1e39  # no FP32 holds it: read as Infinity, refused as such
+    status, body = post(daemon, "vibration", json.dumps({"inputs": [{"name": "signal", "shape": [2, 256],
+                                                                     "datatype": "FP32", "data": beyond}]}).encode())
+    assert status == 400 and "1 of 512 values are NaN or Infinity (or beyond FP32's range" in strict_json(body)["error"]
     # HTTP, binary: the same check, whatever the encoding.
     binary_body, header_length = v2.encode_request({"signal": nan_rows}, binary_outputs=False)
     status, body = post(daemon, "vibration", binary_body, {"Content-Type": v2.BINARY_CONTENT_TYPE,
@@ -120,7 +126,8 @@ def test_nan_and_infinity_are_refused_on_every_door_and_replies_stay_strict_json
         mqtt.publish("sensors/pump7/vibration", json.dumps(nan_rows[1].tolist()), response_topic=None)
         (reply,) = mqtt.collect(1, timeout=30)
         assert reply.topic == "results/pump7" and reply.status == "400"
-        assert "1 of 256 values are NaN or Infinity (the first at [0, 17])" in strict_json(reply.payload)["error"]
+        assert "1 of 256 values are NaN or Infinity" in strict_json(reply.payload)["error"]
+        assert "the first at [0, 17]" in strict_json(reply.payload)["error"]
         mqtt.publish("raw/motor3", inf_rows.astype("<f4").tobytes(), response_topic=None)
         (reply,) = mqtt.collect(1, timeout=30)
         assert reply.topic == "rawres/motor3" and reply.status == "400"

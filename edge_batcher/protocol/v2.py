@@ -27,8 +27,8 @@ in the binary extension, which carries every float exactly. On input the JavaScr
 ``NaN``, ``Infinity`` and ``-Infinity`` are still read (Python's ``json`` and tritonclient
 write them); whether a model takes them is the model's input check (scheduler/validate.py:
 refused unless its model.toml sets allow_non_finite_inputs). Floats beyond FP16/FP32 range
-become +-inf, as in Triton; a JSON *integer* beyond float64's range (about 1.8e308) is refused,
-since no float holds it.
+become +-inf, as in Triton (and are then refused by that same check); a JSON *integer* beyond
+float64's range (about 1.8e308) is refused, since no float holds it.
 
 Limits that numpy imposes are checked up front, so that they are reported as bad input rather
 than crash: at most :data:`MAX_DIMS` dimensions, and a shape whose non-zero dimensions multiply

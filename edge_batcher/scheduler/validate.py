@@ -113,8 +113,10 @@ class RequestValidator:
             return
         bad = finite.size - int(np.count_nonzero(finite))
         first = [int(i) for i in np.unravel_index(int(np.argmin(finite)), array.shape)]
+        largest = np.finfo(array.dtype).max  # a JSON number beyond it was read as Infinity
         raise InvalidInput(
-            f"input {name!r}: {bad} of {array.size} values are NaN or Infinity (the first at {first}); "
+            f"input {name!r}: {bad} of {array.size} values are NaN or Infinity (or beyond "
+            f"{v2_name(array.dtype)}'s range, +-{largest:.4g}; the first at {first}); "
             f"model {self.model!r} takes finite numbers only (a broken sensor sends these): "
             "allow_non_finite_inputs = true in its model.toml accepts them"
         )
