@@ -163,7 +163,12 @@ def _config_cases(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     models = {name: write(tmp_path / name, f'[models]\nrepository = "{repo}"\nload = ["{name}"]\n'
                                             '[memory]\nprobe = "fixed"\nbudget_mb = 512\n')
               for name in ("binary", "system")}
+    (tmp_path / "tcp").mkdir()
+    token = tmp_path / "tcp" / "token"
+    token.write_bytes(b"\xffsecret\n")
+    token_config = write(tmp_path / "tcp", f'[server]\nhttp = "127.0.0.1:9"\ntoken_file = "{token}"\n')
     return {
+        "non-utf8 token_file": (token_config, f"[server] token_file: {token} is not UTF-8 text"),
         "non-utf8 config": (non_utf8, f"{non_utf8}: not UTF-8 text (byte 0xe9 at offset 23); "
                                       "a TOML file must be UTF-8"),
         "config is a directory": (directory, f"{directory}: is a directory, not a TOML file"),
@@ -175,7 +180,7 @@ def _config_cases(tmp_path: Path) -> dict[str, tuple[Path, str]]:
 
 
 @pytest.mark.parametrize("case", ["non-utf8 config", "config is a directory", "binary model.toml",
-                                  "backend os:system"])
+                                  "backend os:system", "non-utf8 token_file"])
 def test_unreadable_config_files_and_non_engine_backends_are_one_line_errors(tmp_path, case):
     path, message = _config_cases(tmp_path)[case]
     proc = subprocess.run([sys.executable, "-m", "edge_batcher.cli", "serve", "--config", str(path),
