@@ -315,9 +315,11 @@ def read_secret(value: str, file: str, where: str) -> str:
     """A secret from config or, preferably, from a file (first line, stripped). Never logged."""
     if file:
         try:
-            return Path(file).read_text().strip()
+            return Path(file).read_text(encoding="utf-8").strip()
         except OSError as exc:
             raise ConfigError(f"{where}_file: cannot read {file}: {exc.strerror}") from None
+        except UnicodeDecodeError:  # the secret itself is never quoted
+            raise ConfigError(f"{where}_file: {file} is not UTF-8 text") from None
     return value
 
 

@@ -72,6 +72,9 @@ class ModelConfig:
     instances: int = 1
     description: str = ""
     labels: list[str] = field(default_factory=list)
+    # NaN and +-Infinity in a floating-point input: refused (400) unless true, since a broken
+    # sensor sends them and a model still answers something that looks normal.
+    allow_non_finite_inputs: bool = False
     onnxruntime: OnnxRuntimeSettings = field(default_factory=OnnxRuntimeSettings)
     batching: BatchingSettings = field(default_factory=BatchingSettings)
     sequence: SequenceSettings | None = None
@@ -90,7 +93,7 @@ class ModelConfig:
 
 
 MODEL_KEYS = {
-    "backend", "model_file", "instances", "description", "labels",
+    "backend", "model_file", "instances", "description", "labels", "allow_non_finite_inputs",
     "onnxruntime", "batching", "sequence", "inputs", "outputs",
     "tensorrt", "tokenizer", "rag", "generator",
 }  # fmt: skip

@@ -82,11 +82,20 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
 
 
 def read_toml(path: Path) -> dict[str, Any]:
+    """The TOML file's tables; ConfigError in one line for anything that is not a readable
+    UTF-8 TOML file (missing, a directory, unreadable, binary, invalid)."""
     try:
         with open(path, "rb") as fh:
             return tomllib.load(fh)
     except FileNotFoundError:
         raise ConfigError(f"{path}: file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a TOML file") from None
+    except OSError as exc:  # permission denied, I/O error, ...
+        raise ConfigError(f"{path}: cannot be read: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:  # tomllib decodes the whole file first
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                          "a TOML file must be UTF-8") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from None
 

@@ -145,3 +145,47 @@ def test_serve_with_a_missing_model_file_exits_2(tmp_path):
                            "--unix-socket", str(tmp_path / "s.sock")], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "model 'broken'" in proc.stderr and "not found" in proc.stderr
+
+
+def _config_cases(tmp_path: Path) -> dict[str, tuple[Path, str]]:
+    """Issue 31 row 12: mistakes that ended in a traceback instead of one clear line."""
+    non_utf8 = tmp_path / "latin1.toml"
+    non_utf8.write_bytes('[server]\nlog_level = "d\u00e9bug"\n'.encode("latin-1"))
+    directory = tmp_path / "config.d"
+    directory.mkdir()
+    repo = tmp_path / "engines"
+    (repo / "binary").mkdir(parents=True)
+    (repo / "binary" / "model.toml").write_bytes(bytes(range(256)))
+    (repo / "system").mkdir()
+    (repo / "system" / "model.toml").write_text('backend = "os:system"\n')
+    for name in ("binary", "system"):
+        (tmp_path / name).mkdir()
+    models = {name: write(tmp_path / name, f'[models]\nrepository = "{repo}"\nload = ["{name}"]\n'
+                                            '[memory]\nprobe = "fixed"\nbudget_mb = 512\n')
+              for name in ("binary", "system")}
+    (tmp_path / "tcp").mkdir()
+    token = tmp_path / "tcp" / "token"
+    token.write_bytes(b"\xffsecret\n")
+    token_config = write(tmp_path / "tcp", f'[server]\nhttp = "127.0.0.1:9"\ntoken_file = "{token}"\n')
+    return {
+        "non-utf8 token_file": (token_config, f"[server] token_file: {token} is not UTF-8 text"),
+        "non-utf8 config": (non_utf8, f"{non_utf8}: not UTF-8 text (byte 0xe9 at offset 23); "
+                                      "a TOML file must be UTF-8"),
+        "config is a directory": (directory, f"{directory}: is a directory, not a TOML file"),
+        "binary model.toml": (models["binary"], f"{repo / 'binary' / 'model.toml'}: not UTF-8 text (byte 0x80 at "
+                                                "offset 128); a TOML file must be UTF-8"),
+        "backend os:system": (models["system"], f"{repo / 'system' / 'model.toml'}: backend 'os:system' is not an "
+                                                "engine class: expected a class with load, infer, close"),
+    }
+
+
+@pytest.mark.parametrize("case", ["non-utf8 config", "config is a directory", "binary model.toml",
+                                  "backend os:system", "non-utf8 token_file"])
+def test_unreadable_config_files_and_non_engine_backends_are_one_line_errors(tmp_path, case):
+    path, message = _config_cases(tmp_path)[case]
+    proc = subprocess.run([sys.executable, "-m", "edge_batcher.cli", "serve", "--config", str(path),
+                           "--unix-socket", str(tmp_path / "s.sock")],
+                          capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert f"edge-batcher: configuration error: {message}" in proc.stderr

@@ -41,7 +41,26 @@ def service_class(backend: str):
 def engine_class(backend: str) -> type[Engine]:
     if backend == REMOTE:
         raise ConfigError(f"backend {REMOTE!r} has no engine on this device: the model runs on offload peers only")
-    return _import(BACKENDS.get(backend, backend), backend)
+    cls = _import(BACKENDS.get(backend, backend), backend)
+    # Only a class implementing the Engine protocol is ever called: "os:system" names a function
+    # that would otherwise run with the model's config as its argument.
+    missing = [m for m in ENGINE_METHODS if not callable(getattr(cls, m, None))]
+    if not isinstance(cls, type) or missing:
+        raise ConfigError(
+            f"backend {backend!r} is not an engine class: expected a class with "
+            f"{', '.join(ENGINE_METHODS)} (engines/base.py:Engine), got {_kind(cls)}"
+            + (f" without {', '.join(missing)}" if isinstance(cls, type) else "")
+        )
+    return cls
+
+
+ENGINE_METHODS = ("load", "infer", "close")
+
+
+def _kind(obj: object) -> str:
+    if isinstance(obj, type):
+        return f"class {obj.__module__}.{obj.__qualname__}"
+    return f"{type(obj).__name__} {getattr(obj, '__module__', None) or '?'}.{getattr(obj, '__qualname__', obj)!s}"
 
 
 def _import(target: str, backend: str):
@@ -63,4 +82,8 @@ def _import(target: str, backend: str):
 
 def create_engine(config: ModelConfig) -> Engine:
     """An engine instance for `config`, with the optional hooks it does not define defaulted."""
-    return with_hook_defaults(engine_class(config.backend)(config))
+    try:
+        cls = engine_class(config.backend)
+    except ConfigError as exc:
+        raise ConfigError(f"{config.directory / 'model.toml'}: {exc.message}") from exc
+    return with_hook_defaults(cls(config))

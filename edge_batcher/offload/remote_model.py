@@ -40,7 +40,8 @@ class RemoteModel:
         self.inputs = inputs
         self.outputs = outputs
         self.peers = peers
-        self.validator = RequestValidator(self.name, inputs, outputs, config.sequence)
+        self.validator = RequestValidator(self.name, inputs, outputs, config.sequence,
+                                          allow_non_finite=config.allow_non_finite_inputs)
         self._stats = RunnerStats(self.name, metrics)
         self.stats = self._stats.counts
         b = config.batching

@@ -12,8 +12,9 @@ in both, so what is accepted, what is refused and every error message stay as th
   decoder refuses them out of range). A body with a run of 19 or more digits therefore goes
   to `json`; finding one costs ~9 us for that tensor, shortest floats have at most 17.
 
-Writing: orjson writes NaN and Infinity as null, where module v2 promises the JavaScript tokens
-that `json` writes, so an answer holding a null is written again by `json`; as is anything
+Writing: what is written is always strict JSON. orjson writes NaN and Infinity as null, which
+would change a value unseen, so an answer holding a null is written again by `json`, which
+refuses non-finite floats (ValueError; tensor_encode.py names the tensor first); as is anything
 orjson refuses (integers beyond 64 bits, keys that are not strings). Otherwise the text differs
 only in spelling (`1e-5` for `1e-05`, UTF-8 for `\\u` escapes), never in value.
 """
@@ -40,12 +41,13 @@ def loads(data: bytes | bytearray) -> Any:
 
 
 def dumps(obj: Any) -> bytes:
-    """`json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()`, or orjson's equivalent
-    where that holds the same values; raises what `json` raises (TypeError, ValueError)."""
+    """`json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()`, or orjson's equivalent
+    where that holds the same values; raises what `json` raises (TypeError, ValueError for NaN
+    and Infinity)."""
     try:
         text = orjson.dumps(obj)
     except orjson.JSONEncodeError:
         text = b"null"
     if b"null" not in text:
         return text
-    return json.dumps(obj, separators=(",", ":"), allow_nan=True).encode()
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()

@@ -1,8 +1,8 @@
 """Tensors of a v2 message's ``inputs``/``outputs`` list -> numpy arrays, each entry checked.
 
-Both encodings are decoded here: JSON ``data`` (flat or nested, numbers converted to the
-declared datatype without silently changing a value) and binary chunks of the binary extension
-(zero-copy where possible). Every malformed entry raises InvalidInput naming the tensor;
+Both encodings are decoded here: JSON ``data`` (flat, or nested exactly as the shape; numbers
+converted to the declared datatype without silently changing a value) and binary chunks of the
+binary extension (zero-copy where possible). Every malformed entry raises InvalidInput naming the tensor;
 protocol/v2.py calls :func:`decode_tensors` for requests and responses alike.
 """
 
@@ -23,6 +23,8 @@ MAX_DIMS = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
 # numpy refuses arrays whose byte size, counting every non-zero dimension, overflows intp (even
 # when a 0 dimension makes them empty); 16 bytes covers the widest element we create.
 MAX_ELEMENTS = np.iinfo(np.intp).max // 16
+# JSON data is flat (row-major) or nested exactly as its shape; anything else is refused so.
+FLAT_OR_AS_SHAPE = "send it flat or nested as the shape"
 
 
 def decode_tensors(
@@ -146,15 +148,14 @@ def _from_json(data: Any, datatype: str, shape: list[int], where: str) -> np.nda
         raise InvalidInput(f"{where}: data must be a list, got {type(data).__name__}")
     count = math.prod(shape)
     if datatype == "BYTES":
-        items: list[bytes] = []
-        try:
-            _flatten_strings(data, items, where)
-        except RecursionError:
-            raise InvalidInput(f"{where}: data is nested too deeply") from None
-        if len(items) != count:
-            raise InvalidInput(
-                f"{where}: shape {shape} needs {count} elements, data has {len(items)}"
-            )
+        if any(isinstance(item, list) for item in data):
+            items = _nested_strings(data, shape, where)
+        else:
+            items = [_string(item, where) for item in data]
+            if len(items) != count:
+                raise InvalidInput(
+                    f"{where}: shape {shape} needs {count} elements, data has {len(items)}"
+                )
         return object_array(items, shape)
 
     try:
@@ -165,6 +166,10 @@ def _from_json(data: Any, datatype: str, shape: list[int], where: str) -> np.nda
         ) from None
     if array.size != count:
         raise InvalidInput(f"{where}: shape {shape} needs {count} elements, data has {array.size}")
+    if array.ndim > 1 and list(array.shape) != shape:
+        raise InvalidInput(
+            f"{where}: data is nested as {list(array.shape)}, not as shape {shape}; {FLAT_OR_AS_SHAPE}"
+        )
     return _numbers_from_json(data, array, datatype, where).reshape(shape)
 
 
@@ -241,14 +246,36 @@ def _exact_numbers(data: list[Any], datatype: str, where: str) -> list[int | flo
     return values
 
 
-def _flatten_strings(data: list[Any], out: list[bytes], where: str) -> None:
-    for item in data:
-        if isinstance(item, str):
-            out.append(encode_utf8(item, where))
-        elif isinstance(item, list):
-            _flatten_strings(item, out, where)
-        else:
-            raise InvalidInput(
-                f"{where}: data for BYTES must be strings, got {type(item).__name__}"
-            )
+def _string(item: Any, where: str) -> bytes:
+    if not isinstance(item, str):
+        raise InvalidInput(f"{where}: data for BYTES must be strings, got {type(item).__name__}")
+    return encode_utf8(item, where)
+
+
+def _nested_strings(data: list[Any], shape: list[int], where: str) -> list[bytes]:
+    """The strings of `data` nested exactly as `shape` (row-major), else InvalidInput saying
+    where it is not. The walk goes no deeper than the shape (at most MAX_DIMS levels), however
+    deep the data is nested."""
+    out: list[bytes] = []
+    if not shape:
+        raise InvalidInput(f"{where}: data is nested, but shape [] holds one string: send it as [\"...\"]")
+
+    def walk(level: list[Any], depth: int) -> None:
+        if depth == len(shape):
+            raise InvalidInput(f"{where}: data is nested deeper than shape {shape}; {FLAT_OR_AS_SHAPE}")
+        if len(level) != shape[depth]:
+            raise InvalidInput(f"{where}: data is not nested as shape {shape}: a list at depth {depth} has "
+                               f"{len(level)} elements, the shape {shape[depth]}; {FLAT_OR_AS_SHAPE}")
+        last = depth == len(shape) - 1
+        for item in level:
+            if isinstance(item, list):
+                walk(item, depth + 1)
+            elif last or not isinstance(item, str):
+                out.append(_string(item, where))  # raises for anything but a string
+            else:
+                raise InvalidInput(f"{where}: data is not nested as shape {shape}: a string at depth {depth}, "
+                                   f"above the shape's last dimension; {FLAT_OR_AS_SHAPE}")
+
+    walk(data, 0)
+    return out
 

@@ -1,8 +1,10 @@
 """numpy arrays -> the entries of a v2 message's ``inputs``/``outputs`` list, and binary chunks.
 
 Each tensor becomes JSON ``data`` or a chunk of the binary extension (in header order), as
-the caller asks; a BYTES tensor that is not valid utf-8 always goes binary. protocol/v2.py
-calls :func:`encode_tensors` for requests and responses alike.
+the caller asks; a BYTES tensor that is not valid utf-8 always goes binary. A floating-point
+tensor holding NaN or Infinity cannot be JSON (strict parsers refuse the JavaScript tokens, and
+null would hide the value): it is refused with InvalidInput naming it, and travels only binary.
+protocol/v2.py calls :func:`encode_tensors` for requests and responses alike.
 """
 
 from __future__ import annotations
@@ -59,9 +61,21 @@ def encode_tensors(
             entry["parameters"] = {"binary_data_size": len(chunk)}
             chunks.append(chunk)
         else:
+            bad = non_finite_count(array)
+            if bad:
+                ask = "send it binary" if kind == "input" else "ask for it binary (binary_data_output)"
+                raise InvalidInput(f"{where} holds {bad} NaN or Infinity values, which JSON cannot carry: {ask}")
             entry["data"] = array.reshape(-1).tolist()
         entries.append(entry)
     return entries, chunks
+
+
+def non_finite_count(array: np.ndarray) -> int:
+    """How many NaN and +-Infinity values a floating-point array holds (0 for other datatypes)."""
+    if array.dtype.kind != "f":
+        return 0
+    finite = np.isfinite(array)
+    return 0 if finite.all() else finite.size - int(np.count_nonzero(finite))
 
 
 def _datatype(array: np.ndarray, where: str) -> str:

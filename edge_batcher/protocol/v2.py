@@ -3,8 +3,9 @@
 Shared by the HTTP server, the Python clients and the offload client, so the wire format is
 defined once. Two encodings are supported, and may be mixed within one message:
 
-* JSON tensors: ``{"name", "shape", "datatype", "data"}`` with ``data`` flat or nested
-  (row-major); BYTES elements are JSON strings (utf-8).
+* JSON tensors: ``{"name", "shape", "datatype", "data"}`` with ``data`` flat (row-major) or
+  nested exactly as the shape (any other nesting is refused); BYTES elements are JSON strings
+  (utf-8).
 * Triton's binary tensor extension: the body is a JSON header followed by the raw
   little-endian bytes of every tensor whose ``parameters.binary_data_size`` is set, in the
   order those tensors appear in the header. The header's length travels in the HTTP header
@@ -19,12 +20,15 @@ Decoded numeric arrays have native byte order and exactly the declared shape. Bi
 are decoded zero-copy where possible (a read-only view into the body), so they may not be
 writable; copy them if you need to write in place.
 
-Non-finite floats: JSON has no NaN/Infinity, but like Triton (and Python's ``json``) we emit
-the JavaScript tokens ``NaN``, ``Infinity`` and ``-Infinity`` rather than fail or silently
-change values, and accept them on input. Clients that need strict JSON should ask for binary
-outputs, which carry every float exactly. Floats beyond FP16/FP32 range become +-inf, as in
-Triton; a JSON *integer* beyond float64's range (about 1.8e308) is refused, since no float
-holds it.
+Non-finite floats: JSON has no NaN/Infinity, and what this codec writes is always strict JSON:
+a floating-point tensor holding one is refused as JSON ``data`` (InvalidInput naming it; in a
+response, :func:`encode_response` raises EngineError naming the model, a 500) and travels only
+in the binary extension, which carries every float exactly. On input the JavaScript tokens
+``NaN``, ``Infinity`` and ``-Infinity`` are still read (Python's ``json`` and tritonclient
+write them); whether a model takes them is the model's input check (scheduler/validate.py:
+refused unless its model.toml sets allow_non_finite_inputs). Floats beyond FP16/FP32 range
+become +-inf, as in Triton (and are then refused by that same check); a JSON *integer* beyond
+float64's range (about 1.8e308) is refused, since no float holds it.
 
 Limits that numpy imposes are checked up front, so that they are reported as bad input rather
 than crash: at most :data:`MAX_DIMS` dimensions, and a shape whose non-zero dimensions multiply
@@ -42,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidInput
+from ..errors import EngineError, InvalidInput
 from . import json_text
 from .binary_extension import BINARY_CONTENT_TYPE, HEADER_LENGTH, JSON_CONTENT_TYPE
 from .preview import preview
@@ -198,7 +202,11 @@ def encode_response(
 
     Returns (body, header_length or None when pure JSON). A BYTES output that is not valid
     utf-8 cannot be a JSON string, so it is sent binary even when not named in ``binary``
-    (the alternative, failing a request that the model already ran, helps nobody).
+    (the alternative, failing a request that the model already ran, helps nobody). A float
+    output holding NaN or Infinity, asked for as JSON, is not sent binary unasked: a JSON
+    client would take the binary body for garbage, and such values usually mean the model
+    failed. EngineError (500) names the model and the output instead: a response that cannot
+    be encoded is never the client's mistake.
     """
     header: dict[str, Any] = {"model_name": model_name}
     if model_version is not None:
@@ -207,9 +215,12 @@ def encode_response(
         header["id"] = id
     if parameters:
         header["parameters"] = dict(parameters)
-    tensors, chunks = encode_tensors(outputs, "output", False, binary_names=binary)
-    header["outputs"] = tensors
-    return _join_body(header, chunks, "response")
+    try:
+        tensors, chunks = encode_tensors(outputs, "output", False, binary_names=binary)
+        header["outputs"] = tensors
+        return _join_body(header, chunks, "response")
+    except InvalidInput as e:
+        raise EngineError(f"model {model_name!r}: its response cannot be sent: {e.message}") from None
 
 
 def binary_outputs_for(req: DecodedRequest, available: list[str]) -> set[str]:
@@ -279,9 +290,8 @@ def _join_body(
     header: dict[str, Any], chunks: list[bytes], what: str
 ) -> tuple[bytes, int | None]:
     try:
-        # allow_nan: see the module docstring on non-finite floats.
         header_bytes = json_text.dumps(header)
-    except (TypeError, ValueError) as e:  # e.g. parameters that are not JSON-serialisable
+    except (TypeError, ValueError) as e:  # parameters that are not JSON-serialisable, or NaN in them
         raise InvalidInput(f"{what} cannot be encoded as JSON: {e}") from None
     if not chunks:
         return header_bytes, None

@@ -9,7 +9,9 @@ so a text's embedding does not depend on the bucket or on its batch neighbours
 (tools/build_embedding_model.py checks this for the demo model).
 
 Texts longer than `[tokenizer] max_length` tokens are truncated (as sentence-transformers
-does): an embedding of the first max_length tokens.
+does): an embedding of the first max_length tokens. Since prepare() runs on the event loop and
+tokenizing costs time per character, a text is first cut to `[tokenizer] max_chars` characters
+(default 16 per token of max_length, rag/tokenize.py): what follows is never read.
 
 model.toml::
 
@@ -26,6 +28,7 @@ model.toml::
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -33,7 +36,7 @@ from ..config import ModelConfig
 from ..engines.onnxruntime import OnnxRuntimeEngine
 from ..errors import ConfigError
 from ..types import TensorSpec
-from .tokenize import TextTokenizer, texts_from_bytes
+from .tokenize import TextTokenizer, text_head, text_heads
 
 TEXT_INPUT = "text"
 
@@ -78,9 +81,10 @@ class TextEmbeddingEngine(OnnxRuntimeEngine):
         self.outputs = [TensorSpec(out.name, out.datatype, (-1, self.dim))]
 
     def prepare(self, inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
-        """text [rows] -> input_ids, attention_mask [rows, longest] (+ token_type_ids)."""
+        """text [rows] -> input_ids, attention_mask [rows, longest] (+ token_type_ids). On the
+        event loop: at most max_chars characters of each text are decoded and tokenized."""
         assert self.tokenizer is not None, "prepare() before load()"
-        texts = texts_from_bytes(inputs[TEXT_INPUT], TEXT_INPUT)
+        texts = text_heads(inputs[TEXT_INPUT], TEXT_INPUT, self.tokenizer.max_chars)
         ids, mask = self.tokenizer.pad(self.tokenizer.encode_batch(texts, truncate=True))
         prepared = {"input_ids": ids, "attention_mask": mask}
         if self.has_token_types:
@@ -103,18 +107,23 @@ class TextEmbeddingEngine(OnnxRuntimeEngine):
         return {"real_tokens": real, "batch_tokens": total,
                 "token_padding_ratio": (total - real) / total if total else 0.0}
 
-    def embed(self, texts: list[str], batch_size: int = 16) -> np.ndarray:
-        """Embed many texts directly (no scheduler: index building). Sorted by length so each
-        chunk pads little; returned in the original order. Blocking."""
+    def embed(self, texts: list[str], batch_size: int = 16,
+              progress: Callable[[int, int], None] | None = None) -> np.ndarray:
+        """Embed many texts directly (no scheduler: index building). Blocking. Texts are taken
+        in order of length, so each chunk pads little, and tokenized a chunk at a time, so only
+        one chunk's tokens are held; returned in the original order. `progress(done, total)` is
+        called after each chunk."""
         assert self.tokenizer is not None, "embed() before load()"
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        rows = self.tokenizer.encode_batch(texts, truncate=True)
-        order = sorted(range(len(texts)), key=lambda i: len(rows[i]))
+        order = sorted(range(len(texts)), key=lambda i: len(texts[i]))  # characters: a cheap proxy for tokens
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]
-            ids, mask = self.tokenizer.pad([rows[i] for i in chunk])
+            heads = [text_head(texts[i], self.tokenizer.max_chars) for i in chunk]  # as prepare() cuts them
+            ids, mask = self.tokenizer.pad(self.tokenizer.encode_batch(heads, truncate=True))
             feed = {"input_ids": ids, "attention_mask": mask}
             if self.has_token_types:
                 feed["token_type_ids"] = np.zeros_like(ids)
             out[chunk] = super().infer(feed)[self.outputs[0].name]
+            if progress is not None:
+                progress(start + len(chunk), len(texts))
         return out

@@ -1,5 +1,5 @@
 """GenerationService: a decoder LLM (backend = "generator") served with iteration-level
-continuous batching. On the event loop it tokenizes and checks prompts, refuses at once a
+continuous batching. It checks prompts (tokenized off the event loop), refuses at once a
 sequence whose KV cache could never fit the memory budget, queues the rest for the decode loop's
 worker thread (decode_loop.py) and turns their events into v2 responses, whole or streamed; a
 caller that goes away cancels its sequence. docs/rag.md describes the settings ([generator]) and
@@ -152,27 +152,34 @@ class GenerationService(ServiceAccounting):
 
     # ------------------------------------------------------------------ submitting
 
-    def submit(self, prompt: str, parameters: dict | None = None, *, timeout_s: float | None = None,
-               apply_template: bool = True, defaults: dict | None = None) -> Sequence:
+    async def submit(self, prompt: str, parameters: dict | None = None, *, timeout_s: float | None = None,
+                     apply_template: bool = True, defaults: dict | None = None) -> Sequence:
         """Tokenize, check and queue one prompt. Raises InvalidInput (empty, too long, bad
-        parameters), DoesNotFit (its KV can never fit), Overloaded, Unavailable."""
-        if self._draining or not self._loop.started:
-            raise Unavailable(f"model {self.name!r} is not accepting requests" +
-                              (": the daemon is draining" if self._draining else ": not started"))
-        if self._loop.broken:
-            raise EngineError(
-                f"model {self.name!r} cannot generate: its worker failed ({self._loop.broken}); see the log"
-            )
+        parameters), DoesNotFit (its KV can never fit), Overloaded, Unavailable. A prompt of
+        more than [tokenizer] max_chars characters is refused before it is tokenized; the
+        tokenizing itself (about a microsecond per character) runs off the event loop."""
+        self._check_serving()
         s = self.settings
         if not prompt.strip():
             raise InvalidInput(f"model {self.name!r}: the prompt is empty")
-        text = s.prompt_template.replace("{prompt}", prompt) if apply_template else prompt
-        ids = self.tokenizer.encode(text)
+        limit = self.tokenizer.max_chars
+        if len(prompt) > limit:
+            raise InvalidInput(f"model {self.name!r}: the prompt is {len(prompt)} characters, more than the "
+                               f"{limit} it reads ([tokenizer] max_chars): shorten the prompt")
         base = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
         base.update(defaults or {})
         params = parse_params(parameters or {}, default_max_new_tokens=s.max_new_tokens,
                               max_new_tokens_limit=s.max_new_tokens_limit, defaults=base,
                               stop_token_ids=self.stop_ids)
+        timeout = self.config.batching.default_timeout_ms / 1000.0 if timeout_s is None else timeout_s
+        if timeout <= 0:
+            raise DeadlineExceeded(f"request timeout {timeout * 1000:.1f} ms has already passed")
+        deadline = time.monotonic() + min(timeout, self.config.batching.max_timeout_ms / 1000.0)
+        if len(self._loop.waiting) >= self.config.batching.queue_capacity:  # before any work on the prompt
+            raise Overloaded(f"model {self.name!r}: {len(self._loop.waiting)} sequences already wait for admission")
+        text = s.prompt_template.replace("{prompt}", prompt) if apply_template else prompt
+        ids = await asyncio.get_running_loop().run_in_executor(None, self.tokenizer.encode, text)
+        self._check_serving()  # it may have started draining meanwhile
         self.check_fits_context(len(ids), params.max_new_tokens)
         kv = self.decoder.kv
         assert kv is not None
@@ -185,15 +192,18 @@ class GenerationService(ServiceAccounting):
                 f"model {self.name!r}: {len(ids)} prompt + {params.max_new_tokens} new tokens need "
                 f"{need / MiB:.2f} MiB of KV cache ({kv.describe()}), more than the memory budget can ever give "
                 f"({capacity / MiB:.2f} MiB with nothing else running): lower max_new_tokens or shorten the prompt")
-        if len(self._loop.waiting) >= self.config.batching.queue_capacity:
-            raise Overloaded(f"model {self.name!r}: {len(self._loop.waiting)} sequences already wait for admission")
-        timeout = self.config.batching.default_timeout_ms / 1000.0 if timeout_s is None else timeout_s
-        if timeout <= 0:
-            raise DeadlineExceeded(f"request timeout {timeout * 1000:.1f} ms has already passed")
-        timeout = min(timeout, self.config.batching.max_timeout_ms / 1000.0)
-        seq = Sequence(ids, params, need, time.monotonic() + timeout, asyncio.get_running_loop(), self.tokenizer)
+        seq = Sequence(ids, params, need, deadline, asyncio.get_running_loop(), self.tokenizer)
         self._loop.enqueue(seq)
         return seq
+
+    def _check_serving(self) -> None:
+        if self._draining or not self._loop.started:
+            raise Unavailable(f"model {self.name!r} is not accepting requests" +
+                              (": the daemon is draining" if self._draining else ": not started"))
+        if self._loop.broken:
+            raise EngineError(
+                f"model {self.name!r} cannot generate: its worker failed ({self._loop.broken}); see the log"
+            )
 
     def check_fits_context(self, prompt_tokens: int, max_new_tokens: int) -> None:
         limit = self.settings.max_context
@@ -248,7 +258,7 @@ class GenerationService(ServiceAccounting):
         self._loop.wake()
 
     async def generate(self, prompt: str, parameters: dict | None = None, **kwargs) -> GenerationResult:
-        seq = self.submit(prompt, parameters, **kwargs)
+        seq = await self.submit(prompt, parameters, **kwargs)
         async with aclosing(self.events(seq)) as events:
             async for kind, payload in events:
                 if kind == "done":
@@ -261,7 +271,8 @@ class GenerationService(ServiceAccounting):
         started = time.monotonic()
         self._in_flight.count += 1
         try:
-            texts = text_rows(request, self.name, self.inputs[0], self.outputs, self.settings.max_rows)
+            texts = text_rows(request, self.name, self.inputs[0], self.outputs, self.settings.max_rows,
+                              self.tokenizer.max_chars)
             results = await asyncio.gather(*(self.generate(t, request.parameters, timeout_s=request.timeout_s)
                                              for t in texts))
         except BaseException as exc:
@@ -281,8 +292,8 @@ class GenerationService(ServiceAccounting):
         started = time.monotonic()
         self._in_flight.count += 1
         try:
-            texts = text_rows(request, self.name, self.inputs[0], self.outputs, 1)
-            seq = self.submit(texts[0], request.parameters, timeout_s=request.timeout_s)
+            texts = text_rows(request, self.name, self.inputs[0], self.outputs, 1, self.tokenizer.max_chars)
+            seq = await self.submit(texts[0], request.parameters, timeout_s=request.timeout_s)
             async with aclosing(self.events(seq)) as events:  # leaving early cancels the sequence
                 async for chunk in token_responses(self.name, request.id, TEXT_OUTPUT, events):
                     yield chunk

@@ -22,9 +22,10 @@ per query, and reloads it off the event loop.
 
 Splitting: markdown is cut at headings (each passage's title is its heading path, e.g.
 "Manual > Bearing faults"); a section's paragraphs are grouped into passages of at most
-max_chars characters (a longer paragraph is cut at sentence ends). Plain text is cut into
-paragraph groups the same way. The text that is embedded (and analysed for BM25) is the
-passage's own heading plus the passage.
+max_chars characters (a longer paragraph is cut at sentence ends, a longer sentence at spaces,
+and text without spaces at max_chars itself: no passage is ever longer). Plain text is cut into
+paragraph groups the same way; a heading is cut to max_chars too. The text that is embedded
+(and analysed for BM25) is the passage's own heading plus the passage.
 
 Search ranks by the passage cosine and the best sentence's cosine (dense), by BM25 (lexical)
 or by all three fused (fusion.py). An index written before lexical.json existed gets its BM25
@@ -93,6 +94,8 @@ def slug(text: str) -> str:
 
 def split_file(path: Path, max_chars: int = DEFAULT_MAX_CHARS) -> list[Passage]:
     """Passages of one .md/.markdown/.txt file (ids '<stem>#<heading-slug>', unique in the file)."""
+    if max_chars < 1:
+        raise ConfigError(f"the longest passage must be at least 1 character, got {max_chars}")
     suffix = path.suffix.lower()
     if suffix not in (".md", ".markdown", ".txt", ".text"):
         raise ConfigError(f"{path}: only text (.txt) and markdown (.md) files can be indexed")
@@ -133,7 +136,8 @@ def split_markdown(text: str, stem: str, max_chars: int = DEFAULT_MAX_CHARS, sou
         if heading:
             end_section()
             level = len(heading.group(1))
-            path = path[: level - 1] + [""] * max(0, level - 1 - len(path)) + [heading.group(2).strip()]
+            title = heading.group(2).strip()[:max_chars]
+            path = path[: level - 1] + [""] * max(0, level - 1 - len(path)) + [title]
         elif not line.strip() and not in_code:
             end_paragraph()
         else:
@@ -159,19 +163,40 @@ def split_text(text: str, stem: str, max_chars: int = DEFAULT_MAX_CHARS, source:
 
 
 def _group(paragraphs: list[str], max_chars: int) -> list[str]:
-    """Consecutive paragraphs joined while they fit in max_chars; long ones cut at sentences."""
+    """Consecutive paragraphs joined while they fit in max_chars; long ones cut at sentences,
+    long sentences at spaces (_cut)."""
     pieces: list[str] = []
     for p in paragraphs:
         if len(p) <= max_chars:
             pieces.append(p)
         else:
-            pieces.extend(_pack(_SENTENCE_END.split(p), " ", max_chars))
+            sentences = [piece for sentence in _SENTENCE_END.split(p) for piece in _cut(sentence, max_chars)]
+            pieces.extend(_pack(sentences, " ", max_chars))
     return _pack(pieces, "\n\n", max_chars)
 
 
+def _cut(text: str, max_chars: int) -> list[str]:
+    """`text` in pieces of at most max_chars characters, each ending at the last whitespace
+    before the limit when there is one in the piece's second half, else at the limit. Offsets
+    into the text, never copies of its rest: a 2 MB line costs one pass."""
+    pieces: list[str] = []
+    start = 0
+    while len(text) - start > max_chars:
+        end = start + max_chars
+        space = max(text.rfind(c, start + max_chars // 2, end + 1) for c in " \n\t")
+        if space > start:
+            pieces.append(text[start:space])
+            start = space + 1
+        else:
+            pieces.append(text[start:end])
+            start = end
+    pieces.append(text[start:])
+    return [piece.strip() for piece in pieces if piece.strip()]
+
+
 def _pack(parts: list[str], separator: str, max_chars: int) -> list[str]:
-    """Consecutive parts joined by separator while the result fits in max_chars (a part
-    longer than that stays whole, alone)."""
+    """Consecutive parts (each at most max_chars long) joined by separator while the result
+    fits in max_chars."""
     packed: list[str] = []
     current = ""
     for part in parts:

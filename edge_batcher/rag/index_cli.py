@@ -18,11 +18,14 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import load_config, load_model_config
 from ..errors import ConfigError, EdgeBatcherError
+from ..progress import Progress
 from .index import (
     DEFAULT_MAX_CHARS,
     Passage,
@@ -37,6 +40,8 @@ from .index import (
 
 if TYPE_CHECKING:
     import numpy as np  # imported where used: the CLI starts without it
+
+PROGRESS_STEPS = 20  # embedding runs ~20 texts a second on the 2-core VM: a line every 5 % of it
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--embedding-model",
                    help="embedding model name in the repository (default: [rag] embedding_model, else minilm)")
     p.add_argument("--max-chars", type=int, default=DEFAULT_MAX_CHARS,
-                   help=f"longest passage (default {DEFAULT_MAX_CHARS})")
+                   help=f"longest passage in characters (default {DEFAULT_MAX_CHARS}; at most what the embedding "
+                        "model reads, its [tokenizer] max_chars)")
     p.add_argument("--rebuild", action="store_true", help="start from an empty index instead of adding to it")
 
     p = sub.add_parser("remove", help="remove the passages of files from the index")
@@ -154,16 +160,22 @@ def _add(args, index_dir: Path, embedding_model: str, repo: Path) -> int:
     if not (config_dir / "model.toml").is_file():
         raise ConfigError(f"embedding model {embedding_model!r} not found in {repo} (build it with "
                           "tools/build_embedding_model.py --out <repo>)")
-    # Embedding is the long part (seconds per hundred passages on a small CPU): say it starts.
-    print(f"embedding {len(new)} passages from {len(args.files)} file(s) with {embedding_model} ...",
-          file=sys.stderr, flush=True)
     engine = TextEmbeddingEngine(load_model_config(config_dir))
     engine.load()
+    assert engine.tokenizer is not None
+    if args.max_chars > engine.tokenizer.max_chars:
+        engine.close()
+        raise ConfigError(f"--max-chars {args.max_chars} is longer than the {engine.tokenizer.max_chars} characters "
+                          f"embedding model {embedding_model!r} reads ([tokenizer] max_chars)")
+    # Embedding is the long part (about 20 texts a second on a 2-core CPU): say it starts.
+    print(f"embedding {len(new)} passages from {len(args.files)} file(s) with {embedding_model} ...",
+          file=sys.stderr, flush=True)
     try:
-        vectors, new_sentences = embed_passages(new, engine.embed)
+        vectors, new_sentences = embed_passages(new, partial(engine.embed, progress=_progress("new passages")))
         vectors = vectors.reshape(len(new), engine.dim)
         if sentences is None:  # an index written before sentence vectors: embed the kept passages' too
-            sentences = embed_passages([passages[i] for i in keep], engine.embed)[1]
+            sentences = embed_passages([passages[i] for i in keep],
+                                       partial(engine.embed, progress=_progress("kept passages")))[1]
             keep_sentences = sentences
         else:
             keep_sentences = sentences.select(keep)
@@ -187,6 +199,25 @@ def _add(args, index_dir: Path, embedding_model: str, repo: Path) -> int:
           + f"; {index_dir} now holds {meta['count']} passages, version {meta['version']} "
           f"({embedding_model}, {meta['dim']}-d) in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _progress(what: str) -> Callable[[int, int], None]:
+    """A progress(done, total) callback for TextEmbeddingEngine.embed: a bar on a terminal, else
+    at most PROGRESS_STEPS lines (one per 5 %), each with the time spent and left (progress.py)."""
+    bar: Progress | None = None
+
+    def report(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = Progress(f"index add: embedding {what}", PROGRESS_STEPS)
+        reached = PROGRESS_STEPS * done // total
+        if reached > bar.done:  # one line however many steps this chunk crossed (few texts: big chunks)
+            bar.done = reached - 1
+            bar.step(f"{done}/{total} texts")
+        if done == total:
+            bar.close()
+
+    return report
 
 
 def _remove(args, index_dir: Path) -> int:

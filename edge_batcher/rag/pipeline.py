@@ -173,11 +173,8 @@ class RagService(ServiceAccounting):
     def _questions(self, request: InferRequest, max_rows: int) -> list[str]:
         if self._draining:
             raise Unavailable(f"model {self.name!r} is not accepting requests: the daemon is draining")
-        questions = text_rows(request, self.name, self.inputs[0], self.outputs, max_rows)
-        for i, q in enumerate(questions):
-            if len(q) > self.settings.max_question_chars:
-                raise InvalidInput(f"input {QUESTION!r}: question {i} is {len(q)} characters, more than the "
-                                   f"{self.settings.max_question_chars} model {self.name!r} takes")
+        questions = text_rows(request, self.name, self.inputs[0], self.outputs, max_rows,
+                              self.settings.max_question_chars)
         tokenizer = self._embedding_tokenizer()
         if tokenizer is not None:
             for i, n in enumerate(len(ids) for ids in tokenizer.encode_batch(questions)):
@@ -222,16 +219,16 @@ class RagService(ServiceAccounting):
             raise Unavailable(f"model {self.name!r}: [rag] generator {name!r} is not a loaded generator model")
         return gen
 
-    def _prompt(self, gen, question: str, hits: list[Hit], generation: dict) -> tuple[str, list[Hit]]:
-        max_new = generation.get("max_new_tokens", gen.settings.max_new_tokens)
-        if isinstance(max_new, bool) or not isinstance(max_new, int):
-            raise InvalidInput(f"parameters.max_new_tokens must be an integer, got {max_new!r}")
+    def _prompt(self, gen, question: str, hits: list[Hit], max_new: int) -> tuple[str, list[Hit], int]:
+        """The prompt with as many passages as fit the generator, those passages and its tokens.
+        Blocking (tokenizes the prompt once per passage left out): run off the event loop."""
         limit = gen.settings.max_context
         s = self.settings
         prompt, used = assemble(s.prompt_template, s.passage_template, question, hits,
-                                lambda p: gen.count_tokens(p) + max_new <= limit)
-        gen.check_fits_context(gen.count_tokens(prompt), max_new)  # even without passages: a clear error
-        return prompt, used
+                                lambda p: len(p) <= gen.tokenizer.max_chars and gen.count_tokens(p) + max_new <= limit)
+        tokens = gen.count_tokens(prompt)
+        gen.check_fits_context(tokens, max_new)  # even without passages: a clear error
+        return prompt, used, tokens
 
     async def _extract(self, vector, hits: list[Hit], request: InferRequest) -> str:
         """The extractive answer: the best one or two sentences of the hits (extract.py)."""
@@ -265,11 +262,14 @@ class RagService(ServiceAccounting):
         fallback = None  # what an extractive answer is counted as in the stats' fallbacks
         if s.generator:
             gen = self._generator()
-            prompt, used = self._prompt(gen, question, hits, generation)
             max_new = generation.get("max_new_tokens", gen.settings.max_new_tokens)
+            if isinstance(max_new, bool) or not isinstance(max_new, int):
+                raise InvalidInput(f"parameters.max_new_tokens must be an integer, got {max_new!r}")
+            prompt, used, tokens = await asyncio.get_running_loop().run_in_executor(
+                None, self._prompt, gen, question, hits, max_new)
             late = too_slow(s.generator, estimate_local(gen.step_times(), max_new), deadline - time.monotonic())
-            if late is None and (self.peer is None or gen.fits_now(gen.count_tokens(prompt), max_new)):
-                seq = gen.submit(prompt, generation, timeout_s=request.timeout_s, apply_template=False)
+            if late is None and (self.peer is None or gen.fits_now(tokens, max_new)):
+                seq = await gen.submit(prompt, generation, timeout_s=request.timeout_s, apply_template=False)
                 return "local", used, gen.events(seq), None
             reasons.append(late or f"local generator {s.generator!r}: no room in the KV memory budget now")
             fallback = "deadline" if late else "local"

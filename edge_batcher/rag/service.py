@@ -28,9 +28,10 @@ FINAL = "triton_final_response"
 
 
 def text_rows(request: InferRequest, model: str, spec: TensorSpec, outputs: list[TensorSpec],
-              max_rows: int) -> list[str]:
+              max_rows: int, max_chars: int) -> list[str]:
     """The request's texts from its one BYTES input, checked: known names, datatype BYTES,
-    shape [rows] (or [rows, 1]), 1..max_rows rows, no empty text."""
+    shape [rows] (or [rows, 1]), 1..max_rows rows, each 1..max_chars characters (a longer one
+    is refused before it is decoded), no empty text."""
     for name in request.inputs:
         if name != spec.name:
             raise InvalidInput(f"model {model!r} has no input {name!r}; its input is {spec.name!r} (BYTES)")
@@ -54,7 +55,7 @@ def text_rows(request: InferRequest, model: str, spec: TensorSpec, outputs: list
         raise InvalidInput(
             f"input {spec.name!r}: {array.shape[0]} rows; model {model!r} takes 1 to {max_rows} per request"
         )
-    texts = texts_from_bytes(array, spec.name)
+    texts = texts_from_bytes(array, spec.name, max_chars, f"model {model!r}")
     for i, text in enumerate(texts):
         if not text.strip():
             raise InvalidInput(f"input {spec.name!r}: element {i} is empty; send some text")

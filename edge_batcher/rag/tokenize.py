@@ -7,14 +7,20 @@ the whole tokenizer (normaliser, pre-tokenizer, vocabulary, post-processor addin
     [tokenizer]
     file = "tokenizer.json"
     max_length = 128      # longer texts are truncated (embeddings) or rejected (prompts)
+    max_chars = 0         # 0: 16 x max_length; longer texts are cut (embeddings) or rejected (prompts)
     add_special_tokens = true
 
-Padding set in tokenizer.json is switched off: batches are padded by the scheduler to their
-length bucket, and the attention mask keeps the padding out of the result.
+Tokenizing costs about a microsecond per character whatever max_length is (the library
+truncates only after tokenizing everything), so no text longer than max_chars characters is
+ever tokenized: embedding texts are cut to it, prompts and questions beyond it are refused. 16
+characters per token is three times what English text takes (docs/rag.md). Padding set in
+tokenizer.json is switched off: batches are padded by the scheduler to their length bucket, and
+the attention mask keeps the padding out of the result.
 """
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,13 +34,20 @@ from ..errors import ConfigError, InvalidInput
 class TokenizerSettings:
     file: str = "tokenizer.json"
     max_length: int = 512
+    max_chars: int = 0  # 0: CHARS_PER_TOKEN_BOUND x max_length
     add_special_tokens: bool = True
+
+
+# The characters a tokenizer reads per token of max_length, unless [tokenizer] max_chars says
+# otherwise: English prose takes 4 to 5 per token, whitespace-heavy markdown rarely 8.
+CHARS_PER_TOKEN_BOUND = 16
+UTF8_MAX_BYTES = 4  # the longest UTF-8 encoding of one character
 
 
 class TextTokenizer:
     """A tokenizers.Tokenizer with the settings of one model. Thread-safe (the Rust tokenizer is)."""
 
-    def __init__(self, path: Path, *, max_length: int = 512, add_special_tokens: bool = True):
+    def __init__(self, path: Path, *, max_length: int = 512, max_chars: int = 0, add_special_tokens: bool = True):
         try:
             from tokenizers import Tokenizer
         except ImportError as exc:  # an optional dependency: pip install 'edge-batcher[rag]'
@@ -45,6 +58,8 @@ class TextTokenizer:
             raise ConfigError(f"tokenizer file {path} not found")
         if max_length <= 0:
             raise ConfigError(f"tokenizer {path}: max_length must be positive, got {max_length}")
+        if max_chars < 0:
+            raise ConfigError(f"tokenizer {path}: max_chars must be positive (or 0: the default), got {max_chars}")
         try:
             self._tok = Tokenizer.from_file(str(path))
         except Exception as exc:  # the Rust side raises plain Exception with its message
@@ -58,6 +73,7 @@ class TextTokenizer:
         self._truncating.enable_truncation(max_length)
         self.path = path
         self.max_length = max_length
+        self.max_chars = max_chars or CHARS_PER_TOKEN_BOUND * max_length
         self.add_special_tokens = add_special_tokens
 
     @classmethod
@@ -66,15 +82,16 @@ class TextTokenizer:
         s = backend_settings(config, "tokenizer", TokenizerSettings)
         if "max_length" not in config.tokenizer:
             s.max_length = default_max_length
-        if s.max_length <= 0:
-            raise ConfigError(f"{config.directory / 'model.toml'}: [tokenizer] max_length: "
-                              f"expected a positive integer, got {s.max_length}")
+        for key in ("max_length", "max_chars"):
+            if getattr(s, key) < (1 if key == "max_length" else 0):
+                raise ConfigError(f"{config.directory / 'model.toml'}: [tokenizer] {key}: "
+                                  f"expected a positive integer, got {getattr(s, key)}")
         path = Path(s.file)
         if not path.is_absolute():
             path = config.directory / path
         if not path.is_file():
             raise ConfigError(f"{config.directory / 'model.toml'}: [tokenizer] file: {path} not found")
-        return cls(path, max_length=s.max_length, add_special_tokens=s.add_special_tokens)
+        return cls(path, max_length=s.max_length, max_chars=s.max_chars, add_special_tokens=s.add_special_tokens)
 
     @property
     def vocab_size(self) -> int:
@@ -89,16 +106,12 @@ class TextTokenizer:
         return self.encode_batch([text], truncate=truncate, special=special)[0]
 
     def encode_batch(self, texts: list[str], *, truncate: bool = False, special: bool | None = None) -> list[list[int]]:
+        """Token ids of each text; truncate=True cuts at max_length with the library's truncation,
+        so the closing special token ([SEP]) stays. Costs time in proportion to the characters:
+        callers bound them first (max_chars)."""
         add = self.add_special_tokens if special is None else special
-        encodings = self._tok.encode_batch(texts, add_special_tokens=add)
-        out = []
-        for text, enc in zip(texts, encodings):
-            ids = enc.ids
-            if truncate and len(ids) > self.max_length:
-                # Re-encoded with the library's truncation: the closing special token ([SEP]) stays.
-                ids = self._truncating.encode(text, add_special_tokens=add).ids
-            out.append(list(ids))
-        return out
+        tokenizer = self._truncating if truncate else self._tok
+        return [list(enc.ids) for enc in tokenizer.encode_batch(texts, add_special_tokens=add)]
 
     def pad(self, rows: list[list[int]], length: int | None = None, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """input_ids and attention_mask, int64 [len(rows), length] (default: the longest row), right-padded."""
@@ -142,16 +155,56 @@ class IncrementalDecoder:
         return piece
 
 
-def texts_from_bytes(array: np.ndarray, name: str) -> list[str]:
-    """The elements of a BYTES tensor as str (utf-8), or InvalidInput naming the input."""
+def texts_from_bytes(array: np.ndarray, name: str, max_chars: int, reader: str) -> list[str]:
+    """The elements of a BYTES tensor as str (utf-8), each at most max_chars characters, or
+    InvalidInput naming the input and the limit (`reader`: who reads the text, e.g. "model 'rag'").
+    An element too long to hold so few characters is refused before it is decoded."""
     out = []
     for i, value in enumerate(array.reshape(-1).tolist()):
-        if isinstance(value, bytes):
-            try:
-                value = value.decode("utf-8")
-            except UnicodeDecodeError:
-                raise InvalidInput(f"input {name!r}: element {i} is not valid UTF-8 text") from None
-        elif not isinstance(value, str):
-            raise InvalidInput(f"input {name!r}: element {i} is {type(value).__name__}, expected text (BYTES)")
-        out.append(value)
+        where = f"input {name!r}: element {i}"
+        if isinstance(value, bytes) and len(value) > UTF8_MAX_BYTES * max_chars:
+            raise InvalidInput(f"{where} is {len(value)} bytes long (so over {max_chars} characters); "
+                               f"{reader} reads at most {max_chars} characters")
+        text = _text(value, where)
+        if len(text) > max_chars:
+            raise InvalidInput(f"{where} is {len(text)} characters long; {reader} reads at most {max_chars} characters")
+        out.append(text)
     return out
+
+
+def text_heads(array: np.ndarray, name: str, max_chars: int) -> list[str]:
+    """text_head() of each element of a BYTES tensor (utf-8); InvalidInput naming the input
+    when that part is not text. The rest of a longer element is not read."""
+    out = []
+    for i, value in enumerate(array.reshape(-1).tolist()):
+        where = f"input {name!r}: element {i}"
+        if isinstance(value, bytes) and len(value) > max_chars:
+            # Enough bytes for max_chars characters; a character cut at the end waits in the
+            # incremental decoder instead of failing.
+            try:
+                value = codecs.getincrementaldecoder("utf-8")().decode(value[:UTF8_MAX_BYTES * max_chars])
+            except UnicodeDecodeError:
+                raise InvalidInput(f"{where} is not valid UTF-8 text") from None
+        out.append(text_head(_text(value, where), max_chars))
+    return out
+
+
+def text_head(text: str, max_chars: int) -> str:
+    """The first max_chars characters of `text`, cut back to its last space when one is in
+    their second half, so no word is split."""
+    if len(text) <= max_chars:
+        return text
+    text = text[:max_chars]
+    space = text.rfind(" ")
+    return text[:space] if space > max_chars // 2 else text
+
+
+def _text(value: object, where: str) -> str:
+    if isinstance(value, bytes):
+        try:
+            return value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidInput(f"{where} is not valid UTF-8 text") from None
+    if not isinstance(value, str):
+        raise InvalidInput(f"{where} is {type(value).__name__}, expected text (BYTES)")
+    return value

@@ -107,7 +107,8 @@ class ModelRunner:
         self.offload = offload
         self.exec_time = ExecTimeModel()
         self.queue = ModelQueue(capacity=b.queue_capacity, priority_levels=b.priority_levels)
-        self.validator = RequestValidator(self.name, self.inputs, self.outputs, config.sequence)
+        self.validator = RequestValidator(self.name, self.inputs, self.outputs, config.sequence,
+                                          allow_non_finite=config.allow_non_finite_inputs)
         self._stats = RunnerStats(self.name, metrics)
         self._output_names = [spec.name for spec in self.outputs]
         self._default_priority = b.default_priority

@@ -2,7 +2,8 @@
 
 `RequestValidator` is built once per model from its input specs and [sequence] settings; on the
 event loop it checks each request's names, datatypes, ranks, fixed dimensions, batch dimension
-and sequence length, and maps a length to its bucket. Every failure is an InvalidInput naming
+and sequence length, that floating-point inputs hold no NaN or Infinity (unless the model allows
+them), and maps a length to its bucket. Every failure is an InvalidInput naming
 the input and what the model expects (the transports answer it as a 400).
 """
 
@@ -30,9 +31,10 @@ class InputCheck:
 
 class RequestValidator:
     def __init__(self, model: str, inputs: list[TensorSpec], outputs: list[TensorSpec],
-                 sequence: SequenceSettings | None) -> None:
+                 sequence: SequenceSettings | None, *, allow_non_finite: bool = False) -> None:
         self.model = model
         self.sequence = sequence
+        self.allow_non_finite = allow_non_finite
         self._input_names = [spec.name for spec in inputs]
         self._output_names = [spec.name for spec in outputs]
         self.checks = [self._check_of(spec) for spec in inputs]
@@ -94,6 +96,8 @@ class RequestValidator:
                 if seq_len and length != seq_len:
                     raise InvalidInput(f"sequence inputs disagree on length: {name!r} has {length}, others {seq_len}")
                 seq_len = length
+            if dtype.kind == "f" and not self.allow_non_finite:
+                self._check_finite(name, array)
             inputs[name] = array
         if len(given) != len(inputs):
             self._check_input_names(given)
@@ -102,6 +106,20 @@ class RequestValidator:
         if check_length:
             self.check_seq_len(seq_len)
         return inputs, rows, seq_len
+
+    def _check_finite(self, name: str, array: np.ndarray) -> None:
+        finite = np.isfinite(array)  # ~2 ms for 16 MB of FP32
+        if finite.all():
+            return
+        bad = finite.size - int(np.count_nonzero(finite))
+        first = [int(i) for i in np.unravel_index(int(np.argmin(finite)), array.shape)]
+        largest = np.finfo(array.dtype).max  # a JSON number beyond it was read as Infinity
+        raise InvalidInput(
+            f"input {name!r}: {bad} of {array.size} values are NaN or Infinity (or beyond "
+            f"{v2_name(array.dtype)}'s range, +-{largest:.4g}; the first at {first}); "
+            f"model {self.model!r} takes finite numbers only (a broken sensor sends these): "
+            "allow_non_finite_inputs = true in its model.toml accepts them"
+        )
 
     def _check_input_names(self, given: dict[str, np.ndarray]) -> None:
         for given_name in given:

@@ -62,21 +62,33 @@ def test_a_utf16_body_is_read_as_json_reads_it():
 
 
 def written_as_json_writes(value) -> bytes:
-    return json.dumps(value, separators=(",", ":"), allow_nan=True).encode()
+    return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
 
 
 @settings(max_examples=300, deadline=None)
 @given(json_values)
 def test_what_dumps_writes_reads_back_as_the_value_json_would_have_written(value):
-    assert same(json.loads(json_text.dumps(value)), json.loads(written_as_json_writes(value)))
+    try:
+        expected = json.loads(written_as_json_writes(value))
+    except ValueError:  # NaN or Infinity somewhere: strict JSON has no way to write it
+        with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+            json_text.dumps(value)
+    else:
+        assert same(json.loads(json_text.dumps(value)), expected)
 
 
 @pytest.mark.parametrize("value", [
-    [float("nan"), 1.0], {"x": float("inf")}, [float("-inf")],  # orjson would write null
     [2**64], {1: "a"}, {"a": None},  # orjson refuses these, or has a null of its own
 ])
 def test_values_orjson_would_write_differently_are_written_by_json(value):
     assert json_text.dumps(value) == written_as_json_writes(value)
+
+
+@pytest.mark.parametrize("value", [[float("nan"), 1.0], {"x": float("inf")}, [float("-inf")]])
+def test_nan_and_infinity_are_refused_where_orjson_would_write_null(value):
+    """Issue 31 row 11: what the daemon writes is strict JSON; a NaN never becomes a quiet null."""
+    with pytest.raises(ValueError, match="Out of range float values are not JSON compliant"):
+        json_text.dumps(value)
 
 
 @pytest.mark.parametrize("value", [{"a": object()}, [b"bytes"], {(1, 2): 3}])

@@ -8,7 +8,7 @@ import struct
 import numpy as np
 import pytest
 
-from edge_batcher.errors import InvalidInput
+from edge_batcher.errors import EngineError, InvalidInput
 from edge_batcher.protocol.v2 import (
     BINARY_CONTENT_TYPE,
     HEADER_LENGTH,
@@ -28,8 +28,9 @@ from edge_batcher.types import DATATYPE_TO_NUMPY
 DATATYPES = list(DATATYPE_TO_NUMPY)
 
 
-def sample(datatype: str, shape: tuple[int, ...] = (2, 3)) -> np.ndarray:
-    """A tensor of `shape` whose values exercise the datatype's range (extremes, NaN, inf)."""
+def sample(datatype: str, shape: tuple[int, ...] = (2, 3), *, finite: bool = False) -> np.ndarray:
+    """A tensor of `shape` whose values exercise the datatype's range (extremes, and NaN and inf
+    unless `finite`: JSON cannot carry those)."""
     n = int(np.prod(shape))
     dtype = DATATYPE_TO_NUMPY[datatype]
     if datatype == "BYTES":
@@ -44,7 +45,7 @@ def sample(datatype: str, shape: tuple[int, ...] = (2, 3)) -> np.ndarray:
         pool = np.array([info.min, info.max, 0, 1, info.max // 3], dtype=dtype)
     else:
         info = np.finfo(dtype)
-        pool = np.array([info.min, info.max, -0.5, np.nan, np.inf, -np.inf, 1.25], dtype=dtype)
+        pool = np.array([info.min, info.max, -0.5, 1.25] + ([] if finite else [np.nan, np.inf, -np.inf]), dtype=dtype)
     return np.resize(pool, n).reshape(shape)
 
 
@@ -66,7 +67,7 @@ def assert_same(actual: np.ndarray, expected: np.ndarray) -> None:
 @pytest.mark.parametrize("datatype", DATATYPES)
 @pytest.mark.parametrize("shape", [(2, 3), (7,), (1, 2, 2, 2), (), (0,), (3, 0, 2)])
 def test_request_round_trip(datatype: str, binary: bool, shape: tuple[int, ...]) -> None:
-    tensor = sample(datatype, shape)
+    tensor = sample(datatype, shape, finite=not binary)
     body, header_length = encode_request(
         {"x": tensor}, id="r1", binary_inputs=binary, binary_outputs=binary
     )
@@ -83,7 +84,7 @@ def test_request_round_trip(datatype: str, binary: bool, shape: tuple[int, ...])
 @pytest.mark.parametrize("datatype", DATATYPES)
 @pytest.mark.parametrize("shape", [(2, 3), (4,), (), (0, 5)])
 def test_response_round_trip(datatype: str, binary: bool, shape: tuple[int, ...]) -> None:
-    tensor = sample(datatype, shape)
+    tensor = sample(datatype, shape, finite=not binary)
     body, header_length = encode_response(
         "model-a",
         "r7",
@@ -213,10 +214,28 @@ def test_non_utf8_bytes_are_sent_binary_even_in_json_mode() -> None:
     assert decode_request(body, hl).inputs["s"].tolist() == [b"\xff\xfe", b"ok"]
 
 
-def test_non_finite_floats_in_json() -> None:
-    body, hl = encode_response("m", None, {"y": np.array([np.nan, np.inf, -np.inf], np.float32)})
-    assert hl is None
-    assert b"[NaN,Infinity,-Infinity]" in body
+def test_non_finite_floats_are_never_written_as_json_and_travel_binary() -> None:
+    """Issue 31 row 11: replies carried bare NaN, which strict JSON parsers refuse."""
+    y = np.array([np.nan, np.inf, -np.inf, 1.0], np.float32)
+    with pytest.raises(EngineError) as info:
+        encode_response("m", None, {"y": y, "ok": np.ones(2, np.float32)})
+    assert info.value.status == 500 and str(info.value) == (
+        "model 'm': its response cannot be sent: output 'y' holds 3 NaN or Infinity values, "
+        "which JSON cannot carry: ask for it binary (binary_data_output)")
+    with pytest.raises(InvalidInput, match="input 'x' holds 1 NaN or Infinity values, which JSON cannot carry: "
+                                           "send it binary"):
+        encode_request({"x": np.array([1.0, np.nan])}, binary_inputs=False)
+    with pytest.raises(EngineError, match="response cannot be encoded as JSON: Out of range float"):
+        encode_response("m", None, {"ok": np.ones(2, np.float32)}, parameters={"score": float("nan")})
+    body, hl = encode_response("m", None, {"y": y}, binary={"y"})
+    got = decode_response(body, hl).outputs["y"]
+    assert np.isnan(got[0]) and got[1] == np.inf and got[2] == -np.inf and got[3] == 1.0
+
+
+def test_the_javascript_tokens_other_writers_send_are_still_read() -> None:
+    """Python's json and tritonclient write NaN/Infinity tokens: read, and left to the model's check."""
+    body = b'{"model_name": "m", "outputs": [{"name": "y", "shape": [3], "datatype": "FP32", ' \
+           b'"data": [NaN, Infinity, -Infinity]}]}'
     got = decode_response(body).outputs["y"]
     assert np.isnan(got[0]) and got[1] == np.inf and got[2] == -np.inf
 
@@ -422,6 +441,12 @@ def _binary_body(inputs: list, payload: bytes) -> tuple[bytes, int]:
     return header + payload, len(header)
 
 
+def _nested(value, levels: int) -> list:
+    for _ in range(levels):
+        value = [value]
+    return value
+
+
 def _fp32(name: str = "x", shape: list | None = None, **fields) -> dict:
     return {"name": name, "shape": shape if shape is not None else [2], "datatype": "FP32", **fields}
 
@@ -454,6 +479,25 @@ def _fp32(name: str = "x", shape: list | None = None, **fields) -> dict:
         (_json_body([_fp32("signal", shape=[2, 256], data=[0.0] * 500)]),
          "input 'signal': shape [2, 256] needs 512 elements, data has 500"),
         (_json_body([_fp32(data=[[1, 2], [3]])]), "input 'x': data is not a regular nested list"),
+        # Issue 31 row 16: data nested otherwise than its shape was flattened and accepted.
+        (_json_body([{"name": "x", "shape": [1], "datatype": "BYTES", "data": _nested("a", 100)}]),
+         "input 'x': data is nested deeper than shape [1]; send it flat or nested as the shape"),
+        (_json_body([{"name": "x", "shape": [], "datatype": "BYTES", "data": [["a"]]}]),
+         "input 'x': data is nested, but shape [] holds one string"),
+        (_json_body([{"name": "x", "shape": [2, 1], "datatype": "BYTES", "data": [["a", "b"], ["c"]]}]),
+         "input 'x': data is not nested as shape [2, 1]: a list at depth 1 has 2 elements, the shape 1"),
+        (_json_body([{"name": "x", "shape": [2, 2], "datatype": "BYTES", "data": [["a", "b"], "c", "d"]}]),
+         "input 'x': data is not nested as shape [2, 2]: a list at depth 0 has 3 elements, the shape 2"),
+        (_json_body([{"name": "x", "shape": [2, 2], "datatype": "BYTES", "data": [["a", "b"], "c"]}]),
+         "input 'x': data is not nested as shape [2, 2]: a string at depth 0, above the shape's last"),
+        (_json_body([{"name": "x", "shape": [2, 1], "datatype": "BYTES", "data": [["a"], [3]]}]),
+         "input 'x': data for BYTES must be strings, got int"),
+        (_json_body([_fp32(shape=[1], data=_nested(1.0, 30))]),
+         "input 'x': data is nested as [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, "
+         "1, 1, 1, 1, 1], not as shape [1]"),
+        (_json_body([_fp32(shape=[1], data=_nested(1.0, 100))]), "input 'x': data is not a regular nested list"),
+        (_json_body([{"name": "x", "shape": [2, 3], "datatype": "INT32", "data": [[1, 2], [3, 4], [5, 6]]}]),
+         "input 'x': data is nested as [3, 2], not as shape [2, 3]; send it flat or nested as the shape"),
         (_json_body([_fp32(data=["a", "b"])]), "input 'x': data for FP32 are not numbers"),
         (_json_body([_fp32(data=[1, None])]), "input 'x': data for FP32 are not numbers"),
         (_json_body([_fp32(data=[True, False])]), "input 'x': data for FP32 are not numbers"),
@@ -600,7 +644,7 @@ def test_encoding_errors_are_invalid_input() -> None:
         encode_request({"s": np.array([b"a", 3], dtype=object)})
     with pytest.raises(InvalidInput, match="request cannot be encoded as JSON"):
         encode_request({"x": np.ones(1)}, parameters={"bad": object()})
-    with pytest.raises(InvalidInput, match="output 's': BYTES element"):
+    with pytest.raises(EngineError, match="model 'm': its response cannot be sent: output 's': BYTES element"):
         encode_response("m", None, {"s": np.array(["\ud800"], dtype=object)})
 
 

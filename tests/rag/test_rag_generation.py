@@ -79,7 +79,7 @@ def test_left_padded_batch_rows_compute_what_they_compute_alone(decoder):
 
 
 async def test_sequences_arriving_mid_generation_join_the_batch_and_match_generating_alone(generator):
-    first = generator.submit(PROMPTS[0], {"max_new_tokens": 250, **NO_STOP})
+    first = await generator.submit(PROMPTS[0], {"max_new_tokens": 250, **NO_STOP})
     events = generator.events(first)
     kind, _ = await events.__anext__()  # the first sequence is decoding now
     assert kind == "token" and generator.statistics()["running"] == 1
@@ -161,7 +161,7 @@ async def test_kv_admission_holds_a_sequence_back_until_memory_frees(tiny_repo):
 
         # One that could never fit is refused at once, with the arithmetic.
         with pytest.raises(DoesNotFit, match="KV cache") as info:
-            service.submit(PROMPTS[0], {"max_new_tokens": 256})
+            await service.submit(PROMPTS[0], {"max_new_tokens": 256})
         assert "512 bytes per token" in str(info.value)
 
         a, b = await asyncio.gather(first, second)

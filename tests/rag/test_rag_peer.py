@@ -145,7 +145,7 @@ async def test_local_generator_first_peer_when_it_cannot_take_the_sequence_now(s
     assert local["route"] == "local" and local["completion_tokens"] == 4
     # Keep the local generator busy: every decode slot taken and sequences waiting for one.
     gen = runtime.runners["tinylm"]
-    busy = [gen.submit("Bearing faults", {"max_new_tokens": 256, "ignore_stop": True}) for _ in range(64)]
+    busy = [await gen.submit("Bearing faults", {"max_new_tokens": 256, "ignore_stop": True}) for _ in range(64)]
     try:
         offloaded = await (await client.post("/v2/models/raghybrid/generate", json=payload)).json()
     finally:

@@ -1,7 +1,8 @@
 """Sensor streams over MQTT: a [[mqtt.streams]] mapping compiled against its model into a
 StreamRoute, which names the output topic of a source topic, decodes a plain payload (a JSON
-number array, or raw little-endian rows) into the model's input, and encodes the result as JSON.
-Pure functions of the payload; the transport runs them on the event loop."""
+number array, or raw little-endian rows) into the model's input, and encodes the result as JSON
+(strict: an output holding NaN or Infinity is a 500 naming it, never a bare NaN). Pure functions
+of the payload; the transport runs them on the event loop."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from typing import Any
 import numpy as np
 
 from ...config import StreamMapping
-from ...errors import ConfigError, EdgeBatcherError, InvalidInput
+from ...errors import ConfigError, EdgeBatcherError, EngineError, InvalidInput
+from ...protocol.tensor_encode import non_finite_count
 from ...runtime import Runtime
 from ...types import DATATYPE_TO_NUMPY, TensorSpec
 
@@ -49,6 +51,11 @@ class StreamRoute:
     def result(self, topic: str, outputs: dict[str, np.ndarray], single: bool) -> bytes:
         """The JSON published on the output topic: the model's outputs (without the batch
         dimension for a one-row message) and class names where the stream has labels."""
+        for name, out in outputs.items():
+            bad = non_finite_count(out)
+            if bad:
+                raise EngineError(f"model {self.model!r}: output {name!r} holds {bad} NaN or Infinity values, "
+                                  "which a JSON result cannot carry")
         if single:
             outputs = {name: out[0] for name, out in outputs.items()}
         result: dict[str, Any] = {
@@ -59,7 +66,7 @@ class StreamRoute:
         labels = _labels(outputs, self.labels)
         if labels:
             result["labels"] = labels
-        return json.dumps(result, separators=(",", ":")).encode()
+        return json.dumps(result, separators=(",", ":"), allow_nan=False).encode()
 
     def decode(self, payload: bytes, where: str) -> tuple[np.ndarray, bool]:
         """The payload as the input tensor with a batch dimension; True when it was one row
