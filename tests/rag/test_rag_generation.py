@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import shutil
 from contextlib import aclosing
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -224,20 +225,39 @@ async def test_a_stream_closed_early_cancels_its_sequence_and_frees_memory(gener
     assert text == (await generator.generate(PROMPTS[0], {"max_new_tokens": 12, **NO_STOP})).text
 
 
-async def test_the_decoder_s_memory_is_measured_and_a_budget_too_small_refuses_it(tiny_repo):
+def test_the_decoder_s_memory_is_measured_and_a_budget_too_small_refuses_it(tiny_repo):
     """With the cpu probe the decoder's load is measured in the process's memory (its engine's
-    copy of the weights and its state, not the file's size); a budget below that refuses it."""
-    from edge_batcher.memory.device import ModelDoesNotFit
-    from edge_batcher.rag.generate import GenerationService
+    copy of the weights and its state, not the file's size), in a fresh interpreter so that the
+    growth is the load's alone; a budget below what loading needs refuses it."""
+    import os
+    import subprocess
+    import sys
 
-    runtime = Runtime(DaemonConfig(memory=MemorySettings(probe="cpu", headroom_mb=0, reserve_fraction=0.0)))
-    service = GenerationService(load_model_config(tiny_repo / "tinylm"), runtime)
-    await service.start()
-    try:
-        assert service.resident_bytes > 0 and service.resident_bytes != service.decoder.weights_bytes
-        assert runtime.budget.resident == service.resident_bytes
-    finally:
-        await service.close()
-    tight = Runtime(DaemonConfig(memory=MemorySettings(probe="cpu", budget_mb=0.01)))
-    with pytest.raises(ModelDoesNotFit, match="model 'tinylm': loading it needs about"):
-        await GenerationService(load_model_config(tiny_repo / "tinylm"), tight).start()
+    script = (
+        "import asyncio, sys\n"
+        "from edge_batcher.config import DaemonConfig, MemorySettings, load_model_config\n"
+        "from edge_batcher.memory.device import ModelDoesNotFit\n"
+        "from edge_batcher.rag.generate import GenerationService\n"
+        "from edge_batcher.runtime import Runtime\n"
+        "from pathlib import Path\n"
+        "async def main():\n"
+        "    runtime = Runtime(DaemonConfig(memory=MemorySettings(probe='cpu', headroom_mb=0, reserve_fraction=0.0)))\n"
+        "    service = GenerationService(load_model_config(Path(sys.argv[1])), runtime)\n"
+        "    await service.start()\n"
+        "    print(service.resident_bytes, service.decoder.weights_bytes, runtime.budget.resident)\n"
+        "    await service.close()\n"
+        "    tight = Runtime(DaemonConfig(memory=MemorySettings(probe='cpu', budget_mb=0.01)))\n"
+        "    try:\n"
+        "        await GenerationService(load_model_config(Path(sys.argv[1])), tight).start()\n"
+        "    except ModelDoesNotFit as exc:\n"
+        "        print(exc)\n"
+        "asyncio.run(main())\n"
+    )
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run([sys.executable, "-c", script, str(tiny_repo / "tinylm")], capture_output=True, text=True,
+                          timeout=120, env=dict(os.environ, PYTHONPATH=root))
+    assert proc.returncode == 0, proc.stderr
+    figures, refusal = proc.stdout.splitlines()
+    resident, weights, counted = (int(n) for n in figures.split())
+    assert resident > 0 and resident != weights and counted == resident
+    assert "model 'tinylm': loading it needs about" in refusal
