@@ -134,23 +134,30 @@ def resolve_settings(args: argparse.Namespace):
     """The daemon configuration: the file (or defaults), env overrides, then the flags; checked
     here, before any model loads, as far as it can be without loading them."""
     config = load_config(args.config)
+    flags = config.origins
     if args.unix_socket:
         config.server.unix_socket = args.unix_socket
+        flags["server.unix_socket"] = "--unix-socket"
     if args.http is not None:
         if args.http:
             parse_host_port(args.http, "--http")
         config.server.http = args.http
+        flags["server.http"] = "--http"
     if args.grpc:
         for address in args.grpc:
             if not address.startswith("unix:"):
                 parse_host_port(address, "--grpc")
         config.server.grpc = args.grpc
+        flags["server.grpc"] = "--grpc"
     if args.token_file:
         config.server.token_file = args.token_file
+        flags["server.token_file"] = "--token-file"
     if args.models:
         config.models.repository = str(Path(args.models).resolve())
+        flags["models.repository"] = "--models"
     if args.log_level:
         config.server.log_level = args.log_level.upper()
+        flags["server.log_level"] = "--log-level"
     s = config.server
     tcp = [s.http] if s.http else []
     tcp += [a for a in s.grpc if not a.startswith("unix:")]
@@ -210,8 +217,10 @@ def cmd_config(args: argparse.Namespace) -> int:
         "offload_peers": [p.name or p.url for p in o.peers] if o.enabled else [],
         "service_socket": f"{service_socket} ({'exists' if service_running else 'absent'})",
     }
+    every = every_setting(config)
     if args.json:
-        print(json.dumps(settings, indent=2))
+        print(json.dumps(settings | {"settings": {k: {"value": v, "from": f} for k, (v, f) in every.items()}},
+                         indent=2, default=str))
         return 0
     width = max(len(k) for k in settings)
     for key, value in settings.items():
@@ -220,7 +229,39 @@ def cmd_config(args: argparse.Namespace) -> int:
         elif isinstance(value, list):
             value = ", ".join(value) or "-"
         print(f"{key:<{width}}  {'-' if value is None else value}")
+    print("\nevery setting (value, and where it came from):")
+    width = max(len(k) for k in every)
+    for key, (value, origin) in every.items():
+        print(f"  {key:<{width}}  {json.dumps(value, default=str)}  ({origin})")
     return 0
+
+
+SECRET_KEYS = ("token", "password")  # printed as set or not, never as their value
+
+
+def every_setting(config) -> dict[str, tuple[object, str]]:
+    """"section.key" -> (effective value, where it came from) for every daemon setting."""
+    import dataclasses
+
+    out: dict[str, tuple[object, str]] = {}
+    for section in ("server", "models", "memory", "mqtt", "offload"):
+        for f in dataclasses.fields(getattr(config, section)):
+            key = f"{section}.{f.name}"
+            value = getattr(getattr(config, section), f.name)
+            shown = ("(set)" if value else "") if f.name in SECRET_KEYS else _plain(value)
+            out[key] = (shown, config.origins.get(key, "default"))
+    return out
+
+
+def _plain(value: object) -> object:
+    """Settings tables ([[mqtt.streams]], [[offload.peers]]) as dicts, for printing."""
+    import dataclasses
+
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value
 
 
 def _client(args: argparse.Namespace):

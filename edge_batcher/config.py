@@ -15,6 +15,7 @@ ModelConfig, load_model_config, build_dataclass` keeps working.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 from collections.abc import Mapping
@@ -187,6 +188,9 @@ class DaemonConfig:
     mqtt: MqttSettings = field(default_factory=MqttSettings)
     offload: OffloadSettings = field(default_factory=OffloadSettings)
     source: str = "<defaults>"  # the file it was loaded from
+    # "section.key" -> where its value came from: "config file", "environment VAR" or a CLI
+    # flag (set by the CLI); absent: the default. `edge-batcher config` prints them.
+    origins: dict[str, str] = field(default_factory=dict)
 
     def socket_path(self) -> Path:
         return resolve_socket_path(self.server.unix_socket)
@@ -224,6 +228,7 @@ def load_config(path: str | Path | None, environ: dict[str, str] | None = None) 
         source = str(path)
         base = path.resolve().parent
     config = DaemonConfig(source=source)
+    _check_env_names(env)
     for key in raw:
         if key not in DAEMON_SECTIONS:
             raise ConfigError(
@@ -235,7 +240,10 @@ def load_config(path: str | Path | None, environ: dict[str, str] | None = None) 
         if not isinstance(table, dict):
             raise ConfigError(f"{source}: [{section}] must be a table")
         table = dict(table)
-        table.update(_env_overrides(section, cls, env))
+        overrides = _env_overrides(section, cls, env)
+        config.origins.update({f"{section}.{key}": "config file" for key in table})
+        config.origins.update({f"{section}.{key}": f"environment {env_name(section, key)}" for key in overrides})
+        table.update(overrides)
         setattr(config, section, build_dataclass(cls, table, f"{source}: [{section}]"))
     _validate_daemon(config, source)
     repo = Path(config.models.repository)
@@ -330,11 +338,30 @@ def parse_host_port(value: str, where: str = "address") -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def env_name(section: str, key: str) -> str:
+    return f"{ENV_PREFIX}{section.upper()}_{key.upper()}"
+
+
+# EDGE_BATCHER_ variables that are not settings, read where they apply.
+OTHER_ENV = ("EDGE_BATCHER_CUDA_BINDING",)  # engines/cuda_api.py
+
+
+def _check_env_names(env: Mapping[str, str]) -> None:
+    """An EDGE_BATCHER_ variable that names no setting is an error, like an unknown TOML key: a
+    misspelled override (EDGE_BATCHER_SERVER_DRAIN_TIMOUT_S) would otherwise do nothing, silently."""
+    known = {env_name(section, f.name) for section, cls in DAEMON_SECTIONS.items() for f in dataclasses.fields(cls)}
+    for var in sorted(env):
+        if var.startswith(ENV_PREFIX) and var not in known and var not in OTHER_ENV:
+            near = difflib.get_close_matches(var, sorted(known) + list(OTHER_ENV), n=1)
+            raise ConfigError(f"environment {var}: no such setting" + (f"; did you mean {near[0]}?" if near else
+                              f" (settings are {ENV_PREFIX}<SECTION>_<KEY>, e.g. {env_name('server', 'log_level')})"))
+
+
 def _env_overrides(section: str, cls: type, env: Mapping[str, str]) -> dict[str, Any]:
     hints = get_type_hints(cls)
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        var = f"{ENV_PREFIX}{section.upper()}_{f.name.upper()}"
+        var = env_name(section, f.name)
         if var not in env:
             continue
         text, hint = env[var], hints[f.name]

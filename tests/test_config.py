@@ -63,6 +63,27 @@ def test_environment_overrides_config_values(tmp_path):
         load_config(path, environ={"EDGE_BATCHER_SERVER_MAX_BODY_BYTES": "lots"})
 
 
+def test_a_misspelled_environment_override_is_an_error_naming_the_setting(tmp_path):
+    """Unknown TOML keys stop start-up; an EDGE_BATCHER_ variable that names no setting does too
+    (it did nothing, silently)."""
+    path = write(tmp_path, "")
+    with pytest.raises(ConfigError, match="environment EDGE_BATCHER_SERVER_DRAIN_TIMOUT_S: no such setting; "
+                                          "did you mean EDGE_BATCHER_SERVER_DRAIN_TIMEOUT_S"):
+        load_config(path, environ={"EDGE_BATCHER_SERVER_DRAIN_TIMOUT_S": "3"})
+    with pytest.raises(ConfigError, match="EDGE_BATCHER_NONSENSE: no such setting"):
+        load_config(path, environ={"EDGE_BATCHER_NONSENSE": "1"})
+    # the CUDA binding choice is not a setting, and stays allowed
+    assert load_config(path, environ={"EDGE_BATCHER_CUDA_BINDING": "pycuda"}).server.drain_timeout_s == 30.0
+
+
+def test_the_origin_of_every_setting_is_kept(tmp_path):
+    path = write(tmp_path, "[server]\nmax_body_bytes = 100\n")
+    c = load_config(path, environ={"EDGE_BATCHER_SERVER_DRAIN_TIMEOUT_S": "3"})
+    assert c.origins["server.max_body_bytes"] == "config file"
+    assert c.origins["server.drain_timeout_s"] == "environment EDGE_BATCHER_SERVER_DRAIN_TIMEOUT_S"
+    assert "server.loop_cpu" not in c.origins  # the default
+
+
 def test_relative_repository_is_resolved_against_the_config_file(tmp_path):
     c = load_config(write(tmp_path, "[models]\nrepository = 'models'\n"))
     assert Path(c.models.repository) == tmp_path / "models"

@@ -119,6 +119,22 @@ def test_config_prints_the_socket_a_daemon_with_the_same_settings_uses(tmp_path,
     assert cli("config", "--socket", env=env).stdout == settings["unix_socket"] + "\n"
 
 
+def test_config_prints_every_setting_and_where_it_came_from(model_repo):
+    env = {"EDGE_BATCHER_SERVER_DRAIN_TIMEOUT_S": "3", "EDGE_BATCHER_SERVER_TOKEN": "secret-value"}
+    proc = cli("config", "--models", str(model_repo), "--log-level", "debug", env=env)
+    assert proc.returncode == 0, proc.stderr
+    text = proc.stdout
+    origin = r"\(environment EDGE_BATCHER_SERVER_DRAIN_TIMEOUT_S\)"
+    assert re.search(rf"^  server.drain_timeout_s +3.0  {origin}$", text, re.M)
+    assert re.search(r'^  server.log_level +"DEBUG"  \(--log-level\)$', text, re.M)
+    assert re.search(r'^  server.loop_cpu +"auto"  \(default\)$', text, re.M)
+    assert re.search(r'^  server.token +"\(set\)"', text, re.M) and "secret-value" not in text
+    settings = json.loads(cli("config", "--models", str(model_repo), "--json", env=env).stdout)["settings"]
+    assert settings["models.repository"] == {"value": str(model_repo), "from": "--models"}
+    typo = cli("config", env={"EDGE_BATCHER_SERVER_DRAIN_TIMOUT_S": "3"})
+    assert typo.returncode == 2 and "did you mean EDGE_BATCHER_SERVER_DRAIN_TIMEOUT_S?" in typo.stderr
+
+
 # ------------------------------------------------------------------ --http and its token
 
 
