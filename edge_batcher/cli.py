@@ -24,6 +24,9 @@ log = logging.getLogger("edge_batcher")
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # a bare `edge-batcher`: what it can do, not "required: command"
+        parser.print_help()
+        return 2
     try:
         return args.func(args) or 0
     except ConfigError as exc:
@@ -55,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="edge-batcher", description="Memory-aware batching inference daemon for edge devices."
     )
     parser.add_argument("--version", action="version", version=f"edge-batcher {package_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     def add_settings(p: argparse.ArgumentParser) -> None:
         p.add_argument("--config", help="TOML config file (default: built-in defaults)")
@@ -65,10 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also serve the KServe v2 gRPC API (the grpc extra) on HOST:PORT (needs a token) "
                             "or unix:PATH; repeat for several")
         p.add_argument("--token-file", help="file holding the bearer token TCP clients must send")
-        p.add_argument("--models", help="model repository directory")
+        p.add_argument("--models", metavar="DIR", help="model repository directory: one subdirectory per model "
+                                                       "(to serve only some models: [models] load)")
         p.add_argument("--log-level", help="DEBUG, INFO, WARNING or ERROR")
 
-    p = sub.add_parser("serve", help="run the daemon in the foreground")
+    p = sub.add_parser("serve", help="run the daemon in the foreground",
+                       description="Run the daemon in the foreground: load, measure and warm up every model of the "
+                                   "repository, then serve the KServe v2 API on the Unix socket (and TCP, gRPC, "
+                                   "MQTT as configured) until SIGTERM, which drains what is queued. The config "
+                                   "file, EDGE_BATCHER_<SECTION>_<KEY> variables and these flags set it; "
+                                   "`edge-batcher config` prints what it would use.")
     add_settings(p)
     p.set_defaults(func=cmd_serve)
 
@@ -120,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .rag.index_cli import add_arguments as add_index_arguments
 
     add_index_arguments(p)
-    p.set_defaults(func=cmd_index)
+    p.set_defaults(func=cmd_index, parser=p)
 
     p = sub.add_parser("bench", help="measure throughput and latency (see docs/benchmarks.md)")
     from .bench import add_arguments
@@ -155,6 +164,7 @@ def resolve_settings(args: argparse.Namespace):
     if args.models:
         config.models.repository = str(Path(args.models).resolve())
         flags["models.repository"] = "--models"
+        _check_repository_flag(Path(args.models))
     if args.log_level:
         config.server.log_level = args.log_level.upper()
         flags["server.log_level"] = "--log-level"
@@ -322,12 +332,30 @@ def class_names(outputs: dict[str, np.ndarray], labels: list[str]) -> dict[str, 
     return named
 
 
+def _check_repository_flag(path: Path) -> None:
+    """--models names a repository (a directory of model directories), not a model."""
+    if (path / "model.toml").is_file():
+        raise ConfigError(f"--models {path}: that is one model's directory (it holds model.toml); pass the "
+                          f"repository above it (--models {path.resolve().parent}) and, to serve only this model, "
+                          f"EDGE_BATCHER_MODELS_LOAD={path.resolve().name}")
+    if not path.is_dir():
+        raise ConfigError(f"--models {path}: no such directory; --models takes the model repository (a directory "
+                          f"with one subdirectory per model); to serve only some models set [models] load or "
+                          f"EDGE_BATCHER_MODELS_LOAD={path.name}")
+
+
 def _parse_input(spec: str) -> tuple[str, np.ndarray]:
     name, sep, value = spec.partition("=")
     if not sep or not name:
         raise ConfigError(f"--input {spec!r}: expected NAME=FILE.npy or NAME=JSON")
     if value.endswith(".npy"):
-        return name, np.load(value, allow_pickle=False)
+        try:
+            array = np.load(value, allow_pickle=False)
+        except FileNotFoundError:
+            raise ConfigError(f"--input {name}={value}: no such file") from None
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--input {name}={value}: not a readable .npy file ({exc})") from None
+        return name, array
     path = Path(value)
     text = path.read_text() if path.suffix == ".json" and path.exists() else value
     try:
@@ -343,7 +371,8 @@ def _parse_input(spec: str) -> tuple[str, np.ndarray]:
 
 
 def _cast_json_inputs(metadata: dict, inputs: dict[str, np.ndarray], specs: list[str]) -> dict[str, np.ndarray]:
-    """JSON numbers carry no datatype: give inputs typed on the command line the model's own."""
+    """JSON numbers carry no datatype: give inputs typed on the command line the model's own. A
+    .npy file keeps its own, except that float64 for an FP32 input is refused with the fix."""
     from .types import DATATYPE_TO_NUMPY
 
     from_json = {s.partition("=")[0] for s in specs if not s.partition("=")[2].endswith(".npy")}
@@ -352,6 +381,10 @@ def _cast_json_inputs(metadata: dict, inputs: dict[str, np.ndarray], specs: list
     for name, array in inputs.items():
         if name in from_json and name in declared and declared[name] != "BYTES":
             array = array.astype(DATATYPE_TO_NUMPY[declared[name]])
+        elif array.dtype == np.float64 and declared.get(name) == "FP32":
+            # numpy's default float in a .npy: the daemon's 400 would say FP64 is not FP32, not what to do.
+            raise ConfigError(f"--input {name}: the .npy file holds float64 and the model takes FP32: save it as "
+                              f"float32 (np.save(path, array.astype(np.float32)))")
         out[name] = array
     return out
 
@@ -395,6 +428,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def cmd_index(args: argparse.Namespace) -> int:
     from .rag.index_cli import run
 
+    if args.index_command is None:  # `edge-batcher index`: its commands, not "required: index_command"
+        args.parser.print_help()
+        return 2
     return run(args)
 
 

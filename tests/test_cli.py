@@ -46,6 +46,28 @@ def test_infer_errors_are_one_line_with_status(daemon):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
 
 
+def test_infer_names_a_missing_or_float64_npy_file_and_the_fix(daemon, tmp_path):
+    proc = cli("infer", "vibration", "--input", "signal=nope.npy", "--url", daemon.url)
+    assert proc.returncode == 1 and proc.stderr.strip() == "edge-batcher infer: --input signal=nope.npy: no such file"
+    np.save(tmp_path / "x64.npy", np.zeros((1, 256)))  # numpy's default: float64
+    proc = cli("infer", "vibration", "--input", f"signal={tmp_path / 'x64.npy'}", "--url", daemon.url)
+    assert proc.returncode == 1
+    assert "holds float64 and the model takes FP32: save it as float32" in proc.stderr
+
+
+def test_the_cli_explains_itself_instead_of_naming_a_missing_argument(model_repo):
+    bare = cli()
+    assert bare.returncode == 2 and "serve" in bare.stdout and "required" not in bare.stderr
+    index = cli("index")
+    assert index.returncode == 2 and "add" in index.stdout and "index_command" not in index.stdout + index.stderr
+    assert "Run the daemon in the foreground" in cli("serve", "--help").stdout
+    wrong = cli("serve", "--models", "vibration")
+    assert wrong.returncode == 2 and "--models takes the model repository" in wrong.stderr
+    assert "EDGE_BATCHER_MODELS_LOAD=vibration" in wrong.stderr
+    model_dir = cli("serve", "--models", str(model_repo / "vibration"))
+    assert model_dir.returncode == 2 and f"pass the repository above it (--models {model_repo})" in model_dir.stderr
+
+
 def test_models_lists_inputs_and_outputs(daemon):
     proc = cli("models", "--url", daemon.url)
     assert proc.returncode == 0, proc.stderr

@@ -45,7 +45,7 @@ PROGRESS_STEPS = 20  # embedding runs ~20 texts a second on the 2-core VM: a lin
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="index_command", required=True)
+    sub = parser.add_subparsers(dest="index_command", metavar="COMMAND")
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--index", type=Path, help="index directory (default: the rag model's [rag] index_dir, "
@@ -262,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="edge-batcher index", description="build and inspect the RAG document index")
     add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.index_command is None:
+        parser.print_help()
+        return 2
     try:
         return run(args)
     except ConfigError as exc:
