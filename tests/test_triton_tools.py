@@ -22,7 +22,7 @@ import onnxruntime as ort
 import pytest
 
 from tests.support.daemon import DaemonProcess
-from tests.support.faulty_engine import HELD, RELEASE_ENV
+from tests.support.faulty_engine import HELD, RELEASE_ENV, SLOW
 from tests.support.models import add_vibration_variant
 
 httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the dev extra")
@@ -216,12 +216,20 @@ def _queue_depth(endpoints: Endpoints, model: str) -> int:
         return json.load(r)["model_stats"][0]["queue_depth"]
 
 
+def _slow(x: np.ndarray) -> np.ndarray:
+    x[0, 0] = SLOW  # the whole batch it is in sleeps 0.5 s first (tests/support/faulty_engine.py)
+    return x
+
+
 def _completion_order(endpoints: Endpoints, submit, count_default: int) -> list[str]:
     """Hold the engine with two batches that wait for a release file (one in each of its two
     batch slots), queue `count_default` default-priority requests and then two priority-1
     requests behind them, wait until the daemon reports all of them queued, release; the order
     in which they are answered. Deterministic: however slowly the clients connect, nothing is
-    dispatched before every request is waiting."""
+    dispatched before every request is waiting; and every queued window carries the SLOW
+    sentinel, so each batch takes 0.5 s and a busy machine's late-waking client threads cannot
+    record an answer of one batch after those of the next (a batch took ~0.1 ms: 11 < 8 failed
+    under load)."""
     endpoints.release.unlink(missing_ok=True)
     order: list[str] = []
     lock = threading.Lock()
@@ -242,9 +250,9 @@ def _completion_order(endpoints: Endpoints, submit, count_default: int) -> list[
             submit(held, None, lambda *_: None)
             time.sleep(0.05)  # dispatched alone (after max_queue_delay_ms)
         for i in range(count_default):
-            submit(_windows(1, i), None, answered("default"))
+            submit(_slow(_windows(1, i)), None, answered("default"))
         for _ in range(2):
-            submit(_windows(1, 99), 1, answered("urgent"))
+            submit(_slow(_windows(1, 99)), 1, answered("urgent"))
         deadline = time.monotonic() + 30
         while _queue_depth(endpoints, "faulty") < total:
             assert time.monotonic() < deadline, f"only {_queue_depth(endpoints, 'faulty')} of {total} queued"
