@@ -7,10 +7,12 @@ import json
 import socket
 import threading
 import time
+from collections import Counter
 
 import numpy as np
 import psutil
 
+from edge_batcher.transports.http_connections import EVICT_AFTER_IDLE_S
 from tests.support import rawhttp
 from tests.support.signals import windows
 
@@ -97,7 +99,7 @@ def test_twice_the_connection_limit_held_open_while_a_valid_request_succeeds(sta
             if i % 2:  # half of them stop in the middle of their request header
                 s.sendall(f"POST {INFER} HTTP/1.1\r\nHost: localhost\r\nX-Slow: ".encode())
             held.append(s)
-        time.sleep(0.5)
+        time.sleep(EVICT_AFTER_IDLE_S + 0.5)  # a connection gets this long to send its request
         status, body = rawhttp.request(daemon.socket, "POST", INFER, infer_body())
         assert status == 200, body
         assert [o["name"] for o in body["outputs"]]
@@ -111,6 +113,37 @@ def test_twice_the_connection_limit_held_open_while_a_valid_request_succeeds(sta
     assert daemon_fds < 2 * limit + 40, f"{daemon_fds} descriptors open in the daemon"
     lines = limit_lines(daemon)
     assert 1 <= len(lines) <= 2, lines  # one line, then one summary per interval: no flood
+
+
+def test_a_flood_of_complete_requests_is_answered_none_is_reset(start_daemon):
+    # Issue 31 row 9: of 1,500 connections at once, 119 whose complete request was already
+    # waiting were reset without an answer (evicted as "idle"), and none got the documented 503.
+    limit, n = 64, 600
+    daemon = start_daemon(f"[server]\nmax_connections = {limit}\n")
+    request = b"GET /v2/health/live HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    conns = []
+    try:
+        for _ in range(n):  # each sends its whole request as soon as it is connected
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(str(daemon.socket))  # blocking: waits while the listen backlog is full
+            s.sendall(request)
+            s.settimeout(10)
+            conns.append(s)
+        answers = Counter()
+        for s in conns:
+            try:
+                status, body = read_response(s)
+                answers[status] += 1
+                if status == 503:
+                    assert "too many connections" in body["error"], body
+            except (ConnectionError, OSError) as exc:
+                answers[type(exc).__name__] += 1
+    finally:
+        for s in conns:
+            s.close()
+    assert set(answers) == {200, 503}, answers
+    assert answers[200] >= limit, answers
+    assert len(limit_lines(daemon)) <= 2
 
 
 def test_at_the_limit_with_every_connection_busy_a_new_one_gets_a_json_503(start_daemon):
