@@ -316,6 +316,8 @@ def read_secret(value: str, file: str, where: str) -> str:
             return Path(file).read_text().strip()
         except OSError as exc:
             raise ConfigError(f"{where}_file: cannot read {file}: {exc.strerror}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(f"{where}_file: {file} is not UTF-8 text") from None
     return value
 
 
