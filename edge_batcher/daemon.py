@@ -203,7 +203,10 @@ class Daemon:
         if s.http:
             host, port = parse_host_port(s.http, "[server] http")
             ssl_context = tls_context(s.tls_cert, s.tls_key) if s.tls_cert else None
-            await self._add_site(web.SockSite(self._web, bind_tcp_socket(host, port), ssl_context=ssl_context))
+            sock = bind_tcp_socket(host, port)
+            if ssl_context is not None:  # started per connection, so handshakes count against the limit
+                self._web.serve_tls(sock.getsockname()[1], ssl_context, s.idle_timeout_s)
+            await self._add_site(web.SockSite(self._web, sock))
             log.info("serving the v2 API on %s://%s:%d (bearer token required)",
                      "https" if ssl_context else "http", host, port)
 

@@ -6,7 +6,9 @@ beyond it closes the oldest *idle* one: idle for EVICT_AFTER_IDLE_S with no requ
 it (none handled, none parsed and waiting, no unread bytes in its socket), so a complete request
 is never dropped unanswered to make room; with none idle, the newcomer is answered 503, its
 unread bytes discarded and its side shut down so that the client reads the answer rather than a
-reset. Reaching the limit is logged once, then summarised per interval, never a line per
+reset. TLS is started by each admitted connection itself (`TlsListener`), so a connection is
+counted during its handshake too, which must end within idle_timeout_s; one beyond the limit is
+closed at once. Reaching the limit is logged once, then summarised per interval, never a line per
 connection. Malformed framing is answered like other bad input, 400 with `{"error": ...}` at
 DEBUG, not aiohttp's plain-text page and a traceback. aiohttp's `keepalive_timeout`
 (idle_timeout_s) closes a connection that does not complete a request header in time after it
@@ -20,7 +22,9 @@ import fcntl
 import json
 import logging
 import os
+import ssl
 import termios
+from dataclasses import dataclass
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -42,11 +46,23 @@ REFUSAL_LINGER_S = 1.0
 EVICT_AFTER_IDLE_S = 1.0
 
 
+@dataclass(frozen=True)
+class TlsListener:
+    """TLS on the TCP listener of this port, started by each admitted connection itself, so that
+    connections still in their handshake are counted (asyncio's own TLS reaches the handler only
+    after the handshake: silent connections piled up uncounted until accept() failed with EMFILE)."""
+
+    context: ssl.SSLContext
+    port: int
+    handshake_timeout_s: float
+
+
 class ConnectionGuard:
     """The open connections, oldest first, and the limit on how many may be open at once."""
 
     def __init__(self, limit: int, log_interval_s: float = LIMIT_LOG_INTERVAL_S):
         self.limit = limit
+        self.tls: TlsListener | None = None
         self.log_interval_s = log_interval_s
         self._open: dict[GuardedRequestHandler, None] = {}  # insertion order = age
         self.evicted_total = 0
@@ -151,6 +167,7 @@ class GuardedRequestHandler(RequestHandler):
         self.idle_since = self._loop.time()  # connected, or the last answer given
         self._refused = False
         self._lingering: asyncio.TimerHandle | None = None
+        self._handshake: asyncio.Task | None = None  # TLS being started on the raw connection
 
     def evictable(self, now: float) -> bool:
         """Idle for EVICT_AFTER_IDLE_S, with no request anywhere in the connection."""
@@ -158,11 +175,49 @@ class GuardedRequestHandler(RequestHandler):
                 and now - self.idle_since >= EVICT_AFTER_IDLE_S and _unread_bytes(self.transport) == 0)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        tls = self._tls_for(transport)
         if not self.guard.admit(self):
             self._refused = True
-            self._refuse(transport)
+            if tls is None:
+                self._refuse(transport)
+            else:
+                transport.close()  # a plain-text 503 means nothing to a client in its TLS handshake
+            return
+        if tls is not None:
+            transport.pause_reading()  # type: ignore[attr-defined]  # the ClientHello is for start_tls
+            self._handshake = asyncio.ensure_future(self._start_tls(transport, tls))
             return
         super().connection_made(transport)
+
+    def _tls_for(self, transport: asyncio.BaseTransport) -> TlsListener | None:
+        tls = self.guard.tls
+        sockname = transport.get_extra_info("sockname")
+        if tls is not None and isinstance(sockname, tuple) and sockname[1] == tls.port:
+            return tls
+        return None
+
+    async def _start_tls(self, raw: asyncio.BaseTransport, tls: TlsListener) -> None:
+        try:
+            transport = await asyncio.get_running_loop().start_tls(
+                raw, self, tls.context, server_side=True,  # type: ignore[arg-type]
+                ssl_handshake_timeout=tls.handshake_timeout_s)
+        except (OSError, ssl.SSLError, asyncio.TimeoutError, asyncio.CancelledError) as exc:
+            log.debug("TLS handshake with %s not completed: %r", raw.get_extra_info("peername"), exc)
+            raw.close()
+            self.guard.closed(self)
+            return
+        finally:
+            self._handshake = None
+        if transport is None:  # closed as the handshake finished
+            self.guard.closed(self)
+            return
+        super().connection_made(transport)
+
+    def force_close(self) -> None:
+        if self._handshake is not None:  # evicted during its handshake
+            self._handshake.cancel()
+            return
+        super().force_close()
 
     def _refuse(self, transport: asyncio.BaseTransport) -> None:
         _discard_unread(transport)
@@ -225,6 +280,10 @@ class GuardedAppRunner(web.AppRunner):
     def __init__(self, app: web.Application, *, max_connections: int, **kwargs):
         super().__init__(app, **kwargs)
         self.guard = ConnectionGuard(max_connections)
+
+    def serve_tls(self, port: int, context: ssl.SSLContext, handshake_timeout_s: float) -> None:
+        """TLS for connections to this TCP port (its site is added without an ssl_context)."""
+        self.guard.tls = TlsListener(context, port, handshake_timeout_s)
 
     async def _make_server(self) -> Server:
         plain = await super()._make_server()  # runs the app's startup and freezes it
