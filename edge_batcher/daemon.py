@@ -28,6 +28,7 @@ from .runtime import Runtime
 from .scheduler.runner import WORKER_ON_EVERY_CPU_FROM_S
 from .systemd import Notifier, listen_fds, watchdog_interval
 from .transports.auth import bearer_auth_middleware, tls_context
+from .transports.descriptors import summarise_accept_errors
 from .transports.edge import build_edge
 from .transports.http import create_app
 from .transports.http_connections import GuardedAppRunner
@@ -116,6 +117,7 @@ class Daemon:
             loop.add_signal_handler(sig, self.request_stop)
         c = self.config
         limit_malloc_arenas()  # before the first worker thread allocates
+        summarise_accept_errors(loop)
         log.info("edge-batcher starting: config %s, model repository %s", c.source, c.models.repository)
         cpu = choose_cpu(c.server.loop_cpu)
         measure_placement = c.server.loop_cpu == "auto" and cpu is not None

@@ -4,13 +4,17 @@ fails with EMFILE and the whole daemon goes deaf (issue 31: "Too many open files
 times while even the Unix socket timed out). At start the soft limit is raised as far as the
 hard limit allows to fit `[server] max_connections` plus `RESERVED_FDS` and `FDS_PER_PEER` per
 offload peer; where even the hard limit is too low, the daemon serves fewer connections and says
-so in one warning line, and a limit too low for a single connection stops start-up.
+so in one warning line, and a limit too low for a single connection stops start-up. Should
+descriptors run out anyway, asyncio's accept errors are summarised in one line per interval
+(`summarise_accept_errors`) instead of a traceback per attempt.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import resource
+from typing import Any
 
 from ..errors import ConfigError
 
@@ -21,6 +25,8 @@ log = logging.getLogger(__name__)
 # being answered hold theirs briefly (http_connections.MAX_REFUSALS_ANSWERING).
 RESERVED_FDS = 128
 FDS_PER_PEER = 32  # an offload peer's connection pool (offload/client.py: limit=32)
+ACCEPT_ERROR_LOG_INTERVAL_S = 10.0
+ACCEPT_ERROR = "socket.accept() out of system resource"  # asyncio's message (selector_events.py)
 
 
 def fit_connections(wanted: int, reserved: int) -> int:
@@ -49,3 +55,28 @@ def fit_connections(wanted: int, reserved: int) -> int:
         wanted, soft, "unlimited" if hard == resource.RLIM_INFINITY else hard, reserved, fits, need,
     )
     return fits
+
+
+def summarise_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
+    """asyncio logs a traceback for every accept() that fails for want of descriptors; keep one
+    warning line per ACCEPT_ERROR_LOG_INTERVAL_S with the count instead (other errors as before)."""
+    previous = loop.get_exception_handler()
+    state = {"next_log": 0.0, "count": 0}
+
+    def handler(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        if context.get("message") != ACCEPT_ERROR:
+            if previous is not None:
+                previous(loop, context)
+            else:
+                loop.default_exception_handler(context)
+            return
+        state["count"] += 1
+        now = loop.time()
+        if now >= state["next_log"]:
+            log.warning("accept() failed %d time(s) for want of descriptors (%s): raise LimitNOFILE or lower "
+                        "[server] max_connections; summarised every %.0f s",
+                        state["count"], context.get("exception"), ACCEPT_ERROR_LOG_INTERVAL_S)
+            state["count"] = 0
+            state["next_log"] = now + ACCEPT_ERROR_LOG_INTERVAL_S
+
+    loop.set_exception_handler(handler)
