@@ -72,11 +72,11 @@ class ServerSettings:
     tls_cert: str = ""
     tls_key: str = ""
     max_body_bytes: int = 16 * 1024 * 1024
-    # HTTP connection and body limits (transports/http_connections.py, http_body.py): bytes all
-    # request bodies in progress may hold at once (503 beyond; 0: 4 x max_body_bytes), open
-    # connections across the Unix socket and TCP (the oldest idle one is closed for a new one;
-    # 503 when all are busy), time allowed to an idle connection or one still sending its
-    # header, and to send a whole body (408 beyond).
+    # Limits every listener shares, HTTP and gRPC (transports/edge.py, docs/http.md): bytes all
+    # request bodies and messages in progress may hold at once (503 beyond; 0: 4 x
+    # max_body_bytes), open connections on every listener together (within the descriptor
+    # limit; also gRPC's calls in progress), time allowed to an idle connection or one still
+    # sending its header, and to send a whole body (408 beyond).
     max_inflight_body_bytes: int = 0
     max_connections: int = 512
     idle_timeout_s: float = 30.0

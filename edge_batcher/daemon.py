@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from . import placement
-from .config import DaemonConfig, parse_host_port, read_secret
+from .config import DaemonConfig, parse_host_port
 from .cpu_affinity import choose as choose_cpu
 from .cpu_affinity import pin_this_thread
 from .errors import ConfigError
@@ -28,6 +28,8 @@ from .runtime import Runtime
 from .scheduler.runner import WORKER_ON_EVERY_CPU_FROM_S
 from .systemd import Notifier, listen_fds, watchdog_interval
 from .transports.auth import bearer_auth_middleware, tls_context
+from .transports.descriptors import summarise_accept_errors
+from .transports.edge import build_edge
 from .transports.http import create_app
 from .transports.http_connections import GuardedAppRunner
 from .transports.listeners import bind_tcp_socket, bind_unix_socket, remove_socket_file
@@ -72,6 +74,8 @@ class Daemon:
         self._socket_file: tuple[Path, int] | None = None  # (path, inode) we created
         self._tasks: list[asyncio.Task] = []
         self.grpc: GrpcServer | None = None  # transports/grpc_v2/server.py's GrpcServer when [server] grpc is set
+        # The limits every listener shares, and the token: an unreadable token file stops start-up here.
+        self.edge = build_edge(config.server, offload_peers=len(config.offload.peers) if config.offload.enabled else 0)
         # Built here so a bad [mqtt] section stops start-up before any model loads.
         self.mqtt = mqtt = MqttTransport(config.mqtt, self.runtime) if config.mqtt.enabled else None
         self.health_checks = {"mqtt": (lambda: mqtt.state) if mqtt else (lambda: "disabled")}
@@ -113,6 +117,7 @@ class Daemon:
             loop.add_signal_handler(sig, self.request_stop)
         c = self.config
         limit_malloc_arenas()  # before the first worker thread allocates
+        summarise_accept_errors(loop)
         log.info("edge-batcher starting: config %s, model repository %s", c.source, c.models.repository)
         cpu = choose_cpu(c.server.loop_cpu)
         measure_placement = c.server.loop_cpu == "auto" and cpu is not None
@@ -175,17 +180,15 @@ class Daemon:
         if s.http:
             # TCP reaches beyond this device: a bearer token is required there (the Unix socket
             # is guarded by its file mode and needs none).
-            token = read_secret(s.token, s.token_file, "[server] token")
-            if not token:
+            if not self.edge.token:
                 raise ConfigError("[server] http is set: a bearer token is required on TCP; set token_file (or token)")
-            middlewares = (bearer_auth_middleware(token),)
+            middlewares = (bearer_auth_middleware(self.edge.token),)
         app = create_app(self.runtime, max_body_bytes=s.max_body_bytes, health_checks=self.health_checks,
-                         middlewares=middlewares, max_inflight_body_bytes=s.max_inflight_body_bytes,
-                         body_timeout_s=s.body_timeout_s)
+                         middlewares=middlewares, body_budget=self.edge.budget)
         # Handlers still running at cleanup were already answered by the drain; don't wait long.
         # keepalive_timeout also bounds the time to send a request header (aiohttp arms it on
         # connect); lingering_time: how long a body we answered without reading is drained.
-        self._web = GuardedAppRunner(app, max_connections=s.max_connections, handle_signals=False,
+        self._web = GuardedAppRunner(app, max_connections=self.edge.http_connections, handle_signals=False,
                                      access_log=None, shutdown_timeout=5.0,
                                      keepalive_timeout=s.idle_timeout_s, lingering_time=2.0)
         await self._web.setup()
@@ -204,7 +207,10 @@ class Daemon:
         if s.http:
             host, port = parse_host_port(s.http, "[server] http")
             ssl_context = tls_context(s.tls_cert, s.tls_key) if s.tls_cert else None
-            await self._add_site(web.SockSite(self._web, bind_tcp_socket(host, port), ssl_context=ssl_context))
+            sock = bind_tcp_socket(host, port)
+            if ssl_context is not None:  # started per connection, so handshakes count against the limit
+                self._web.serve_tls(sock.getsockname()[1], ssl_context, s.idle_timeout_s)
+            await self._add_site(web.SockSite(self._web, sock))
             log.info("serving the v2 API on %s://%s:%d (bearer token required)",
                      "https" if ssl_context else "http", host, port)
 
@@ -216,14 +222,12 @@ class Daemon:
             from .transports.grpc_v2.server import GrpcServer
         except ImportError as exc:
             raise ConfigError(f"[server] grpc needs the grpc extra: pip install 'edge-batcher[grpc]' ({exc})") from None
-        token = read_secret(s.token, s.token_file, "[server] token")
-        if not token and any(not a.startswith("unix:") for a in s.grpc):
+        if not self.edge.token and any(not a.startswith("unix:") for a in s.grpc):
             raise ConfigError(
                 "[server] grpc has a TCP address: a bearer token is required on TCP; set token_file (or token)"
             )
-        self.grpc = GrpcServer(self.runtime, s.grpc, token=token, tls=(s.tls_cert, s.tls_key) if s.tls_cert else None,
-                               max_message_bytes=s.max_body_bytes, max_concurrent_rpcs=s.max_connections,
-                               socket_mode=int(s.socket_mode, 8))
+        self.grpc = GrpcServer(self.runtime, s.grpc, limits=self.edge,
+                               tls=(s.tls_cert, s.tls_key) if s.tls_cert else None)
         await self.grpc.start()
 
     async def _add_site(self, site: web.BaseSite) -> None:

@@ -8,6 +8,7 @@ user property) and nowhere else::
     ├── InvalidInput                  400  malformed payload, wrong shape/datatype, missing input
     │   └── PayloadTooLarge           413  request body over the configured limit
     ├── Unauthorized                  401  missing or wrong bearer token (TCP API)
+    ├── RequestTimeout                408  the client did not send its whole request in body_timeout_s
     ├── ModelNotFound                 404  no such model in the repository
     ├── Overloaded                    429  queue full: rejected at once instead of growing
     ├── Unavailable                   503  model not ready, daemon draining, no peer
@@ -47,6 +48,10 @@ class PayloadTooLarge(InvalidInput):
 
 class Unauthorized(EdgeBatcherError):
     status = 401
+
+
+class RequestTimeout(EdgeBatcherError):
+    status = 408
 
 
 class ModelNotFound(EdgeBatcherError):

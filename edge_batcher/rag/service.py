@@ -13,15 +13,16 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import EdgeBatcherError, InvalidInput
+from ..errors import EdgeBatcherError, InvalidInput, Overloaded
 from ..types import InferRequest, InferResponse, TensorSpec
 from .tokenize import texts_from_bytes
 
 if TYPE_CHECKING:
+    from ..config import ModelConfig
     from ..runtime import Runtime
 
 FINAL = "triton_final_response"
@@ -132,6 +133,8 @@ class ServiceAccounting:
 
     resident_bytes = 0  # budget bytes its own weights hold: none, unless it loads some (the generator)
     name: str
+    config: ModelConfig
+    queue: Any  # Sized, each service its own: the rag pipeline's requests in flight, the generator's waiting sequences
     stats: ServiceStats
     runtime: Runtime
 
@@ -141,8 +144,14 @@ class ServiceAccounting:
         self.runtime.metrics.request_seconds.observe(time.monotonic() - started, model=self.name)
 
     def refuse_if_full(self) -> None:
-        """The runner interface's check before a transport reads a body. A service has no queue of
-        its own to look at here: it refuses in infer (the generator's admission queue is bounded)."""
+        """The runner interface's check before a transport reads a body: 429 while queue_capacity
+        requests already wait (the generator's own submit checks its admission queue again)."""
+        capacity = self.config.batching.queue_capacity
+        if len(self.queue) >= capacity:
+            exc = Overloaded(f"model {self.name!r}: {len(self.queue)} requests already wait "
+                             f"(queue_capacity {capacity})")
+            self._failed(time.monotonic(), exc)
+            raise exc
 
     def _failed(self, started: float, exc: BaseException) -> None:
         if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):

@@ -10,18 +10,26 @@ One exception: ``GET /v2/health/live`` answers without a token, so liveness prob
 Kubernetes, a load balancer) need no secret. It says only "the process is up"; readiness
 (``/v2/health/ready``, which lists the loaded models), metadata and inference all need the token.
 
-``tls_context(cert, key)`` builds the server-side TLS context for the TCP listener.
+``read_token(settings)`` reads the token once for every listener, with a warning when its file
+is open to other local users; ``tls_context(cert, key)`` builds the server-side TLS context for
+the TCP listener.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
+import os
 import socket
 import ssl
+import stat
 
 from aiohttp import web
 
+from ..config import ServerSettings, read_secret
 from ..errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 OPEN_PATHS = frozenset({"/v2/health/live"})
 UNAUTHORIZED_MESSAGE = "missing or invalid bearer token"
@@ -61,6 +69,25 @@ def bearer_auth_middleware(token: str):
         )
 
     return bearer_auth
+
+
+def read_token(settings: ServerSettings) -> str:
+    """The bearer token for TCP ("" when none is set): [server] token_file's first line, or token."""
+    if settings.token_file:
+        warn_if_open_to_others(settings.token_file)
+    return read_secret(settings.token, settings.token_file, "[server] token")
+
+
+def warn_if_open_to_others(path: str) -> None:
+    """One warning line when users outside the file's owner and group may read or change it."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return  # reading it says what is wrong
+    if mode & 0o006:
+        what = " and ".join(verb for verb, bit in (("read", 0o004), ("change", 0o002)) if mode & bit)
+        log.warning("[server] token_file %s has mode %04o: every local user can %s the bearer token; "
+                    "chmod 0600 (or 0640 with the service's group)", path, mode, what)
 
 
 def tls_context(cert: str, key: str) -> ssl.SSLContext:

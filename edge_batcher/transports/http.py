@@ -20,7 +20,8 @@ from ..errors import EdgeBatcherError
 from ..protocol import v2
 from ..protocol.parameters import to_infer_request
 from ..runtime import Runtime
-from .http_body import BodyBudget, ClientGone
+from .body_budget import BodyBudget
+from .http_body import ClientGone, read_body
 from .http_connections import connection_state_middleware
 from .http_generate import add_generate_routes
 from .http_keys import BODY_BUDGET, HEALTH_CHECKS, RUNTIME
@@ -62,13 +63,15 @@ async def error_middleware(request: web.Request, handler):
 
 def create_app(
     runtime: Runtime, *, max_body_bytes: int, middlewares: tuple = (), health_checks: dict | None = None,
-    max_inflight_body_bytes: int | None = None, body_timeout_s: float = 60.0,
+    max_inflight_body_bytes: int | None = None, body_timeout_s: float = 60.0, body_budget: BodyBudget | None = None,
 ) -> web.Application:
+    """The app; `body_budget` is the daemon's one budget shared with the other transports (the
+    edge's), else one of its own from the three body settings."""
     app = web.Application(client_max_size=max_body_bytes,
                           middlewares=[connection_state_middleware, error_middleware, *middlewares])
     app[RUNTIME] = runtime
-    app[BODY_BUDGET] = BodyBudget(max_body_bytes=max_body_bytes, timeout_s=body_timeout_s,
-                                  max_inflight_bytes=max_inflight_body_bytes or 4 * max_body_bytes)
+    app[BODY_BUDGET] = body_budget or BodyBudget(max_body_bytes=max_body_bytes, timeout_s=body_timeout_s,
+                                                 max_inflight_bytes=max_inflight_body_bytes or 4 * max_body_bytes)
     app[HEALTH_CHECKS] = health_checks if health_checks is not None else {}
     # aiohttp tries the routes under one path prefix in the order they were added: inference
     # first, so that the hot path matches one pattern instead of five.
@@ -181,7 +184,7 @@ async def infer(request: web.Request) -> web.Response:
     servable = _servable(request)  # 404 before reading the body
     servable.refuse_if_full()  # 429 before reading and decoding the body
     header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH))
-    async with request.app[BODY_BUDGET].read(request) as body:  # 413/503/408 before holding it
+    async with read_body(request.app[BODY_BUDGET], request) as body:  # 413/503/408 before holding it
         decoded = await decode_request(body, header_length)
         infer_request = to_infer_request(model, decoded, servable.config.batching.priority_levels)
         response = await runtime.infer(infer_request)

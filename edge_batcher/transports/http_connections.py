@@ -1,27 +1,30 @@
 """The connection layer under the HTTP app: how many connections, for how long, and what a
-client that breaks HTTP framing itself is told.
-
-aiohttp's RequestHandler serves each connection of the Unix socket and the TCP listener; the
-subclass here adds three things. At most `[server] max_connections` are open at once (one
-count for all listeners): a connection beyond it closes the oldest *idle* one (no request being
-handled: an idle keep-alive connection, or one still sending its request header), or, when
-every connection has a request in progress, is answered 503 and closed. Reaching the limit is
-logged once, then summarised once per interval with counts, never a line per connection, so a
-flood cannot fill the journal. And malformed framing (request line, header, chunked encoding)
-is answered like every other bad input, 400 with `{"error": ...}`, logged at DEBUG, instead of
-aiohttp's plain-text page and an ERROR traceback.
-
-Timeouts are aiohttp's `keepalive_timeout`, which runs from the moment a connection is made
-and again after each response: a connection that does not complete a request header within it
-is closed, so idle and slowloris connections cannot pile up. A request *body* has its own
-deadline (`transports/http_body.py`).
+client that breaks HTTP framing itself is told. aiohttp's RequestHandler serves each connection
+of the Unix socket and the TCP listener; the subclass here admits at most the edge's HTTP share
+of `[server] max_connections` (one count for both listeners, transports/edge.py). A connection
+beyond it closes the oldest *idle* one: idle for EVICT_AFTER_IDLE_S with no request anywhere in
+it (none handled, none parsed and waiting, no unread bytes in its socket), so a complete request
+is never dropped unanswered to make room; with none idle, the newcomer is answered 503, its
+unread bytes discarded and its side shut down so that the client reads the answer rather than a
+reset. TLS is started by each admitted connection itself (`TlsListener`), so a connection is
+counted during its handshake too, which must end within idle_timeout_s; one beyond the limit is
+closed at once. Reaching the limit is logged once, then summarised per interval, never a line per
+connection. Malformed framing is answered like other bad input, 400 with `{"error": ...}` at
+DEBUG, not aiohttp's plain-text page and a traceback. aiohttp's `keepalive_timeout`
+(idle_timeout_s) closes a connection that does not complete a request header in time after it
+connects or after a response; a request *body* has its own deadline (`http_body.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import json
 import logging
+import os
+import ssl
+import termios
+from dataclasses import dataclass
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
@@ -32,6 +35,26 @@ log = logging.getLogger(__name__)
 
 # How often a sustained overflow of the connection limit is summarised in the log.
 LIMIT_LOG_INTERVAL_S = 10.0
+# Refused connections kept open after their 503 until the client closes (at most this long), so
+# that bytes it sends meanwhile are discarded rather than answered with a reset; beyond this
+# many at once a refused connection is closed right after its 503 (their descriptors are part
+# of descriptors.RESERVED_FDS).
+MAX_REFUSALS_ANSWERING = 32
+REFUSAL_LINGER_S = 1.0
+# A connection is evicted for a newer one only after it has been idle this long: a client that
+# has just connected, or just read an answer, gets the time to send its next request.
+EVICT_AFTER_IDLE_S = 1.0
+
+
+@dataclass(frozen=True)
+class TlsListener:
+    """TLS on the TCP listener of this port, started by each admitted connection itself, so that
+    connections still in their handshake are counted (asyncio's own TLS reaches the handler only
+    after the handshake: silent connections piled up uncounted until accept() failed with EMFILE)."""
+
+    context: ssl.SSLContext
+    port: int
+    handshake_timeout_s: float
 
 
 class ConnectionGuard:
@@ -39,6 +62,7 @@ class ConnectionGuard:
 
     def __init__(self, limit: int, log_interval_s: float = LIMIT_LOG_INTERVAL_S):
         self.limit = limit
+        self.tls: TlsListener | None = None
         self.log_interval_s = log_interval_s
         self._open: dict[GuardedRequestHandler, None] = {}  # insertion order = age
         self.evicted_total = 0
@@ -46,6 +70,7 @@ class ConnectionGuard:
         self._evicted_since_log = 0
         self._refused_since_log = 0
         self._report: asyncio.TimerHandle | None = None
+        self.refusals_answering = 0  # refused connections still open after their 503
 
     def __len__(self) -> int:
         return len(self._open)
@@ -53,7 +78,8 @@ class ConnectionGuard:
     def admit(self, conn: GuardedRequestHandler) -> bool:
         """Make room for `conn` if the limit is reached; False when it must be refused."""
         if len(self._open) >= self.limit:
-            idle = next((c for c in self._open if c.idle), None)
+            now = asyncio.get_running_loop().time()
+            idle = next((c for c in self._open if c.evictable(now)), None)
             if idle is None:
                 self.refused_total += 1
                 self._refused_since_log += 1
@@ -106,6 +132,30 @@ def _refusal(limit: int) -> bytes:
             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
 
 
+def _unread_bytes(transport: asyncio.BaseTransport | None) -> int:
+    """Bytes the client sent that the loop has not read from the socket yet (0 when unknown)."""
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None:
+        return 0
+    try:
+        return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"), "little")
+    except OSError:
+        return 0
+
+
+def _discard_unread(transport: asyncio.BaseTransport) -> None:
+    """Read and drop what the client already sent, so closing sends a FIN, not a reset."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return
+    for _ in range(16):  # at most 1 MiB: a refusal must stay cheap
+        try:
+            if not os.read(sock.fileno(), 65536):
+                return
+        except OSError:  # BlockingIOError: nothing more for now
+            return
+
+
 class GuardedRequestHandler(RequestHandler):
     """aiohttp's per-connection protocol, counted by a ConnectionGuard, with JSON framing errors."""
 
@@ -113,22 +163,86 @@ class GuardedRequestHandler(RequestHandler):
         super().__init__(manager, **kwargs)
         self.guard = guard
         self.requests_running = 0  # kept by connection_state_middleware
+        self.requests_waiting = 0  # parsed, not yet taken by a handler
+        self.idle_since = self._loop.time()  # connected, or the last answer given
         self._refused = False
+        self._lingering: asyncio.TimerHandle | None = None
+        self._handshake: asyncio.Task | None = None  # TLS being started on the raw connection
 
-    @property
-    def idle(self) -> bool:
-        return self.requests_running == 0
+    def evictable(self, now: float) -> bool:
+        """Idle for EVICT_AFTER_IDLE_S, with no request anywhere in the connection."""
+        return (self.requests_running == 0 and self.requests_waiting == 0
+                and now - self.idle_since >= EVICT_AFTER_IDLE_S and _unread_bytes(self.transport) == 0)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        tls = self._tls_for(transport)
         if not self.guard.admit(self):
             self._refused = True
-            transport.write(_refusal(self.guard.limit))  # type: ignore[attr-defined]
-            transport.close()
+            if tls is None:
+                self._refuse(transport)
+            else:
+                transport.close()  # a plain-text 503 means nothing to a client in its TLS handshake
+            return
+        if tls is not None:
+            transport.pause_reading()  # type: ignore[attr-defined]  # the ClientHello is for start_tls
+            self._handshake = asyncio.ensure_future(self._start_tls(transport, tls))
             return
         super().connection_made(transport)
 
+    def _tls_for(self, transport: asyncio.BaseTransport) -> TlsListener | None:
+        tls = self.guard.tls
+        sockname = transport.get_extra_info("sockname")
+        if tls is not None and isinstance(sockname, tuple) and sockname[1] == tls.port:
+            return tls
+        return None
+
+    async def _start_tls(self, raw: asyncio.BaseTransport, tls: TlsListener) -> None:
+        try:
+            transport = await asyncio.get_running_loop().start_tls(
+                raw, self, tls.context, server_side=True,  # type: ignore[arg-type]
+                ssl_handshake_timeout=tls.handshake_timeout_s)
+        except (OSError, ssl.SSLError, asyncio.TimeoutError, asyncio.CancelledError) as exc:
+            log.debug("TLS handshake with %s not completed: %r", raw.get_extra_info("peername"), exc)
+            raw.close()
+            self.guard.closed(self)
+            return
+        finally:
+            self._handshake = None
+        if transport is None:  # closed as the handshake finished
+            self.guard.closed(self)
+            return
+        super().connection_made(transport)
+
+    def force_close(self) -> None:
+        if self._handshake is not None:  # evicted during its handshake
+            self._handshake.cancel()
+            return
+        super().force_close()
+
+    def _refuse(self, transport: asyncio.BaseTransport) -> None:
+        _discard_unread(transport)
+        transport.write(_refusal(self.guard.limit))  # type: ignore[attr-defined]
+        can_linger = self.guard.refusals_answering < MAX_REFUSALS_ANSWERING
+        if can_linger and transport.can_write_eof():  # type: ignore[attr-defined]
+            self.guard.refusals_answering += 1
+            transport.write_eof()  # type: ignore[attr-defined]
+            self._lingering = asyncio.get_running_loop().call_later(REFUSAL_LINGER_S, transport.close)
+        else:
+            transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # discarded: the 503 is already on its way
+        waiting = len(self._messages)
+        super().data_received(data)
+        self.requests_waiting += len(self._messages) - waiting
+
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._refused:
+            if self._lingering is not None:
+                self._lingering.cancel()
+                self._lingering = None
+                self.guard.refusals_answering -= 1
             return
         self.guard.closed(self)
         super().connection_lost(exc)
@@ -167,6 +281,10 @@ class GuardedAppRunner(web.AppRunner):
         super().__init__(app, **kwargs)
         self.guard = ConnectionGuard(max_connections)
 
+    def serve_tls(self, port: int, context: ssl.SSLContext, handshake_timeout_s: float) -> None:
+        """TLS for connections to this TCP port (its site is added without an ssl_context)."""
+        self.guard.tls = TlsListener(context, port, handshake_timeout_s)
+
     async def _make_server(self) -> Server:
         plain = await super()._make_server()  # runs the app's startup and freezes it
         return GuardedServer(plain.request_handler, request_factory=plain.request_factory,
@@ -183,8 +301,10 @@ async def connection_state_middleware(request: web.Request, handler):
     conn = request.protocol
     if not isinstance(conn, GuardedRequestHandler):  # e.g. aiohttp's test server
         return await handler(request)
+    conn.requests_waiting = max(conn.requests_waiting - 1, 0)
     conn.requests_running += 1
     try:
         return await handler(request)
     finally:
         conn.requests_running -= 1
+        conn.idle_since = asyncio.get_running_loop().time()

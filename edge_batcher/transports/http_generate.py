@@ -18,10 +18,15 @@ Responses carry every output by name (BYTES as strings; `sources` as the JSON li
 the last has "final": true and finish_reason. An error before the first event is an ordinary
 JSON error with its status; one during the stream is a last event {"error": ..., "status": ...}.
 A client that disconnects cancels its generation (its KV memory is released at once).
+
+The body is read like /infer's (http_body.py): the model's 429 and the 413/503 of the body
+budget come before a byte of it is read, it must arrive within body_timeout_s (408), and its
+bytes stay charged to the budget until the answer (or the stream) is complete.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from contextlib import aclosing
@@ -32,7 +37,9 @@ from aiohttp import web
 from ..errors import EdgeBatcherError, InvalidInput
 from ..protocol.parameters import priority_parameter, timeout_parameter
 from ..types import InferRequest, InferResponse
-from .http_keys import RUNTIME
+from .http_body import read_body
+from .http_keys import BODY_BUDGET, RUNTIME
+from .v2_decode import DECODE_OFF_LOOP_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +61,22 @@ def _service(request: web.Request):
     return model, runner
 
 
-async def _to_request(request: web.Request, model: str, runner) -> InferRequest:
+async def _parse_json(raw: bytes | bytearray):
+    """The body as JSON; a large one is parsed on a worker thread, off the event loop."""
+    if len(raw) > DECODE_OFF_LOOP_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(None, _loads, raw)
+    return _loads(raw)
+
+
+def _loads(raw: bytes | bytearray):
     try:
-        body = json.loads(await request.read() or b"null")
+        return json.loads(raw or b"null")
     except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, too deep
         raise InvalidInput(f"request body is not valid JSON: {exc}") from None
+
+
+async def _to_request(raw: bytes | bytearray, model: str, runner) -> InferRequest:
+    body = await _parse_json(raw)
     if not isinstance(body, dict):
         raise InvalidInput('request body must be a JSON object like {"text_input": "...", "parameters": {}}')
     spec = runner.inputs[0]
@@ -128,14 +146,20 @@ def _json_value(name: str, value: np.ndarray):
 
 async def generate(request: web.Request) -> web.Response:
     model, runner = _service(request)
-    infer_request = await _to_request(request, model, runner)
-    response = await runner.infer(infer_request)
+    runner.refuse_if_full()  # 429 before reading the body
+    async with read_body(request.app[BODY_BUDGET], request) as raw:  # 413/503/408 before holding it
+        response = await runner.infer(await _to_request(raw, model, runner))
     return web.json_response(to_json(model, runner, response))
 
 
 async def generate_stream(request: web.Request) -> web.StreamResponse:
     model, runner = _service(request)
-    infer_request = await _to_request(request, model, runner)
+    runner.refuse_if_full()
+    async with read_body(request.app[BODY_BUDGET], request) as raw:
+        return await _stream(request, model, runner, await _to_request(raw, model, runner))
+
+
+async def _stream(request: web.Request, model: str, runner, infer_request: InferRequest) -> web.StreamResponse:
     async with aclosing(runner.stream(infer_request)) as chunks:  # closing it cancels the generation
         iterator = chunks.__aiter__()
         # The first chunk comes before any byte is sent: a bad request, an unknown parameter or a

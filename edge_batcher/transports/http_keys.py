@@ -6,7 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from ..runtime import Runtime
-from .http_body import BodyBudget
+from .body_budget import BodyBudget
 
 RUNTIME = web.AppKey("runtime", Runtime)
 # name -> callable giving a component's state for GET /v2/health/ready, e.g. {"mqtt": lambda: "connected"}.

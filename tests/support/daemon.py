@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket as socketlib
 import subprocess
@@ -20,7 +21,7 @@ class DaemonProcess:
     after stop() (same config, same MQTT client id: a restart)."""
 
     def __init__(self, home: Path, config_text: str = "", *, repo: Path | None = None,
-                 env: dict | None = None, socket: Path | None = None):
+                 env: dict | None = None, socket: Path | None = None, nofile: int | None = None):
         home.mkdir(parents=True, exist_ok=True)
         self.socket = socket or home / "eb.sock"
         self.config = home / "config.toml"
@@ -29,6 +30,7 @@ class DaemonProcess:
         self.repo = repo
         self.env = env or {}
         self.url = f"unix://{self.socket}"
+        self.nofile = nofile  # the daemon's descriptor limit (soft and hard), as a unit's LimitNOFILE
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> DaemonProcess:
@@ -38,8 +40,12 @@ class DaemonProcess:
             cmd += ["--models", str(self.repo)]
         with open(self.log, "ab") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         env=dict(os.environ, PYTHONPATH=str(ROOT), **self.env))
+                                         env=dict(os.environ, PYTHONPATH=str(ROOT), **self.env),
+                                         preexec_fn=self._limit_descriptors if self.nofile else None)
         return self
+
+    def _limit_descriptors(self) -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (self.nofile, self.nofile))
 
     def wait_ready(self, timeout: float = 60.0) -> DaemonProcess:
         deadline = time.monotonic() + timeout

@@ -3,20 +3,18 @@
 Serves ServerLive/Ready, ServerMetadata, ModelMetadata/Ready, ModelConfig, ModelStatistics,
 RepositoryIndex and ModelInfer on the event loop (grpc.aio), through the same Runtime, model
 lookup, parameters mapping and codec checks as HTTP; the RPCs it does not serve (shared memory,
-model control, tracing, streaming) answer UNIMPLEMENTED. This is the gRPC edge of the error
-tree: an EdgeBatcherError becomes the gRPC status of its HTTP status (GRPC_CODES) with the same
-message; anything else is logged and answered INTERNAL while the daemon keeps serving. As on
-HTTP, calls over TCP need the bearer token (`authorization: Bearer ...` metadata) except
-ServerLive; calls on a Unix socket are guarded by its file mode.
+model control, tracing, streaming) answer UNIMPLEMENTED. Every call passes the gRPC edge
+(edge.py) with the limits every listener shares (transports/edge.py): the call limit and, over
+TCP, the bearer token (`authorization: Bearer ...` metadata, every method but ServerLive)
+before its message is read, then the body budget and the error tree's translation. Calls on a
+Unix socket are guarded by its file mode.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import os
 import stat
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,36 +23,21 @@ from google.protobuf import json_format
 
 from ... import __version__
 from ...config import parse_host_port
-from ...errors import ConfigError, EdgeBatcherError, Unauthorized
+from ...errors import ConfigError
 from ...protocol.parameters import to_infer_request
 from ...runtime import Runtime
+from ..edge import EdgeLimits
+from ..listeners import check_unix_socket_path
 from ..triton_config import MODEL_VERSION, model_config, servable_for
 from . import grpc_service_pb2 as pb
 from . import model_config_pb2
 from .codec import decode_infer_request, encode_infer_response
+from .edge import UNIX_PREFIX, GrpcEdge, Method, server_options
 
 log = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
 EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository", "model_configuration"]
-
-# The error tree's HTTP statuses as gRPC status codes (as Triton and KServe map them).
-GRPC_CODES = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    404: grpc.StatusCode.NOT_FOUND,
-    408: grpc.StatusCode.DEADLINE_EXCEEDED,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
-}
-OPEN_METHODS = frozenset({"ServerLive"})  # liveness without a secret, as HTTP's /v2/health/live
-UNIX_PREFIX = "unix:"
-
-
-def grpc_code(status: int) -> grpc.StatusCode:
-    return GRPC_CODES.get(status, grpc.StatusCode.INTERNAL)
 
 
 def unix_socket_path(address: str) -> Path | None:
@@ -68,20 +51,15 @@ def unix_socket_path(address: str) -> Path | None:
 class GrpcServer:
     """One grpc.aio server listening on every address of `[server] grpc`."""
 
-    def __init__(self, runtime: Runtime, addresses: list[str], *, token: str, tls: tuple[str, str] | None,
-                 max_message_bytes: int, max_concurrent_rpcs: int, socket_mode: int = 0o660):
+    def __init__(self, runtime: Runtime, addresses: list[str], *, limits: EdgeLimits, tls: tuple[str, str] | None):
         self.runtime = runtime
         self.addresses = addresses
-        self._token = token.encode()
         self._tls = tls
-        self._socket_mode = socket_mode
+        self._socket_mode = limits.socket_mode
         self._socket_files: list[Path] = []
         self.bound: list[str] = []  # the addresses as bound (a TCP port 0 becomes the real one)
-        self._server = grpc.aio.server(
-            options=[("grpc.max_receive_message_length", max_message_bytes),
-                     ("grpc.max_send_message_length", -1)],
-            maximum_concurrent_rpcs=max_concurrent_rpcs,
-        )
+        self.edge = GrpcEdge(limits)
+        self._server = grpc.aio.server(options=server_options(limits))
         self._server.add_generic_rpc_handlers((self._handlers(),))
 
     async def start(self) -> None:
@@ -105,11 +83,14 @@ class GrpcServer:
             path.unlink(missing_ok=True)
 
     def _bind_unix(self, path: Path) -> None:
-        if path.exists() or path.is_symlink():
-            if not stat.S_ISSOCK(path.lstat().st_mode):
-                raise ConfigError(f"[server] grpc: {path} exists and is not a socket")
-            path.unlink()  # a stale socket of an earlier run
-        path.parent.mkdir(parents=True, exist_ok=True)
+        check_unix_socket_path(path, "[server] grpc")
+        try:
+            if path.exists() or path.is_symlink():
+                if not stat.S_ISSOCK(path.lstat().st_mode):
+                    raise ConfigError(f"[server] grpc: {path} exists and is not a socket")
+                path.unlink()  # a stale socket of an earlier run
+        except OSError as exc:
+            raise ConfigError(f"[server] grpc: cannot replace {path}: {exc.strerror or exc}") from None
         try:
             self._server.add_insecure_port(f"{UNIX_PREFIX}{path}")
         except RuntimeError as exc:
@@ -133,7 +114,7 @@ class GrpcServer:
         self.bound.append(f"{host}:{bound}")
 
     def _handlers(self) -> grpc.GenericRpcHandler:
-        rpcs: dict[str, tuple[Callable[..., Awaitable[Any]], Any]] = {
+        rpcs: dict[str, tuple[Method, Any]] = {
             "ServerLive": (self.server_live, pb.ServerLiveRequest),
             "ServerReady": (self.server_ready, pb.ServerReadyRequest),
             "ModelReady": (self.model_ready, pb.ModelReadyRequest),
@@ -145,39 +126,8 @@ class GrpcServer:
             "ModelInfer": (self.model_infer, pb.ModelInferRequest),
         }
         return grpc.method_handlers_generic_handler(SERVICE, {
-            name: grpc.unary_unary_rpc_method_handler(
-                self._edge(name, method), request_deserializer=request_type.FromString,
-                response_serializer=lambda message: message.SerializeToString())
-            for name, (method, request_type) in rpcs.items()
+            name: self.edge.method_handler(name, method, request_type) for name, (method, request_type) in rpcs.items()
         })
-
-    def _edge(self, name: str, method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
-        """`method` behind the token check and the error tree's translation."""
-
-        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                if name not in OPEN_METHODS:
-                    self._authorize(context)
-                return await method(request, context)
-            except EdgeBatcherError as exc:
-                await context.abort(grpc_code(exc.status), exc.message)
-            except Exception as exc:
-                if isinstance(exc, grpc.aio.AbortError):  # context.abort's own way out
-                    raise
-                log.exception("unhandled error in gRPC %s", name)
-                await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
-
-        return call
-
-    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        if context.peer().startswith(UNIX_PREFIX):
-            return
-        for key, value in context.invocation_metadata() or ():
-            if key == "authorization":
-                scheme, _, given = (value if isinstance(value, str) else value.decode()).partition(" ")
-                if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._token):
-                    return
-        raise Unauthorized("missing or invalid bearer token (gRPC metadata 'authorization: Bearer <token>')")
 
     # ------------------------------------------------------------------ the RPCs
 

@@ -1,0 +1,132 @@
+"""The generate extension's bodies under the same edge as /infer (issue 31 row 5), over a real
+daemon's Unix socket: the body budget and size answered before the body, body_timeout_s, a
+client gone mid-body, and a full generator answered 429 before its body is read."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import time
+
+from tests.support import rawhttp
+
+MiB = 1 << 20
+PATHS = ("/v2/models/tinylm/generate", "/v2/models/tinylm/generate_stream")
+
+
+def connect(path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(str(path))
+    return s
+
+
+def head(path: str, length: int) -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def read_status(s: socket.socket) -> tuple[int, dict]:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed before a response header: {data!r}")
+        data += chunk
+    header, _, body = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in header.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += s.recv(65536)
+    return int(header.split(b" ", 2)[1]), json.loads(body)
+
+
+def generate(daemon, **parameters) -> tuple[int, dict]:
+    body = json.dumps({"text_input": "Bearing faults ring", "parameters": {"max_new_tokens": 2, **parameters}})
+    return rawhttp.request(daemon.socket, "POST", PATHS[0], body)
+
+
+def test_generate_bodies_meet_the_body_budget_and_timeout_before_they_are_read(start_daemon, tiny_repo):
+    daemon = start_daemon(f"[server]\nmax_body_bytes = {MiB}\nmax_inflight_body_bytes = {2 * MiB}\n"
+                          "body_timeout_s = 2\n", repo=tiny_repo)
+    for path in PATHS:
+        with connect(daemon.socket) as s:  # too large: answered from the header alone
+            s.sendall(head(path, MiB + 1))
+            status, body = read_status(s)
+        assert status == 413 and str(MiB) in body["error"], body
+        slow = [connect(daemon.socket) for _ in range(2)]  # two bodies in progress hold the whole budget
+        try:
+            for s in slow:
+                s.sendall(head(path, MiB) + b'{"text_input": "')
+            time.sleep(0.3)
+            with connect(daemon.socket) as s:
+                s.sendall(head(path, MiB))
+                status, body = read_status(s)
+            assert status == 503 and "max_inflight_body_bytes" in body["error"], body
+            started = time.monotonic()
+            for s in slow:  # and the slow ones are answered 408 once body_timeout_s has passed
+                status, body = read_status(s)
+                assert status == 408 and "body_timeout_s" in body["error"], body
+            assert time.monotonic() - started < 8
+        finally:
+            for s in slow:
+                s.close()
+    status, body = generate(daemon)
+    assert status == 200 and isinstance(body["text_output"], str), body
+    log = daemon.log_text()
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+
+
+def test_a_generate_client_gone_mid_body_is_one_info_line(start_daemon, tiny_repo):
+    daemon = start_daemon(repo=tiny_repo)
+    with connect(daemon.socket) as s:
+        s.sendall(head(PATHS[0], 100_000) + b'{"text_input": "' + b"x" * 5000)
+        time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while "closed the connection after" not in daemon.log_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = daemon.log_text()
+    lines = [line for line in log.splitlines() if "closed the connection after" in line]
+    assert len(lines) == 1 and "INFO" in lines[0], log[-3000:]
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+    assert generate(daemon)[0] == 200
+
+
+def test_a_full_generator_answers_429_before_the_body(start_daemon, tiny_repo, tmp_path):
+    # One sequence generating, one waiting for it (queue_capacity 1): the generator is full, and a
+    # request that has sent only its header is answered 429 at once instead of waiting for its body.
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo / "tinylm", repo / "tinylm")
+    toml = repo / "tinylm" / "model.toml"
+    toml.write_text(toml.read_text().replace("queue_capacity = 64", "queue_capacity = 1")
+                    .replace("max_running = 8", "max_running = 1").replace("max_new_tokens_limit = 256",
+                                                                           "max_new_tokens_limit = 1000"))
+    daemon = start_daemon(repo=repo)
+    long = json.dumps({"text_input": "Bearing", "parameters": {"max_new_tokens": 1000, "ignore_stop": True}}).encode()
+    running, waiting = connect(daemon.socket), connect(daemon.socket)
+    try:
+        running.sendall(head(PATHS[1], len(long)) + long)
+        first = b""
+        while b"data: " not in first:  # its first event: it is generating
+            first += running.recv(65536)
+        waiting.sendall(head(PATHS[1], len(long)) + long)
+        answers = []
+        for _ in range(20):  # until the waiting one is queued (it is, within a loop turn or two)
+            with connect(daemon.socket) as s:
+                s.settimeout(0.5)
+                s.sendall(head(PATHS[0], 1000))  # the header only: a body that would take its time
+                try:
+                    answers.append(read_status(s))
+                except TimeoutError:
+                    answers.append(None)  # waited for the body: not refused
+                    continue
+            if answers[-1][0] == 429:
+                break
+        assert answers[-1] is not None and answers[-1][0] == 429, answers
+        assert "queue_capacity 1" in answers[-1][1]["error"]
+    finally:
+        running.close()
+        waiting.close()
+    log = daemon.log_text()
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
