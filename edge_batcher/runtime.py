@@ -314,6 +314,10 @@ class Runtime:
             log.info("reload: %s", ", ".join(f"{k} {v}" for k, v in changes.items() if v) or "no changes")
             return changes
 
+    def not_ready(self) -> dict[str, str]:
+        """The loaded models that cannot serve a request now, and why (the readiness endpoints)."""
+        return {name: why for name, runner in sorted(self.runners.items()) if (why := runner.not_ready()) is not None}
+
     def local_runners(self) -> list[ModelRunner]:
         """The models served by engines in this process (not by a peer, not RAG services)."""
         return [r for r in self.runners.values() if isinstance(r, ModelRunner)]

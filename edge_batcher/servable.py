@@ -36,6 +36,10 @@ class Servable(Protocol):
         """`await servable.infer(request)` -> InferResponse, or an EdgeBatcherError."""
         ...
 
+    def not_ready(self) -> str | None:
+        """Why it cannot serve a request now (readiness: /v2/health/ready, /v2/models/{m}/ready,
+        gRPC ModelReady), or None when it can."""
+
     def refuse_if_full(self) -> None:
         """Raise Overloaded before a transport reads a request's body, when it would be refused."""
 

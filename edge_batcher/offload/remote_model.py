@@ -101,6 +101,15 @@ class RemoteModel:
             outputs = {name: outputs[name] for name in request.outputs if name in outputs}
         return InferResponse(self.name, request.id, outputs)
 
+    def not_ready(self) -> str | None:
+        if self._draining:
+            return "draining"
+        if not self._serving:
+            return "not serving yet"
+        if not self.peers.view(self.name).peer_available:
+            return "remote-only and no peer is available"
+        return None
+
     def _admit(self, request: InferRequest) -> float:
         """The request's timeout in seconds, once it is known to be valid and a peer can take it."""
         if self._draining:

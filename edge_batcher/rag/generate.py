@@ -196,6 +196,13 @@ class GenerationService(ServiceAccounting):
         self._loop.enqueue(seq)
         return seq
 
+    def not_ready(self) -> str | None:
+        try:
+            self._check_serving()
+        except (Unavailable, EngineError) as exc:
+            return exc.message
+        return None
+
     def _check_serving(self) -> None:
         if self._draining or not self._loop.started:
             raise Unavailable(f"model {self.name!r} is not accepting requests" +

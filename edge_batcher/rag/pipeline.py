@@ -103,6 +103,15 @@ class RagService(ServiceAccounting):
                      len(self._index or ()), (self._index.meta.get("version") if self._index else None),
                      self._mode())
 
+    def not_ready(self) -> str | None:
+        """No index loaded (none built, or unreadable by the daemon's user) or one that does not
+        match the embedding model: every question would be answered 503."""
+        if self._draining:
+            return "draining"
+        if self._index is None:
+            return f"no document index loaded from {self.index_dir} (build it with `edge-batcher index add FILES...`)"
+        return self._index_problem
+
     async def drain(self, timeout: float) -> None:
         self._draining = True
         await wait_idle(self.queue, timeout)

@@ -293,6 +293,20 @@ class ModelRunner:
         finally:
             self._stats = kept
 
+    def not_ready(self) -> str | None:
+        """Why this model cannot serve now, or None: not started, draining, or (without a peer)
+        not even its smallest batch fits the memory budget in some length bucket."""
+        if self._draining:
+            return "draining"
+        if not self._threads.serving:
+            return "not serving yet"
+        if self.admission is not None and self.offload is None:
+            smallest = self.settings.preferred_batch_sizes[0]
+            for bucket in self.config.sequence.buckets if self.config.sequence else [0]:
+                if not self.admission.fits(smallest, bucket):
+                    return "does not fit in device memory: " + self.admission.explain(smallest, bucket)
+        return None
+
     def refuse_if_full(self) -> None:
         """Raise Overloaded (counted like any other answer) when the queue is already full, so a
         transport can refuse a request before reading and decoding its body. `submit` checks again."""

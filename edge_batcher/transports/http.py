@@ -103,6 +103,10 @@ async def live(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
     body = {"ready": runtime.ready, "models": sorted(runtime.runners)}
+    # A model that cannot serve now is listed with why (the others still serve: the daemon stays ready).
+    not_ready = runtime.not_ready() if runtime.ready else {}
+    if not_ready:
+        body["not_ready"] = not_ready
     # Other transports' states ("mqtt": "connected" | "disconnected" | "disabled") are reported but
     # do not decide readiness: while the broker is away this socket still serves every model.
     for name, check in request.app[HEALTH_CHECKS].items():
@@ -153,8 +157,11 @@ async def model_metadata(request: web.Request) -> web.Response:
 
 async def model_ready(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
-    _servable(request)  # 404 for an unknown model or version
-    return web.json_response({"ready": runtime.ready}, status=200 if runtime.ready else 503)
+    why = _servable(request).not_ready() if runtime.ready else "the daemon is not ready"  # 404: unknown model
+    body: dict[str, object] = {"ready": why is None}
+    if why is not None:
+        body["reason"] = why
+    return web.json_response(body, status=200 if why is None else 503)
 
 
 async def model_configuration(request: web.Request) -> web.Response:

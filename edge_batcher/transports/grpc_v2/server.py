@@ -138,8 +138,8 @@ class GrpcServer:
         return pb.ServerReadyResponse(ready=self.runtime.ready)
 
     async def model_ready(self, request, context) -> pb.ModelReadyResponse:
-        servable_for(self.runtime, request.name, request.version)  # NOT_FOUND for another model or version
-        return pb.ModelReadyResponse(ready=self.runtime.ready)
+        servable = servable_for(self.runtime, request.name, request.version)  # NOT_FOUND for another model
+        return pb.ModelReadyResponse(ready=self.runtime.ready and servable.not_ready() is None)
 
     async def server_metadata(self, request, context) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(name="edge-batcher", version=__version__, extensions=EXTENSIONS)
