@@ -14,6 +14,8 @@ import ctypes
 import logging
 import os
 import signal
+import socket
+import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -74,6 +76,7 @@ class Daemon:
         self._socket_file: tuple[Path, int] | None = None  # (path, inode) we created
         self._tasks: list[asyncio.Task] = []
         self.grpc: GrpcServer | None = None  # transports/grpc_v2/server.py's GrpcServer when [server] grpc is set
+        self._tls: ssl.SSLContext | None = None  # the TCP listener's, when [server] tls_cert is set
         # The limits every listener shares, and the token: an unreadable token file stops start-up here.
         self.edge = build_edge(config.server, offload_peers=len(config.offload.peers) if config.offload.enabled else 0)
         # Built here so a bad [mqtt] section stops start-up before any model loads.
@@ -131,6 +134,11 @@ class Daemon:
         )
         self.runtime.on_model_loading = self._model_loading
         try:
+            # Sockets and ports first: a port in use or another daemon on the socket fails the
+            # start in a moment, not after every model has loaded (connections made meanwhile
+            # wait in the listen backlog, as with socket activation).
+            listeners = self._bind()
+            await self._bind_grpc()
             await self.runtime.start()
             if measure_placement and cpu is not None:
                 self.notifier.extend_timeout(LOAD_TIMEOUT_EXTENSION_S)
@@ -141,8 +149,9 @@ class Daemon:
                 except OSError as exc:  # the system refused an affinity change: a slower daemon, not a broken one
                     log.warning("could not measure or apply the CPU placement ([server] loop_cpu = \"auto\"): %s; "
                                 "threads run where the OS puts them", exc)
-            await self._listen()
-            await self._listen_grpc()
+            await self._listen(listeners)
+            if self.grpc is not None:
+                await self.grpc.start()
             if self.mqtt is not None:
                 await self.mqtt.start()
             loop.add_signal_handler(signal.SIGHUP, self.request_reload)  # only once serving
@@ -174,15 +183,37 @@ class Daemon:
                 loop.remove_signal_handler(sig)
             log.info("stopped")
 
-    async def _listen(self) -> None:
+    def _bind(self) -> list[tuple[socket.socket, str]]:
+        """The HTTP listening sockets, bound now (the Unix socket, or those systemd passed; TCP
+        when [server] http is set), each with what to log once it serves."""
         s = self.config.server
-        middlewares: tuple = ()  # create_app's
-        if s.http:
+        if s.http and not self.edge.token:
             # TCP reaches beyond this device: a bearer token is required there (the Unix socket
             # is guarded by its file mode and needs none).
-            if not self.edge.token:
-                raise ConfigError("[server] http is set: a bearer token is required on TCP; set token_file (or token)")
-            middlewares = (bearer_auth_middleware(self.edge.token),)
+            raise ConfigError("[server] http is set: a bearer token is required on TCP; set token_file (or token)")
+        listeners = []
+        inherited = listen_fds()  # socket activation (systemd edge-batcher.socket)
+        if inherited:
+            for sock in inherited:
+                sock.setblocking(False)
+                listeners.append((sock, "a socket passed by systemd"))
+        else:
+            path = self.config.socket_path()
+            sock = bind_unix_socket(path, int(s.socket_mode, 8))
+            self._socket_file = (path, path.stat().st_ino)
+            listeners.append((sock, f"unix://{path} (mode {s.socket_mode})"))
+        if s.http:
+            host, port = parse_host_port(s.http, "[server] http")
+            self._tls = tls_context(s.tls_cert, s.tls_key) if s.tls_cert else None
+            sock = bind_tcp_socket(host, port)
+            scheme = "https" if self._tls is not None else "http"
+            listeners.append((sock, f"{scheme}://{host}:{port} (bearer token required)"))
+        return listeners
+
+    async def _listen(self, listeners: list[tuple[socket.socket, str]]) -> None:
+        """Serve the v2 API on the sockets bound at start."""
+        s = self.config.server
+        middlewares: tuple = (bearer_auth_middleware(self.edge.token),) if s.http else ()  # create_app's
         app = create_app(self.runtime, max_body_bytes=s.max_body_bytes, health_checks=self.health_checks,
                          middlewares=middlewares, body_budget=self.edge.budget)
         # Handlers still running at cleanup were already answered by the drain; don't wait long.
@@ -192,29 +223,15 @@ class Daemon:
                                      access_log=None, shutdown_timeout=5.0,
                                      keepalive_timeout=s.idle_timeout_s, lingering_time=2.0)
         await self._web.setup()
-        inherited = listen_fds()  # socket activation (systemd edge-batcher.socket)
-        if inherited:
-            for sock in inherited:
-                sock.setblocking(False)
-                await self._add_site(web.SockSite(self._web, sock))
-            log.info("serving on %d socket(s) passed by systemd", len(inherited))
-        else:
-            path = self.config.socket_path()
-            sock = bind_unix_socket(path, int(s.socket_mode, 8))
-            self._socket_file = (path, path.stat().st_ino)
+        for sock, where in listeners:
+            if self._tls is not None and sock.family != socket.AF_UNIX:
+                # started per connection, so handshakes count against the limit
+                self._web.serve_tls(sock.getsockname()[1], self._tls, s.idle_timeout_s)
             await self._add_site(web.SockSite(self._web, sock))
-            log.info("serving the v2 API on unix://%s (mode %s)", path, s.socket_mode)
-        if s.http:
-            host, port = parse_host_port(s.http, "[server] http")
-            ssl_context = tls_context(s.tls_cert, s.tls_key) if s.tls_cert else None
-            sock = bind_tcp_socket(host, port)
-            if ssl_context is not None:  # started per connection, so handshakes count against the limit
-                self._web.serve_tls(sock.getsockname()[1], ssl_context, s.idle_timeout_s)
-            await self._add_site(web.SockSite(self._web, sock))
-            log.info("serving the v2 API on %s://%s:%d (bearer token required)",
-                     "https" if ssl_context else "http", host, port)
+            log.info("serving the v2 API on %s", where)
 
-    async def _listen_grpc(self) -> None:
+    async def _bind_grpc(self) -> None:
+        """The gRPC server with its addresses bound; started once the models are loaded."""
         s = self.config.server
         if not s.grpc:
             return
@@ -228,7 +245,7 @@ class Daemon:
             )
         self.grpc = GrpcServer(self.runtime, s.grpc, limits=self.edge,
                                tls=(s.tls_cert, s.tls_key) if s.tls_cert else None)
-        await self.grpc.start()
+        self.grpc.bind()
 
     async def _add_site(self, site: web.BaseSite) -> None:
         await site.start()

@@ -62,13 +62,17 @@ class GrpcServer:
         self._server = grpc.aio.server(options=server_options(limits))
         self._server.add_generic_rpc_handlers((self._handlers(),))
 
-    async def start(self) -> None:
+    def bind(self) -> None:
+        """Bind every address now (before the models load: a port in use fails the start at once)."""
         for address in self.addresses:
             path = unix_socket_path(address)
             if path is not None:
                 self._bind_unix(path)
             else:
                 self._bind_tcp(address)
+
+    async def start(self) -> None:
+        """Serve on the addresses bound (bind() first)."""
         await self._server.start()
         for path in self._socket_files:
             os.chmod(path, self._socket_mode)
