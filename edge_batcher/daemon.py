@@ -127,8 +127,8 @@ class Daemon:
         if not measure_placement:  # "auto" measures once the models are warm (placement.py)
             self._pin(cpu)
         log.info(
-            "transports: unix socket %s, tcp %s, mqtt %s; offload %s",
-            c.socket_path(), c.server.http or "off",
+            "transports: unix socket %s, tcp %s, grpc %s, mqtt %s; offload %s",
+            c.socket_path(), c.server.http or "off", ", ".join(c.server.grpc) or "off",
             f"{c.mqtt.host}:{c.mqtt.port}" if c.mqtt.enabled else "off",
             ", ".join(p.name or p.url for p in c.offload.peers) if c.offload.enabled else "off",
         )

@@ -148,6 +148,20 @@ def test_model_config_is_the_same_tritons_config_on_http_and_grpc(endpoints) -> 
     assert faulty.dynamic_batching.priority_levels == 3 and faulty.dynamic_batching.default_priority_level == 2
 
 
+def test_metadata_names_tritons_platform_and_answers_name_their_version(endpoints) -> None:
+    """Issue 32: metadata said "onnxruntime" where /config says "onnxruntime_onnx" (Triton: both),
+    and HTTP infer responses carried no model_version."""
+    http, grpc = endpoints.http_client(), endpoints.grpc_client()
+    assert http.get_model_metadata("vibration", headers=headers())["platform"] == "onnxruntime_onnx"
+    assert grpc.get_model_metadata("vibration", headers=GRPC_HEADERS).platform == "onnxruntime_onnx"
+    for binary in (True, False):
+        assert _http_infer(http, _windows(1, 0), binary=binary).get_response()["model_version"] == "1"
+    assert _grpc_infer(grpc, _windows(1, 0)).get_response().model_version == "1"
+    index = http.get_model_repository_index(headers=headers())
+    assert {"name": "vibration", "version": "1", "state": "READY"} in index
+    http.close(), grpc.close()
+
+
 NO_VERSION_2 = "model 'vibration' has no version '2'; it serves version 1"
 
 

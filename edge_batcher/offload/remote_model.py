@@ -97,6 +97,8 @@ class RemoteModel:
                 self._idle.set()
         self._stats.count_offload(Reason.REMOTE_ONLY, "ok", 1)
         self._stats.ok.inc()
+        self._stats.record_offloaded(next(iter(request.inputs.values())).shape[0] if request.inputs else 1,
+                                     started, loop.time())
         if request.outputs is not None:
             outputs = {name: outputs[name] for name in request.outputs if name in outputs}
         return InferResponse(self.name, request.id, outputs)

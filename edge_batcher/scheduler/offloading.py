@@ -81,6 +81,7 @@ class Offloader:
             if not r.future.done():
                 r.future.set_result(InferResponse(self.model, r.request.id, outputs))
                 self._stats.ok.inc()
+                self._stats.record_offloaded(r.rows, r.arrival, loop.time())
 
         results = await asyncio.gather(*(send(r) for r in requests), return_exceptions=True)
         for r, outcome in zip(requests, results):

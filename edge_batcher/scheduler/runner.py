@@ -252,7 +252,10 @@ class ModelRunner:
         """More rows than the local engine takes: straight to a peer, or a clear error."""
         view = self._offload_view()
         if self._offloads is None or not policy.sends_oversized_to_peer(queued.rows, self.settings, view):
-            peer_note = "" if self.offload is None else " and no peer can take it now"
+            peer_note = ""
+            if self.offload is not None:
+                peer_note = (f" and than a peer takes in one request ([offload] max_rows {view.max_rows})"
+                             if view.peer_available and queued.rows > view.max_rows else " and no peer can take it now")
             raise InvalidInput(
                 f"request has {queued.rows} rows, more than model {self.name!r} max_batch_size "
                 f"{self.settings.max_batch_size}{peer_note}; split it into smaller requests"

@@ -41,6 +41,7 @@ class ModelStats:
     expired: int = 0
     rejected: int = 0
     offloaded: dict[str, int] = field(default_factory=dict)  # "reason/outcome" -> requests
+    offloaded_ok: int = 0  # requests a peer answered (in success_count too)
 
 
 class RunnerStats:
@@ -109,6 +110,16 @@ class RunnerStats:
         self._queue_s.observe_all(queued)
         self._request_s.observe_all(total)
 
+    def record_offloaded(self, rows: int, arrival: float, now: float) -> None:
+        """A request a peer answered: a success (its rows and its time from arrival) like any
+        other, though not a run of the local engine (no execution, queue or compute counts)."""
+        s = self.counts
+        s.inference_count += rows
+        s.success_count += 1
+        s.offloaded_ok += 1
+        s.success_ns += int((now - arrival) * 1e9)
+        s.last_inference_ms = int(time.time() * 1000)
+
     def count_offload(self, reason: str, outcome: str, n: int) -> None:
         self.metrics.offloaded_requests_total.inc(n, model=self.model, reason=str(reason), outcome=outcome)
         key = f"{reason}/{outcome}"
@@ -118,14 +129,16 @@ class RunnerStats:
         """Triton's statistics-extension shape, with Triton's counts (perf_analyzer checks them),
         plus edge-batcher's dispatch reasons, padding and per-execution worker times.
 
-        As in Triton, `inference_stats` counts requests: `queue` and the three `compute_*` count
-        the requests answered from local batches, each charged its batch's whole time; each
+        As in Triton, `inference_stats` counts requests: `success` every request answered,
+        offloaded ones included (their time is from arrival to the peer's answer); `queue` and
+        the three `compute_*` count the requests answered from local batches, each charged its
+        batch's whole time (a peer's queue and compute are the peer's own); each
         `batch_stats` entry counts executions of that size. edge-batcher does not time a batch's
         assembly apart from its output split, so both are in `compute_input` and `compute_output`
         has their count and 0 ns; `execution_ns` has the same times once per batch.
         """
         s = self.counts
-        answered = s.success_count  # requests answered from local batches (offloaded ones are not)
+        answered = s.success_count - s.offloaded_ok  # requests answered from local batches
         return {
             "name": self.model,
             "version": "1",

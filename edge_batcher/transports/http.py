@@ -25,7 +25,7 @@ from .http_body import ClientGone, read_body
 from .http_connections import connection_state_middleware
 from .http_generate import add_generate_routes
 from .http_keys import BODY_BUDGET, HEALTH_CHECKS, RUNTIME
-from .triton_config import MODEL_VERSION, model_config, servable_for
+from .triton_config import MODEL_VERSION, PLATFORMS, model_config, servable_for
 from .v2_decode import decode_request
 
 log = logging.getLogger(__name__)
@@ -124,9 +124,12 @@ async def server_metadata(request: web.Request) -> web.Response:
 
 async def repository_index(request: web.Request) -> web.Response:
     runtime = request.app[RUNTIME]
-    return web.json_response(
-        [{"name": name, "version": "1", "state": "READY"} for name in sorted(runtime.runners)]
-    )
+    not_ready = runtime.not_ready()
+    return web.json_response([
+        {"name": name, "version": MODEL_VERSION, "state": "UNAVAILABLE" if name in not_ready else "READY"}
+        | ({"reason": not_ready[name]} if name in not_ready else {})
+        for name in sorted(runtime.runners)
+    ])
 
 
 def _servable(request: web.Request):
@@ -140,7 +143,7 @@ async def model_metadata(request: web.Request) -> web.Response:
     return web.json_response({
         "name": runner.name,
         "versions": [MODEL_VERSION],
-        "platform": c.backend,
+        "platform": PLATFORMS.get(c.backend, c.backend),  # Triton's name, as in /config
         "inputs": [s.to_json() for s in runner.inputs],
         "outputs": [s.to_json() for s in runner.outputs],
         "parameters": {
@@ -197,7 +200,7 @@ async def infer(request: web.Request) -> web.Response:
         response = await runtime.infer(infer_request)
     binary = v2.binary_outputs_for(decoded, list(response.outputs))
     payload, json_length = v2.encode_response(model, response.id, response.outputs, binary=binary,
-                                              parameters=response.parameters or None)
+                                              parameters=response.parameters or None, model_version=MODEL_VERSION)
     if json_length is None:
         return web.Response(body=payload, content_type="application/json")
     return web.Response(

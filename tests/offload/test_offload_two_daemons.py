@@ -82,10 +82,17 @@ def test_oversized_and_does_not_fit_batches_go_to_the_peer(start_daemon, model_r
     with edge.client() as client:
         big = client.infer("vibration", {"signal": x[:12]})  # 12 rows > the edge's max batch 8
         stats = client.stats("vibration")["model_stats"][0]
+        with pytest.raises(ClientError) as too_big:  # more than a peer takes at once: not "no peer"
+            client.infer("vibration", {"signal": windows(65, seed=3)})
+    assert too_big.value.status == 400
+    assert "than a peer takes in one request ([offload] max_rows 64)" in too_big.value.message
     assert_matches_local(model_repo, x[:12], big)
     assert stats["offloaded"]["does_not_fit/ok"] == 24 and stats["offloaded"]["too_large/ok"] == 1
     assert "offload peer peer (http://127.0.0.1:" in edge.log_text()
     assert stats["execution_count"] == 0  # nothing ran locally
+    # answered by the peer, and counted as answered (issue 32: success stayed 0 after 20 offloads)
+    assert stats["inference_stats"]["success"]["count"] == 25 and stats["inference_count"] == 24 + 12
+    assert stats["inference_stats"]["queue"]["count"] == 0  # the peer's queue is the peer's
     from tests.support import rawhttp
 
     _, text = rawhttp.request(edge.socket, "GET", "/metrics")

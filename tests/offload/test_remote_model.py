@@ -253,6 +253,7 @@ async def test_each_request_goes_to_the_peer_checked_and_counted():
     assert peer.calls == [3]  # nothing invalid reached the peer
     stats = model.statistics()
     assert stats["offloaded"] == {"remote_only/ok": 1} and stats["execution_count"] == 0
+    assert stats["inference_stats"]["success"]["count"] == 1 and stats["inference_count"] >= 1
 
 
 async def test_without_a_peer_or_when_it_fails_the_answer_is_a_503():

@@ -28,7 +28,7 @@ from ...protocol.parameters import to_infer_request
 from ...runtime import Runtime
 from ..edge import EdgeLimits
 from ..listeners import check_unix_socket_path
-from ..triton_config import MODEL_VERSION, model_config, servable_for
+from ..triton_config import MODEL_VERSION, PLATFORMS, model_config, servable_for
 from . import grpc_service_pb2 as pb
 from . import model_config_pb2
 from .codec import decode_infer_request, encode_infer_response
@@ -152,7 +152,8 @@ class GrpcServer:
         servable = servable_for(self.runtime, request.name, request.version)
         tensor = pb.ModelMetadataResponse.TensorMetadata
         return pb.ModelMetadataResponse(
-            name=servable.name, versions=[MODEL_VERSION], platform=servable.config.backend,
+            name=servable.name, versions=[MODEL_VERSION],
+            platform=PLATFORMS.get(servable.config.backend, servable.config.backend),
             inputs=[tensor(name=s.name, datatype=s.datatype, shape=s.shape) for s in servable.inputs],
             outputs=[tensor(name=s.name, datatype=s.datatype, shape=s.shape) for s in servable.outputs],
         )
@@ -174,8 +175,10 @@ class GrpcServer:
 
     async def repository_index(self, request, context) -> pb.RepositoryIndexResponse:
         index = pb.RepositoryIndexResponse.ModelIndex
+        not_ready = self.runtime.not_ready()
         return pb.RepositoryIndexResponse(models=[
-            index(name=name, version=MODEL_VERSION, state="READY") for name in sorted(self.runtime.runners)
+            index(name=name, version=MODEL_VERSION, state="UNAVAILABLE" if name in not_ready else "READY",
+                  reason=not_ready.get(name, "")) for name in sorted(self.runtime.runners)
         ])
 
     async def model_infer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
