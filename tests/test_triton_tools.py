@@ -148,6 +148,17 @@ def test_model_config_is_the_same_tritons_config_on_http_and_grpc(endpoints) -> 
     assert faulty.dynamic_batching.priority_levels == 3 and faulty.dynamic_batching.default_priority_level == 2
 
 
+def test_a_grpc_token_with_a_leading_space_is_accepted_as_perf_analyzer_sends_it(endpoints) -> None:
+    """docs/api.md's `perf_analyzer -i grpc -H "authorization: Bearer $TOKEN"` sends the value
+    with the space after the colon: it was refused UNAUTHENTICATED (HTTP tolerated it)."""
+    grpc = endpoints.grpc_client()
+    spaced = {k: " " + v for k, v in GRPC_HEADERS.items()}
+    assert grpc.infer("vibration", [_grpc_input(_windows(1, 0))], headers=spaced).as_numpy("class_id").shape == (1,)
+    with pytest.raises(InferenceServerException, match="missing or invalid bearer token"):
+        grpc.infer("vibration", [_grpc_input(_windows(1, 0))], headers={"authorization": " Bearer wrong"})
+    grpc.close()
+
+
 def test_metadata_names_tritons_platform_and_answers_name_their_version(endpoints) -> None:
     """Issue 32: metadata said "onnxruntime" where /config says "onnxruntime_onnx" (Triton: both),
     and HTTP infer responses carried no model_version."""

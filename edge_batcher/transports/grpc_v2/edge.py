@@ -125,7 +125,8 @@ class GrpcEdge:
             return
         for key, value in context.invocation_metadata() or ():
             if key == "authorization":
-                scheme, _, given = (value if isinstance(value, str) else value.decode()).partition(" ")
+                # stripped first: perf_analyzer's -H "authorization: Bearer ..." sends " Bearer ..."
+                scheme, _, given = (value if isinstance(value, str) else value.decode()).strip().partition(" ")
                 if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._token):
                     return
         raise Unauthorized("missing or invalid bearer token (gRPC metadata 'authorization: Bearer <token>')")
