@@ -71,7 +71,7 @@ def test_the_cli_explains_itself_instead_of_naming_a_missing_argument(model_repo
 def test_models_lists_inputs_and_outputs(daemon):
     proc = cli("models", "--url", daemon.url)
     assert proc.returncode == 0, proc.stderr
-    assert "vibration  (onnxruntime, batch sizes [2, 4, 8])" in proc.stdout
+    assert "vibration  (onnxruntime_onnx, batch sizes [2, 4, 8])" in proc.stdout  # Triton's platform name
     assert "input  signal: FP32 [-1, 256]" in proc.stdout
     proc = cli("models", "--url", daemon.url, "--json")
     names = {m["name"] for m in json.loads(proc.stdout)}
