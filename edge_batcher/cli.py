@@ -112,6 +112,16 @@ def build_parser() -> argparse.ArgumentParser:
     add_target(p)
     p.set_defaults(func=cmd_models)
 
+    p = sub.add_parser("ps", help="the daemon's models now: state, instances, batch sizes, memory, queue, "
+                                  "batches and requests since start",
+                       description="What runs in the daemon, a line per model (as `ollama ps`): its state (READY, or "
+                                   "UNAVAILABLE with why), engine instances, the batch sizes it serves, the memory "
+                                   "the plan counts for it and what measured it, requests waiting, batches run and "
+                                   "requests answered since it loaded.")
+    p.add_argument("--json", action="store_true")
+    add_target(p)
+    p.set_defaults(func=cmd_ps)
+
     p = sub.add_parser("estimate", help="memory footprint per model, batch size and bucket vs the device budget")
     from .memory.report import add_arguments as add_estimate_arguments
 
@@ -317,6 +327,49 @@ def cmd_infer(args: argparse.Namespace) -> int:
             print(np.array2string(value, precision=4, threshold=64))
             if name in named:
                 print(f"  labels: {', '.join(named[name])}")
+    return 0
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    from .client import ClientError
+
+    with _client(args) as client:
+        try:
+            index = client.repository_index()
+            stats = {m["name"]: m for m in client.all_stats()["model_stats"]}
+        except ClientError as exc:
+            prefix = f"{exc.status}: " if exc.status else ""
+            print(f"edge-batcher ps: {prefix}{exc.message}", file=sys.stderr)
+            return 1
+    rows = []
+    for entry in index:
+        st = stats.get(entry["name"], {})
+        memory = st.get("memory", {})
+        rows.append({
+            "model": entry["name"], "state": entry["state"], "reason": entry.get("reason", ""),
+            "instances": st.get("instances"), "batch_sizes": st.get("batch_sizes"),
+            "memory_bytes": memory.get("resident_bytes"), "measured_by": memory.get("measured_by"),
+            "queue": st.get("queue_depth"), "batches": st.get("execution_count"),
+            "requests": st.get("inference_stats", {}).get("success", {}).get("count"),
+        })
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+
+    def cell(value: object) -> str:
+        return "-" if value is None else ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+    table = [("MODEL", "STATE", "INSTANCES", "SIZES", "MEMORY", "QUEUE", "BATCHES", "REQUESTS")] + [
+        (r["model"], r["state"], cell(r["instances"]), cell(r["batch_sizes"]),
+         "-" if r["memory_bytes"] is None else f"{r['memory_bytes'] / (1 << 20):.1f} MiB"
+         + (f" ({r['measured_by']})" if r["measured_by"] else ""),
+         cell(r["queue"]), cell(r["batches"]), cell(r["requests"])) for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        print("  ".join(value.ljust(width) for value, width in zip(row, widths)).rstrip())
+    for r in rows:
+        if r["reason"]:
+            print(f"{r['model']}: {r['reason']}")
     return 0
 
 

@@ -257,6 +257,21 @@ class Client:
     def stats(self, model: str) -> dict:
         return _json(*self._request_json("GET", _model_path(model, "/stats")))
 
+    def all_stats(self) -> dict:
+        """Every model's statistics (GET /v2/models/stats)."""
+        return _json(*self._request_json("GET", "/v2/models/stats"))
+
+    def repository_index(self) -> list[dict]:
+        """The loaded models with their state (Triton's POST /v2/repository/index)."""
+        return _json(*self._request_json("POST", "/v2/repository/index", b"{}"))
+
+    def load_model(self, model: str) -> None:
+        """Load (or load again) a model of the daemon's repository (Triton's repository extension)."""
+        _json(*self._request_json("POST", f"/v2/repository/models/{quote(model, safe='')}/load", b"{}"))
+
+    def unload_model(self, model: str) -> None:
+        _json(*self._request_json("POST", f"/v2/repository/models/{quote(model, safe='')}/unload", b"{}"))
+
     def live(self) -> bool:
         return self._health("/v2/health/live")
 
@@ -424,6 +439,26 @@ class AsyncClient:
     async def stats(self, model: str) -> dict:
         status, _, data = await self._request("GET", _model_path(model, "/stats"))
         return _json(status, data)
+
+    async def all_stats(self) -> dict:
+        status, _, data = await self._request("GET", "/v2/models/stats")
+        return _json(status, data)
+
+    async def repository_index(self) -> list[dict]:
+        headers = {"Content-Type": JSON_CONTENT_TYPE}
+        status, _, data = await self._request("POST", "/v2/repository/index", b"{}", headers)
+        return _json(status, data)
+
+    async def load_model(self, model: str) -> None:
+        await self._repository("load", model)
+
+    async def unload_model(self, model: str) -> None:
+        await self._repository("unload", model)
+
+    async def _repository(self, action: str, model: str) -> None:
+        path = f"/v2/repository/models/{quote(model, safe='')}/{action}"
+        status, _, data = await self._request("POST", path, b"{}", {"Content-Type": JSON_CONTENT_TYPE})
+        _json(status, data)
 
     async def live(self) -> bool:
         return await self._health("/v2/health/live")

@@ -14,10 +14,10 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from .config import DaemonConfig, ModelConfig, discover_models
+from .config import DaemonConfig, ModelConfig, discover_models, load_model_config
 from .cpu_affinity import full_affinity
 from .engines.registry import REMOTE, create_engine, is_service, service_class
-from .errors import ConfigError, ModelNotFound
+from .errors import ConfigError, InvalidInput, ModelNotFound
 from .memory.budget import MemoryBudget
 from .memory.device import DeviceLoad, ModelDoesNotFit
 from .memory.wiring import MiB, build_budget, model_admission, release_resident
@@ -314,6 +314,45 @@ class Runtime:
             log.info("reload: %s", ", ".join(f"{k} {v}" for k, v in changes.items() if v) or "no changes")
             return changes
 
+    async def load_model(self, name: str) -> str:
+        """Load (or load again) one model of the repository, as Triton's repository extension
+        does (POST /v2/repository/models/{m}/load): a version already serving keeps serving until
+        the new one is loaded and warm, then drains. The memory plan is checked as at start: a
+        model that does not fit is not loaded (ModelDoesNotFit) and the old version stays.
+        Returns "loaded" or "reloaded"."""
+        async with self._reload_lock:
+            repository = Path(self.config.models.repository)
+            directory = repository / name
+            if "/" in name or name.startswith(".") or not (directory / "model.toml").is_file():
+                found = sorted(d.name for d in repository.iterdir() if (d / "model.toml").is_file()) \
+                    if repository.is_dir() else []
+                raise ModelNotFound(f"no model {name!r} in the repository {repository} (it has "
+                                    f"{', '.join(found) or 'none'})")
+            mc = await asyncio.get_running_loop().run_in_executor(None, load_model_config, directory)
+            new = await self._load(mc)
+            old = self.runners.get(name)
+            self.runners[name] = new
+            if old is not None:
+                await self._unload(old, self.config.server.drain_timeout_s)
+            log.info("model %s %s through the API", name, "reloaded" if old is not None else "loaded")
+            return "reloaded" if old is not None else "loaded"
+
+    async def unload_model(self, name: str) -> None:
+        """Take one model out of service (POST /v2/repository/models/{m}/unload): it stops taking
+        requests, answers what it has, and its memory goes back to the budget. A model a loaded
+        service uses (rag's embedding model, its generator) is refused: unload that one first."""
+        async with self._reload_lock:
+            runner = self.runner(name)  # ModelNotFound
+            users = [other for other, servable in sorted(self.runners.items())
+                     if other != name and name in _models_used_by(servable.config)]
+            if users:
+                raise InvalidInput(f"model {name!r} is used by {', '.join(users)}: unload "
+                                   f"{'it' if len(users) == 1 else 'them'} first")
+            del self.runners[name]
+            self._fingerprints.pop(name, None)
+            await self._unload(runner, self.config.server.drain_timeout_s)
+            log.info("model %s unloaded through the API", name)
+
     def not_ready(self) -> dict[str, str]:
         """The loaded models that cannot serve a request now, and why (the readiness endpoints)."""
         return {name: why for name, runner in sorted(self.runners.items()) if (why := runner.not_ready()) is not None}
@@ -353,6 +392,11 @@ def _model_file_specs(config: ModelConfig) -> tuple[list, list]:
         return engine.inputs, engine.outputs
     finally:
         engine.close()
+
+
+def _models_used_by(config: ModelConfig) -> set[str]:
+    """The models a service's config names ([rag] embedding_model and generator)."""
+    return {v for v in (config.rag.get("embedding_model"), config.rag.get("generator")) if isinstance(v, str) and v}
 
 
 def _services_last(configs: list[ModelConfig]) -> list[ModelConfig]:

@@ -312,7 +312,9 @@ class GenerationService(ServiceAccounting):
         self._ok(started, 1)
 
     def statistics(self) -> dict:
-        out = self.stats.triton(self.name)
+        out = self.stats.triton(self.name) | {"queue_depth": len(self.queue), "instances": 1,
+                                              "memory": {"resident_bytes": self.resident_bytes,
+                                                         "measured_by": None}}
         kv = self.decoder.kv
         now = self._loop.snapshot()
         g, sizes = now.counters, now.decode_sizes

@@ -387,7 +387,9 @@ class RagService(ServiceAccounting):
         self._ok(started, 1)
 
     def statistics(self) -> dict:
-        out = self.stats.triton(self.name)
+        out = self.stats.triton(self.name) | {"queue_depth": len(self.queue), "instances": 1,
+                                              "memory": {"resident_bytes": self.resident_bytes,
+                                                         "measured_by": None}}
         c = self.counters
         index = self._index
         out.update({

@@ -564,5 +564,14 @@ class ModelRunner:
     # ------------------------------------------------------------------ introspection
 
     def statistics(self) -> dict[str, Any]:
-        """Triton's statistics-extension shape, plus edge-batcher's dispatch reasons and padding."""
-        return self._stats.to_json(len(self.queue), self.exec_time.measured().items())
+        """Triton's statistics-extension shape, plus edge-batcher's dispatch reasons, padding,
+        and what `edge-batcher ps` shows: instances, the batch sizes served, memory."""
+        stats = self._stats.to_json(len(self.queue), self.exec_time.measured().items())
+        device = self.admission.device if self.admission is not None else None
+        buckets = self.config.sequence.buckets if self.config.sequence else [0]
+        stats["instances"] = len(self.engines)
+        stats["batch_sizes"] = [s for s in self.settings.preferred_batch_sizes if s <= self.settings.max_batch_size
+                                and not (device is not None and all(device.refuses(s, b) for b in buckets))]
+        stats["memory"] = {"resident_bytes": self.resident_bytes,
+                           "measured_by": device.meter if device is not None else "estimate"}
+        return stats

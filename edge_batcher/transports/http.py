@@ -25,6 +25,7 @@ from .http_body import ClientGone, read_body
 from .http_connections import connection_state_middleware
 from .http_generate import add_generate_routes
 from .http_keys import BODY_BUDGET, HEALTH_CHECKS, RUNTIME
+from .http_repository import add_repository_routes
 from .triton_config import MODEL_VERSION, PLATFORMS, model_config, servable_for
 from .v2_decode import decode_request
 
@@ -93,6 +94,7 @@ def create_app(
             web.get(model + "/stats", model_stats),
         ])  # fmt: skip
     add_generate_routes(app)
+    add_repository_routes(app)
     return app
 
 

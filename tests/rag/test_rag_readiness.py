@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from tests.support import rawhttp
 
 
@@ -37,3 +39,16 @@ def test_a_rag_model_without_its_index_is_listed_as_not_ready(start_daemon, rag_
     status, body = rawhttp.request(d.socket, "GET", "/v2/models/rag/ready")
     assert status == 200, body
     assert "not_ready" not in rawhttp.request(d.socket, "GET", "/v2/health/ready")[1]
+
+
+def test_the_embedding_model_of_a_loaded_rag_model_cannot_be_unloaded(start_daemon, rag_repo):
+    from edge_batcher.client import ClientError
+
+    d = start_daemon('[models]\nload = ["minilm", "rag"]\n', repo=rag_repo)
+    with d.client() as client:
+        with pytest.raises(ClientError) as info:
+            client.unload_model("minilm")
+        assert info.value.status == 400 and "model 'minilm' is used by rag: unload it first" in info.value.message
+        client.unload_model("rag")
+        client.unload_model("minilm")  # nothing uses it now
+        assert [m["name"] for m in client.repository_index()] == []

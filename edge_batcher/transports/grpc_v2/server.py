@@ -1,9 +1,9 @@
 """The gRPC server: KServe v2's `inference.GRPCInferenceService` on TCP and Unix sockets.
 
 Serves ServerLive/Ready, ServerMetadata, ModelMetadata/Ready, ModelConfig, ModelStatistics,
-RepositoryIndex and ModelInfer on the event loop (grpc.aio), through the same Runtime, model
-lookup, parameters mapping and codec checks as HTTP; the RPCs it does not serve (shared memory,
-model control, tracing, streaming) answer UNIMPLEMENTED. Every call passes the gRPC edge
+RepositoryIndex, RepositoryModelLoad/Unload and ModelInfer on the event loop (grpc.aio), through
+the same Runtime, model lookup, parameters mapping and codec checks as HTTP; the RPCs it does not
+serve (shared memory, tracing, streaming) answer UNIMPLEMENTED. Every call passes the gRPC edge
 (edge.py) with the limits every listener shares (transports/edge.py): the call limit and, over
 TCP, the bearer token (`authorization: Bearer ...` metadata, every method but ServerLive)
 before its message is read, then the body budget and the error tree's translation. Calls on a
@@ -23,7 +23,7 @@ from google.protobuf import json_format
 
 from ... import __version__
 from ...config import parse_host_port
-from ...errors import ConfigError
+from ...errors import ConfigError, InvalidInput
 from ...protocol.parameters import to_infer_request
 from ...runtime import Runtime
 from ..edge import EdgeLimits
@@ -127,6 +127,8 @@ class GrpcServer:
             "ModelConfig": (self.model_config, pb.ModelConfigRequest),
             "ModelStatistics": (self.model_statistics, pb.ModelStatisticsRequest),
             "RepositoryIndex": (self.repository_index, pb.RepositoryIndexRequest),
+            "RepositoryModelLoad": (self.repository_model_load, pb.RepositoryModelLoadRequest),
+            "RepositoryModelUnload": (self.repository_model_unload, pb.RepositoryModelUnloadRequest),
             "ModelInfer": (self.model_infer, pb.ModelInferRequest),
         }
         return grpc.method_handlers_generic_handler(SERVICE, {
@@ -180,6 +182,25 @@ class GrpcServer:
             index(name=name, version=MODEL_VERSION, state="UNAVAILABLE" if name in not_ready else "READY",
                   reason=not_ready.get(name, "")) for name in sorted(self.runtime.runners)
         ])
+
+    async def repository_model_load(self, request, context) -> pb.RepositoryModelLoadResponse:
+        """As HTTP's POST /v2/repository/models/{m}/load (http_repository.py)."""
+        if request.parameters:
+            raise InvalidInput(f"load: parameters {', '.join(sorted(request.parameters))} are not supported: "
+                               "edge-batcher loads a model as its directory's model.toml says (change it there)")
+        try:
+            await self.runtime.load_model(request.model_name)
+        except ConfigError as exc:
+            raise InvalidInput(f"failed to load {request.model_name!r}: {exc}") from None
+        return pb.RepositoryModelLoadResponse()
+
+    async def repository_model_unload(self, request, context) -> pb.RepositoryModelUnloadResponse:
+        unsupported = sorted(k for k, v in request.parameters.items()
+                             if not (k == "unload_dependents" and not v.bool_param))
+        if unsupported:
+            raise InvalidInput(f"unload: parameters {', '.join(unsupported)} are not supported")
+        await self.runtime.unload_model(request.model_name)
+        return pb.RepositoryModelUnloadResponse()
 
     async def model_infer(self, request: pb.ModelInferRequest, context) -> pb.ModelInferResponse:
         model = request.model_name
