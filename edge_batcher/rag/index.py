@@ -472,11 +472,24 @@ def write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray
 
 def _stage(directory: Path, name: str, write) -> Path:
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=directory)
+    # mkstemp's 0600 would keep the index from the service's user when root writes it (issue 32:
+    # "meta.json cannot be read: Permission denied", then 503 for every question): the mode an
+    # ordinary file gets under the umask instead.
+    os.fchmod(fd, 0o666 & ~_UMASK)
     with os.fdopen(fd, "wb") as fh:
         write(fh)
         fh.flush()
         os.fsync(fh.fileno())
     return Path(tmp)
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o022)  # the only way to read it is to set it: put it back at once
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _current_umask()  # read once, at import: before any thread could create files meanwhile
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -83,6 +83,19 @@ def test_markdown_is_split_at_headings_with_stable_ids():
     assert len(set(ids)) == len(ids)
 
 
+def test_index_files_are_readable_by_the_service_user_whoever_writes_them(tmp_path):
+    """`index add` as root wrote 0600 files (mkstemp's mode) that the service user could not read:
+    the rag model then answered 503 after a restart (issue 32). Now the mode the umask gives."""
+    import os
+
+    passages = [Passage("d#0", "T", "text")]
+    write_index(tmp_path, passages, np.ones((1, 8), np.float32), embedding_model="m")
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in tmp_path.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o666 & ~mask, (f.name, oct(f.stat().st_mode))
+
+
 def test_index_files_belong_together_or_are_refused(tmp_path):
     passages = [Passage(f"d#{i}", f"T{i}", f"text {i}") for i in range(5)]
     vectors = np.random.default_rng(0).normal(size=(5, 8)).astype(np.float32)
