@@ -68,7 +68,7 @@ def test_open_loop_arrivals_keep_their_schedule_and_latency_counts_from_the_arri
     import asyncio
     import time
 
-    from edge_batcher.bench import _poisson_arrivals
+    from edge_batcher.bench.command import _poisson_arrivals
 
     class RunnerAnsweringAtOnce:
         submitted = 0
@@ -99,9 +99,9 @@ def test_open_loop_arrivals_keep_their_schedule_and_latency_counts_from_the_arri
 
 
 def test_the_http_load_generator_counts_answers_by_status(daemon):
-    """edge_batcher/bench_http.py (tools/bench_compare.py's load) against a real daemon: every
+    """edge_batcher/bench/http_load.py (tools/bench_compare.py's load) against a real daemon: every
     answer framed and counted, for a served model and an unknown one."""
-    from edge_batcher.bench_http import bench_http
+    from edge_batcher.bench.http_load import bench_http
 
     ok = bench_http(f"unix://{daemon.socket}", duration_s=0.3, warmup_s=0.1, concurrency=4)
     assert ok["requests"] > 0 and ok["status"] == {"200": ok["requests"]}

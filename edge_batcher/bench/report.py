@@ -1,6 +1,6 @@
 """What `edge-batcher bench` shows: its results as two readable tables, and as a picture.
 
-:func:`format_report` turns the results dict that bench.py measures into a throughput/latency
+:func:`format_report` turns the results dict that command.py measures into a throughput/latency
 table and a batching/overhead table with the ratios under them; :func:`plot_report` draws
 throughput, p50/p99 latency and the batch-size mix per phase into a PNG with matplotlib (the
 optional ``plot`` extra, imported only when a plot is asked for).
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def _phases(r: dict) -> list[tuple[str, dict]]:
@@ -91,7 +91,7 @@ def format_report(r: dict) -> str:
         ratio = auto["throughput_rps"] / better
         lines.append(f"loop_cpu auto vs the better of the two: {ratio:.2f}x ({auto['placement']})")
     if "mqtt" in r:
-        from .bench_mqtt import format_mqtt_report
+        from .mqtt_load import format_mqtt_report
 
         lines += ["", format_mqtt_report(r["mqtt"])]
     return "\n".join(lines)

@@ -18,7 +18,7 @@ assembly/splitting time per request. It is CPU time, so the other core's work do
 
 While it runs, each step is announced on stderr (progress.py: a bar on a terminal, plain lines
 in logs); the results are two tables (throughput and latency; batching and overhead), and with
---plot FILE.png a picture of the same (bench_report.py; matplotlib, the `plot` extra).
+--plot FILE.png a picture of the same (report.py; matplotlib, the `plot` extra).
 """
 
 from __future__ import annotations
@@ -39,16 +39,16 @@ from pathlib import Path
 
 import numpy as np
 
-from . import placement
-from .bench_report import format_report, plot_report, pyplot
-from .config import load_config
-from .cpu_affinity import choose as choose_cpu
-from .cpu_affinity import pin_this_thread
-from .errors import EdgeBatcherError
-from .metrics import Metrics
-from .progress import Progress
-from .runtime import discover_models, load_runner
-from .types import InferRequest
+from .. import placement
+from ..config import load_config
+from ..cpu_affinity import choose as choose_cpu
+from ..cpu_affinity import pin_this_thread
+from ..errors import EdgeBatcherError
+from ..metrics import Metrics
+from ..progress import Progress
+from ..runtime import discover_models, load_runner
+from ..types import InferRequest
+from .report import format_report, plot_report, pyplot
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -404,7 +404,7 @@ class _DaemonSubprocess:
         self.proc = subprocess.Popen(cmd, env=env)
 
     async def __aenter__(self) -> _DaemonSubprocess:
-        from .client import AsyncClient
+        from ..client import AsyncClient
 
         async with AsyncClient(f"unix://{self.socket}") as client:
             for _ in range(600):
@@ -421,7 +421,7 @@ class _DaemonSubprocess:
 
 
 async def _over_unix_socket(config, model: str, sample, args) -> dict:
-    from .client import AsyncClient
+    from ..client import AsyncClient
 
     async with _DaemonSubprocess(config, model) as daemon, AsyncClient(f"unix://{daemon.socket}") as client:
         loop = asyncio.get_running_loop()
@@ -451,8 +451,8 @@ async def _over_unix_socket(config, model: str, sample, args) -> dict:
 
 async def _through_mqtt(config, model: str, sample, args) -> dict:
     """A daemon subprocess subscribed on the broker, loaded with MQTT 5 request/response."""
-    from .bench_mqtt import bench_mqtt
-    from .config import parse_host_port
+    from ..config import parse_host_port
+    from .mqtt_load import bench_mqtt
 
     host, port = parse_host_port(args.mqtt, "--mqtt")
     prefix = f"edge-batcher/bench-{os.getpid()}"
