@@ -68,7 +68,7 @@ def test_open_loop_arrivals_keep_their_schedule_and_latency_counts_from_the_arri
     import asyncio
     import time
 
-    from edge_batcher.bench.command import _poisson_arrivals
+    from edge_batcher.bench.open_loop import poisson_arrivals
 
     class RunnerAnsweringAtOnce:
         submitted = 0
@@ -85,7 +85,7 @@ def test_open_loop_arrivals_keep_their_schedule_and_latency_counts_from_the_arri
         loop = asyncio.get_running_loop()
         runner, latencies, errors = RunnerAnsweringAtOnce(), [], {}
         loop.call_later(0.1, time.sleep, stall)  # the whole loop stops, as under a CPU stall
-        await _poisson_arrivals(runner, "m", {"x": None}, rate, loop.time() + duration, latencies, errors)
+        await poisson_arrivals(runner, "m", {"x": None}, rate, loop.time() + duration, latencies, errors)
         return runner.submitted, latencies, errors
 
     submitted, latencies, errors = asyncio.run(main())

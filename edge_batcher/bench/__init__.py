@@ -1,6 +1,12 @@
 """`edge-batcher bench` and its load generators, one concept per module.
 
-* ``command.py``: the subcommand: its arguments, the phases it runs in order, the results.
+* ``command.py``: the subcommand's arguments, and what it prints or writes.
+* ``local_bench.py``: one model's phases, in the order they run.
+* ``engine_phases.py``: the engine alone: its raw ceiling and a minimal asyncio batcher.
+* ``in_process.py``: load through the whole runtime in this process, closed or open loop.
+* ``open_loop.py``: the open loop's Poisson arrivals.
+* ``daemon_phases.py``: a daemon subprocess, loaded over its Unix socket or through MQTT.
+* ``figures.py``: latency percentiles and the median run, shared by the phases.
 * ``report.py``: the results as two tables, and as a picture (--plot).
 * ``mqtt_load.py``: a closed-loop MQTT 5 request/response load generator.
 * ``http_load.py``: a light closed-loop HTTP/1.1 load generator (tools/bench_compare.py).

@@ -19,7 +19,7 @@ from collections import Counter
 import numpy as np
 
 from ..protocol import v2
-from .mqtt_load import latency_summary
+from .figures import latency_summary
 
 
 def v2_json_request(inputs: dict[str, np.ndarray]) -> bytes:

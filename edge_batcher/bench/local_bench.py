@@ -1,0 +1,105 @@
+"""The bench of one model, measured side by side in one run, in this order:
+
+1. the raw engine ceiling: the engine's infer() called directly at the largest preferred size,
+   and a minimal asyncio batcher on the same engine (a reference for what the interpreter
+   allows, engine_phases.py);
+2. in-process load through the full runtime (queue, policy, worker thread, futures), closed
+   loop (N concurrent callers) and open loop (Poisson arrivals at a fixed rate): in_process.py;
+3. the same closed-loop load with batching off (preferred sizes [1]); and, when the event loop
+   and engine threads share one CPU ([server] loop_cpu), the closed loop without that;
+4. optionally (--unix) the same closed-loop load through a daemon subprocess on a Unix socket,
+   with the binary tensor extension, and (--mqtt) through an MQTT broker: daemon_phases.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import statistics
+from pathlib import Path
+
+from .. import placement
+from ..cpu_affinity import choose as choose_cpu
+from ..cpu_affinity import pin_this_thread
+from ..metrics import Metrics
+from ..progress import Progress
+from ..runtime import discover_models, load_runner
+from .daemon_phases import over_unix_socket, through_mqtt
+from .engine_phases import minimal_batcher, raw_ceiling
+from .figures import median_run
+from .in_process import in_process
+
+
+async def bench_local(config, args) -> dict:
+    (mc,) = discover_models(Path(config.models.repository), [args.model])
+    loop = asyncio.get_running_loop()
+    # The thread placement the daemon uses ([server] loop_cpu): this thread is the event loop.
+    cpu = choose_cpu(config.server.loop_cpu)
+    pin_this_thread(cpu)
+    runner = await loop.run_in_executor(None, load_runner, mc, Metrics(), True)
+    engine = runner.engines[0]
+    sample = placement.sample_inputs(runner)
+    # What the engine itself takes: a model that prepares its inputs (text -> token ids) gets
+    # them prepared, as the runner would, for the two phases that bypass the runner.
+    prepare = getattr(engine, "prepare", None)
+    engine_sample = prepare(sample)[0] if callable(prepare) else sample
+    largest = mc.batching.preferred_batch_sizes[-1]
+    out: dict = {"model": mc.name, "preferred_batch_sizes": mc.batching.preferred_batch_sizes,
+                 "concurrency": args.concurrency, "duration_s": args.duration, "repeat": args.repeat,
+                 "loop_cpu": cpu}
+
+    n = args.repeat
+    auto = cpu is not None and config.server.loop_cpu == "auto"
+    progress = Progress("bench", n * (5 + (cpu is not None) + auto) + bool(args.unix) + bool(args.mqtt))
+
+    def runs(label: str):
+        for i in range(n):
+            progress.step(f"{label}, run {i + 1}/{n}")
+            yield i
+
+    ceilings = [raw_ceiling(engine, engine_sample, largest, args.duration) for _ in runs("raw engine ceiling")]
+    out["raw_ceiling_rps"] = statistics.median(ceilings)
+    floors = [await minimal_batcher(engine, engine_sample, largest, args) for _ in runs("minimal asyncio batcher")]
+    out["minimal_batcher_rps"] = statistics.median(floors)
+    await runner.close()
+
+    batched = [await in_process(mc, sample, args, closed=True) for _ in runs("in-process, closed loop")]
+    out["in_process_closed"] = median_run(batched)
+    # Half the closed-loop throughput: latency under a moderate load, below saturation.
+    rate = args.rate or 0.5 * out["in_process_closed"]["throughput_rps"]
+    out["in_process_open"] = median_run(
+        [await in_process(mc, sample, args, closed=False, rate=rate) for _ in runs("in-process, open loop")]
+    )
+
+    unbatched_config = copy.deepcopy(mc)
+    unbatched_config.batching.preferred_batch_sizes = [1]
+    unbatched_config.batching.max_batch_size = 1
+    out["in_process_no_batching"] = median_run(
+        [await in_process(unbatched_config, sample, args, closed=True) for _ in runs("in-process, batching off")]
+    )
+    # From here on this thread runs on every CPU: first the same closed loop with the loop
+    # and engine threads free (loop_cpu = "off"), to show what sharing one CPU buys; then
+    # only as the load generator of a daemon subprocess, which pins its own threads and
+    # must not have to compete for its CPU.
+    pin_this_thread(None)
+    if cpu is not None:
+        out["in_process_closed_any_cpu"] = median_run(
+            [await in_process(mc, sample, args, closed=True) for _ in runs("in-process, threads on any CPU")]
+        )
+    if auto:  # the placement the daemon would choose, measured as it measures, then loaded the same way
+        out["in_process_closed_auto"] = median_run(
+            [await in_process(mc, sample, args, closed=True, auto_cpu=cpu) for _ in runs("in-process, loop_cpu auto")]
+        )
+        pin_this_thread(None)
+    out["ratio_to_ceiling"] = out["in_process_closed"]["throughput_rps"] / out["raw_ceiling_rps"]
+    out["speedup_over_no_batching"] = (
+        out["in_process_closed"]["throughput_rps"] / out["in_process_no_batching"]["throughput_rps"]
+    )
+    if args.unix:
+        progress.step(f"Unix socket, a daemon subprocess, {n} run(s)")
+        out["unix_socket_closed"] = await over_unix_socket(config, mc.name, sample, args)
+    if args.mqtt:
+        progress.step(f"MQTT through {args.mqtt}, a daemon subprocess, {n} run(s)")
+        out["mqtt"] = await through_mqtt(config, mc.name, sample, args)
+    progress.close()
+    return out
