@@ -12,7 +12,7 @@ from pathlib import Path
 def test_bench_reports_every_phase(model_repo):
     proc = subprocess.run(
         [sys.executable, "-m", "edge_batcher.cli", "bench", "--models", str(model_repo), "--duration", "0.5",
-         "--repeat", "1", "--concurrency", "16", "--unix", "--json"],
+         "--repeat", "1", "--concurrency", "16", "--rate", "25%,2000", "--unix", "--json"],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
@@ -21,10 +21,17 @@ def test_bench_reports_every_phase(model_repo):
     assert r["minimal_batcher_rps"] > 0
     if r["loop_cpu"] is not None:  # threads share one CPU: the bench also measures without that
         assert r["in_process_closed_any_cpu"]["throughput_rps"] > 0
-    for phase in ("in_process_closed", "in_process_open", "in_process_no_batching", "unix_socket_closed"):
-        p = r[phase]
-        assert p["requests"] > 0 and p["throughput_rps"] > 0, phase
-        assert 0 < p["p50_ms"] <= p["p95_ms"] <= p["p99_ms"], phase
+    opened = r["in_process_open"]
+    for p in (r["in_process_closed"], *opened, r["in_process_no_batching"], r["unix_socket_closed"]):
+        assert p["requests"] > 0 and p["throughput_rps"] > 0, p
+        assert 0 < p["p50_ms"] <= p["p95_ms"] <= p["p99_ms"], p
+    # One open-loop phase per --rate: a share of the closed loop's throughput, or arrivals/s.
+    assert [p["load"] for p in opened] == ["25%", "2000/s"]
+    assert [p["rate"] for p in opened] == [0.25 * r["in_process_closed"]["throughput_rps"], 2000]
+    for p in opened:
+        expected = p["rate"] * r["duration_s"]
+        assert abs(p["offered_rps"] * r["duration_s"] - expected) < 5 * expected ** 0.5  # a Poisson count
+        assert sum(p["statuses"].values()) == round(p["offered_rps"] * r["duration_s"])
     assert set(r["in_process_closed"]["batch_sizes"]) <= {"2", "4", "8"}
     assert set(r["in_process_no_batching"]["batch_sizes"]) == {"1"}
     assert r["in_process_closed"]["overhead_us_per_request"] > 0
@@ -61,10 +68,11 @@ def test_engine_cost_bench_builds_checked_spectrum_models_and_measures_each():
 
 def test_open_loop_arrivals_keep_their_schedule_and_latency_counts_from_the_arrival():
     """Poisson arrivals keep their schedule while the loop is stalled: the ones due during a
-    stall are submitted together when it ends, and their latency includes the stall (no
-    coordinated omission: a slow runtime cannot lower the load it is measured under). The
-    runner here answers on the next loop iteration, so any latency is the generator's own;
-    the real runtime under this generator is in test_bench_reports_every_phase."""
+    stall are submitted together when it ends, their latency includes the stall (no
+    coordinated omission: a slow runtime cannot lower the load it is measured under), and
+    their lag says how late they were submitted. The runner here answers on the next loop
+    iteration, so any latency is the generator's own; the real runtime under this generator
+    is in test_open_loop_past_capacity_counts_what_was_offered_served_and_refused."""
     import asyncio
     import time
 
@@ -72,6 +80,9 @@ def test_open_loop_arrivals_keep_their_schedule_and_latency_counts_from_the_arri
 
     class RunnerAnsweringAtOnce:
         submitted = 0
+
+        def refuse_if_full(self):
+            pass
 
         def infer(self, request):
             self.submitted += 1
@@ -82,20 +93,55 @@ def test_open_loop_arrivals_keep_their_schedule_and_latency_counts_from_the_arri
     rate, duration, stall = 400.0, 0.5, 0.15
 
     async def main():
-        loop = asyncio.get_running_loop()
-        runner, latencies, errors = RunnerAnsweringAtOnce(), [], {}
-        loop.call_later(0.1, time.sleep, stall)  # the whole loop stops, as under a CPU stall
-        await poisson_arrivals(runner, "m", {"x": None}, rate, loop.time() + duration, latencies, errors)
-        return runner.submitted, latencies, errors
+        runner = RunnerAnsweringAtOnce()
+        asyncio.get_running_loop().call_later(0.1, time.sleep, stall)  # the whole loop stops, as under a CPU stall
+        run = await poisson_arrivals(runner, "m", {"x": None}, rate, duration)
+        return runner.submitted, run
 
-    submitted, latencies, errors = asyncio.run(main())
+    submitted, run = asyncio.run(main())
     expected = rate * duration
-    assert errors == {} and len(latencies) == submitted
+    assert run.errors == {} and run.statuses == {200: submitted} and run.offered == submitted
+    assert len(run.latencies) == len(run.lags) == submitted
     assert abs(submitted - expected) < 5 * expected ** 0.5  # a Poisson count, within 5 sigma
     # ~rate * stall arrivals fell due during the stall, half of them over half of it before
     # its end; timing from submission would see at most the one then in flight.
-    waited_out = sum(1 for latency in latencies if latency >= 0.5 * stall)
+    waited_out = sum(1 for latency in run.latencies if latency >= 0.5 * stall)
     assert waited_out >= 0.25 * rate * stall
+    assert sum(1 for lag in run.lags if lag >= 0.5 * stall) >= 0.25 * rate * stall
+    assert run.served_in_window <= submitted
+
+
+def test_open_loop_past_capacity_counts_what_was_offered_served_and_refused(model_repo):
+    """The real runtime with a queue of 8 under ten times the arrivals it can take: every
+    arrival is answered once, as a client would count it (200, or 429 from the full queue);
+    throughput is what was served while arrivals were due, below what was offered."""
+    import argparse
+    import asyncio
+
+    from edge_batcher import placement
+    from edge_batcher.bench.in_process import in_process
+    from edge_batcher.metrics import Metrics
+    from edge_batcher.runtime import discover_models, load_runner
+
+    (model,) = discover_models(model_repo, ["vibration"])
+    model.batching.queue_capacity = 8
+    args = argparse.Namespace(duration=0.5, concurrency=8)
+
+    async def main():
+        runner = await asyncio.get_running_loop().run_in_executor(None, load_runner, model, Metrics(), True)
+        sample = placement.sample_inputs(runner)
+        await runner.close()
+        closed = await in_process(model, sample, args, closed=True)
+        return closed, await in_process(model, sample, args, closed=False, rate=10 * closed["throughput_rps"])
+
+    closed, p = asyncio.run(main())
+    assert closed["statuses"] == {"200": closed["requests"]}
+    offered = round(p["offered_rps"] * args.duration)
+    assert set(p["statuses"]) == {"200", "429"} and sum(p["statuses"].values()) == offered
+    assert p["errors"] == {"Overloaded": p["statuses"]["429"]} and p["requests"] == p["statuses"]["200"]
+    assert 0 < p["throughput_rps"] * args.duration <= p["requests"] < offered
+    assert 0 <= p["lag_p50_ms"] <= p["lag_p99_ms"]
+    assert p["generator_us_per_request"] > 0 and p["overhead_us_per_request"] > 0
 
 
 def test_the_http_load_generator_counts_answers_by_status(daemon):

@@ -4,7 +4,7 @@
 * ``local_bench.py``: one model's phases, in the order they run.
 * ``engine_phases.py``: the engine alone: its raw ceiling and a minimal asyncio batcher.
 * ``in_process.py``: load through the whole runtime in this process, closed or open loop.
-* ``open_loop.py``: the open loop's Poisson arrivals.
+* ``open_loop.py``: the open loop: --rate, Poisson arrivals and what they saw.
 * ``daemon_phases.py``: a daemon subprocess, loaded over its Unix socket or through MQTT.
 * ``figures.py``: latency percentiles and the median run, shared by the phases.
 * ``report.py``: the results as two tables, and as a picture (--plot).

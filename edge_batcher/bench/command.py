@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..config import load_config
 from .local_bench import bench_local
+from .open_loop import rates
 from .report import format_report, plot_report, pyplot
 
 
@@ -25,8 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="vibration", help="model to load (default: vibration)")
     p.add_argument("--duration", type=float, default=3.0, help="seconds per phase (default 3)")
     p.add_argument("--concurrency", type=int, default=64, help="closed-loop callers (default 64)")
-    p.add_argument("--rate", type=float, default=0.0,
-                   help="open-loop arrivals per second (default: 50%% of measured closed-loop throughput)")
+    p.add_argument("--rate", type=rates, default=rates("25%,50%,75%"), metavar="RATE[,RATE...]",
+                   help="open-loop arrivals per second, one open-loop phase each: a number, or a share of the "
+                        "measured closed-loop throughput such as 50%% (default 25%%,50%%,75%%)")
     p.add_argument("--unix", action="store_true", help="also load a daemon subprocess over its Unix socket")
     p.add_argument("--mqtt", metavar="HOST:PORT", help="also load a daemon subprocess through this MQTT broker")
     p.add_argument("--repeat", type=int, default=3, help="repeat each phase, report medians (default 3)")

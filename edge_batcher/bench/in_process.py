@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 
 from .. import placement
 from ..errors import EdgeBatcherError
@@ -15,11 +16,11 @@ from ..metrics import Metrics
 from ..runtime import load_runner
 from ..types import InferRequest
 from .figures import percentiles
-from .open_loop import poisson_arrivals
+from .open_loop import generator_cost_us, poisson_arrivals
 
 
 async def in_process(model_config, sample, args, *, closed: bool, rate: float = 0.0,
-                      auto_cpu: int | None = None) -> dict:
+                     auto_cpu: int | None = None) -> dict:
     """One load phase on a fresh runner; `auto_cpu`: first let placement.choose decide
     between that CPU and any CPU, as the daemon does with loop_cpu = "auto"."""
     loop = asyncio.get_running_loop()
@@ -28,55 +29,82 @@ async def in_process(model_config, sample, args, *, closed: bool, rate: float = 
     await runner.start()
     choice = await placement.choose(auto_cpu, [runner]) if auto_cpu is not None else None
 
-    latencies: list[float] = []
-    errors: dict[str, int] = {}
-    stop_at = loop.time() + args.duration
-
-    async def one() -> None:
-        t0 = loop.time()
-        try:
-            await runner.infer(InferRequest(model_config.name, sample))
-        except EdgeBatcherError as exc:  # open loop past capacity: count it, as a client would see it
-            errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
-            return
-        latencies.append(loop.time() - t0)
-
-    async def caller() -> None:
-        while loop.time() < stop_at:
-            await one()
-
     cpu0 = time.thread_time()
-    t0 = loop.time()
     if closed:
-        await asyncio.gather(*(caller() for _ in range(args.concurrency)))
+        figures = await _closed_loop(runner, model_config.name, sample, args)
     else:
-        await poisson_arrivals(runner, model_config.name, sample, rate, stop_at, latencies, errors)
-    wall = loop.time() - t0
+        figures = await _open_loop(runner, model_config.name, sample, rate, args.duration)
     loop_cpu = time.thread_time() - cpu0
     stats = runner.statistics()
     await runner.close()
-    n = len(latencies)
+    answered = sum(figures["statuses"].values())
     worker_io_s = stats["execution_ns"]["assemble_and_split"] / 1e9
+    overhead = (loop_cpu + worker_io_s) / answered * 1e6 if answered else None
+    # The generator's own loop CPU, measured alone. The closed loop's is the same whatever the
+    # runtime does, so it is subtracted; the open loop's depends on how busy the loop is (alone
+    # it pays a loop turn per few arrivals, behind a saturated runtime it submits many per turn),
+    # so it is shown beside the phase's figure, not subtracted from it.
+    own = (closed_generator_cost_us(model_config.name, sample) if closed
+           else generator_cost_us(model_config.name, sample, rate))
     return {
-        "requests": n,
-        "throughput_rps": n / wall,
-        "offered_rps": rate if not closed else None,
-        "errors": errors,
-        **percentiles(latencies),
+        **figures,
         "batch_sizes": {str(b["batch_size"]): b["compute_infer"]["count"] for b in stats["batch_stats"]},
         "dispatch_reasons": stats["dispatch_reasons"],
         "padding_ratio": round(stats["padding_ratio"], 4),
-        "overhead_us_per_request": (loop_cpu + worker_io_s) / n * 1e6 if n else None,
-        "runtime_overhead_us_per_request": (
-            (loop_cpu + worker_io_s) / n * 1e6 - generator_cost_us(model_config.name, sample)
-        ) if n and closed else None,
-        "loop_cpu_us_per_request": loop_cpu / n * 1e6 if n else None,
-        "engine_us_per_request": stats["execution_ns"]["engine"] / 1e3 / n if n else None,
+        # Per request answered, whatever its status: a refused request costs the loop too.
+        "overhead_us_per_request": overhead,
+        "generator_us_per_request": own,
+        "runtime_overhead_us_per_request": overhead - own if overhead is not None and closed else None,
+        "loop_cpu_us_per_request": loop_cpu / answered * 1e6 if answered else None,
+        "engine_us_per_request": stats["execution_ns"]["engine"] / 1e3 / answered if answered else None,
         **({"placement_cpu": choice.cpu, "placement": choice.why} if choice else {}),
     }
 
 
-def generator_cost_us(model: str, sample) -> float:
+async def _closed_loop(runner, model: str, sample, args) -> dict:
+    """`args.concurrency` callers, each sending its next request when its last is answered."""
+    loop = asyncio.get_running_loop()
+    latencies: list[float] = []
+    statuses: Counter = Counter()
+    errors: Counter = Counter()
+    stop_at = loop.time() + args.duration
+
+    async def caller() -> None:
+        while loop.time() < stop_at:
+            t0 = loop.time()
+            try:
+                await runner.infer(InferRequest(model, sample))
+            except EdgeBatcherError as exc:  # counted, as a client would see it
+                statuses[exc.status] += 1
+                errors[type(exc).__name__] += 1
+                await asyncio.sleep(0)  # a refusal raises at once: let the loop run before the next
+                continue
+            latencies.append(loop.time() - t0)
+            statuses[200] += 1
+
+    t0 = loop.time()
+    await asyncio.gather(*(caller() for _ in range(args.concurrency)))
+    wall = loop.time() - t0
+    return {"requests": len(latencies), "throughput_rps": len(latencies) / wall, "offered_rps": None,
+            "statuses": _by_status(statuses), "errors": dict(errors), **percentiles(latencies)}
+
+
+async def _open_loop(runner, model: str, sample, rate: float, duration: float) -> dict:
+    """Poisson arrivals at `rate` for `duration`. Throughput counts the successful answers
+    given while arrivals were due, over that window: the rate the runtime kept up with."""
+    run = await poisson_arrivals(runner, model, sample, rate, duration)
+    lag = percentiles(run.lags)
+    return {"requests": len(run.latencies), "throughput_rps": run.served_in_window / run.window_s,
+            "rate": rate, "offered_rps": run.offered / run.window_s,
+            "statuses": _by_status(run.statuses), "errors": dict(run.errors), **percentiles(run.latencies),
+            "lag_p50_ms": lag["p50_ms"], "lag_p99_ms": lag["p99_ms"]}
+
+
+def _by_status(statuses: Counter) -> dict[str, int]:
+    return {str(status): statuses[status] for status in sorted(statuses)}
+
+
+def closed_generator_cost_us(model: str, sample) -> float:
     """Event-loop CPU per request of the closed-loop load generator itself: the same caller
     coroutine (building the InferRequest, awaiting, timing, recording) around a future that is
     already resolved. Subtracted to report the runtime's own overhead."""

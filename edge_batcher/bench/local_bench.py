@@ -4,7 +4,7 @@
    and a minimal asyncio batcher on the same engine (a reference for what the interpreter
    allows, engine_phases.py);
 2. in-process load through the full runtime (queue, policy, worker thread, futures), closed
-   loop (N concurrent callers) and open loop (Poisson arrivals at a fixed rate): in_process.py;
+   loop (N concurrent callers) and open loop (Poisson arrivals at each --rate): in_process.py;
 3. the same closed-loop load with batching off (preferred sizes [1]); and, when the event loop
    and engine threads share one CPU ([server] loop_cpu), the closed loop without that;
 4. optionally (--unix) the same closed-loop load through a daemon subprocess on a Unix socket,
@@ -50,7 +50,8 @@ async def bench_local(config, args) -> dict:
 
     n = args.repeat
     auto = cpu is not None and config.server.loop_cpu == "auto"
-    progress = Progress("bench", n * (5 + (cpu is not None) + auto) + bool(args.unix) + bool(args.mqtt))
+    steps = n * (4 + len(args.rate) + (cpu is not None) + auto) + bool(args.unix) + bool(args.mqtt)
+    progress = Progress("bench", steps)
 
     def runs(label: str):
         for i in range(n):
@@ -65,11 +66,15 @@ async def bench_local(config, args) -> dict:
 
     batched = [await in_process(mc, sample, args, closed=True) for _ in runs("in-process, closed loop")]
     out["in_process_closed"] = median_run(batched)
-    # Half the closed-loop throughput: latency under a moderate load, below saturation.
-    rate = args.rate or 0.5 * out["in_process_closed"]["throughput_rps"]
-    out["in_process_open"] = median_run(
-        [await in_process(mc, sample, args, closed=False, rate=rate) for _ in runs("in-process, open loop")]
-    )
+    # Open loop at several loads: the closed loop's throughput is no capacity for Poisson
+    # arrivals (docs/benchmarks.md), so one rate cannot say where the runtime stops keeping up.
+    closed_rps = out["in_process_closed"]["throughput_rps"]
+    out["in_process_open"] = []
+    for rate in args.rate:
+        per_s = rate.per_second(closed_rps)
+        phase = median_run([await in_process(mc, sample, args, closed=False, rate=per_s)
+                            for _ in runs(f"in-process, open loop at {rate}")])
+        out["in_process_open"].append({"load": str(rate), **phase})
 
     unbatched_config = copy.deepcopy(mc)
     unbatched_config.batching.preferred_batch_sizes = [1]
