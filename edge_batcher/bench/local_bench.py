@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import statistics
+import time
 from pathlib import Path
 
 from .. import placement
@@ -24,10 +25,11 @@ from ..cpu_affinity import pin_this_thread
 from ..metrics import Metrics
 from ..progress import Progress
 from ..runtime import discover_models, load_runner
-from .daemon_phases import over_unix_socket, through_mqtt
+from .daemon_phases import DAEMON_STARTUP_S, MQTT_WARMUP_S, over_unix_socket, through_mqtt
 from .engine_phases import minimal_batcher, raw_ceiling
 from .figures import median_run
 from .in_process import in_process
+from .open_loop import GENERATOR_ALONE_S
 
 
 async def bench_local(config, args) -> dict:
@@ -36,7 +38,9 @@ async def bench_local(config, args) -> dict:
     # The thread placement the daemon uses ([server] loop_cpu): this thread is the event loop.
     cpu = choose_cpu(config.server.loop_cpu)
     pin_this_thread(cpu)
+    started = time.monotonic()
     runner = await loop.run_in_executor(None, load_runner, mc, Metrics(), True)
+    load_s = time.monotonic() - started  # each in-process run loads a fresh runner: the plan counts it
     engine = runner.engines[0]
     sample = placement.sample_inputs(runner)
     # What the engine itself takes: a model that prepares its inputs (text -> token ids) gets
@@ -50,8 +54,8 @@ async def bench_local(config, args) -> dict:
 
     n = args.repeat
     auto = cpu is not None and config.server.loop_cpu == "auto"
-    steps = n * (4 + len(args.rate) + (cpu is not None) + auto) + bool(args.unix) + bool(args.mqtt)
-    progress = Progress("bench", steps)
+    plan = _plan(args, load_s, pinned=cpu is not None, auto=auto)
+    progress = Progress("bench", len(plan), weights=plan)
 
     def runs(label: str):
         for i in range(n):
@@ -108,3 +112,20 @@ async def bench_local(config, args) -> dict:
         out["mqtt"] = await through_mqtt(config, mc.name, sample, args)
     progress.close()
     return out
+
+
+def _plan(args, load_s: float, *, pinned: bool, auto: bool) -> list[float]:
+    """Each step's expected seconds, in the order bench_local announces them: the progress
+    estimate weighs the steps left by these (a daemon subprocess's step runs every repeat and
+    first starts the daemon: ~4x the others at the defaults)."""
+    d, n = args.duration, args.repeat
+    run = d + load_s
+    calibration = placement.ROUNDS * 2 * placement.SECONDS_PER_RUN
+    steps = [d] * (2 * n) + [run] * n  # raw ceiling, minimal batcher; closed loop
+    steps += [run + GENERATOR_ALONE_S] * (n * len(args.rate))  # open loop, then its generator alone
+    steps += [run] * (n * (1 + pinned))  # batching off; threads on any CPU
+    steps += [run + calibration] * (n * auto)
+    daemon = DAEMON_STARTUP_S + load_s + calibration
+    steps += [n * d + daemon] * bool(args.unix)
+    steps += [n * (d + MQTT_WARMUP_S) + daemon] * bool(args.mqtt)
+    return steps

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from ..errors import EdgeBatcherError
 from ..types import InferRequest
 
+GENERATOR_ALONE_S = 0.3  # how long the generator runs alone after each open-loop run (generator_cost_us)
+
 
 @dataclass
 class OpenLoopRun:
@@ -143,7 +145,7 @@ class _AnsweredAtOnce:
         return future
 
 
-def generator_cost_us(model: str, sample, rate: float, seconds: float = 0.3) -> float:
+def generator_cost_us(model: str, sample, rate: float, seconds: float = GENERATOR_ALONE_S) -> float:
     """Event-loop CPU per arrival of this generator alone at `rate`: the same arrivals, timers
     and answer callbacks in front of a runner that answers at once (the loop idle between
     arrivals: behind a busy runtime, one timer submits more arrivals at a time)."""
