@@ -32,6 +32,9 @@ def test_bench_reports_every_phase(model_repo):
         expected = p["rate"] * r["duration_s"]
         assert abs(p["offered_rps"] * r["duration_s"] - expected) < 5 * expected ** 0.5  # a Poisson count
         assert sum(p["statuses"].values()) == round(p["offered_rps"] * r["duration_s"])
+    unix = r["unix_socket_closed"]
+    assert unix["url"].startswith("unix://") and unix["statuses"] == {"200": unix["requests"]}
+    assert sum(int(size) * count for size, count in unix["batch_sizes"].items()) >= unix["requests"]
     assert set(r["in_process_closed"]["batch_sizes"]) <= {"2", "4", "8"}
     assert set(r["in_process_no_batching"]["batch_sizes"]) == {"1"}
     assert r["in_process_closed"]["overhead_us_per_request"] > 0

@@ -5,7 +5,9 @@
 * ``engine_phases.py``: the engine alone: its raw ceiling and a minimal asyncio batcher.
 * ``in_process.py``: load through the whole runtime in this process, closed or open loop.
 * ``open_loop.py``: the open loop: --rate, Poisson arrivals and what they saw.
-* ``daemon_phases.py``: a daemon subprocess, loaded over its Unix socket or through MQTT.
+* ``url_bench.py``: --url: the transport phases against a running daemon, on its models.
+* ``daemon_phases.py``: a daemon subprocess of its own, for the transport phases.
+* ``transport_phases.py``: any daemon loaded over its URL or through its MQTT broker.
 * ``figures.py``: latency percentiles and the median run, shared by the phases.
 * ``report.py``: the results as two tables, and as a picture (--plot).
 * ``mqtt_load.py``: a closed-loop MQTT 5 request/response load generator.

@@ -1,6 +1,5 @@
 """Phases through a daemon subprocess: `edge-batcher serve` for one model on a private Unix
-socket, loaded over that socket (the async client, binary tensor extension) or through an MQTT
-broker (mqtt_load.py)."""
+socket, loaded over that socket or through an MQTT broker (transport_phases.py)."""
 
 from __future__ import annotations
 
@@ -11,12 +10,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .figures import median_run, percentiles
+from ..client import AsyncClient
+from .transport_phases import closed_loop_over, through_broker
 
 # A subprocess's interpreter and imports before `serve` loads its model (~1 s on the 2-core VM,
 # where the whole start took 2.1 s with the model's load and the loop_cpu = "auto" calibration).
 DAEMON_STARTUP_S = 1.0
-MQTT_WARMUP_S = 0.5  # the MQTT phase's unmeasured start of each run
 
 
 class DaemonSubprocess:
@@ -32,8 +31,6 @@ class DaemonSubprocess:
         self.proc = subprocess.Popen(cmd, env=env)
 
     async def __aenter__(self) -> DaemonSubprocess:
-        from ..client import AsyncClient
-
         async with AsyncClient(f"unix://{self.socket}") as client:
             for _ in range(600):
                 if self.proc.poll() is not None:
@@ -45,42 +42,18 @@ class DaemonSubprocess:
 
     async def __aexit__(self, *exc) -> None:
         self.proc.terminate()
-        self.proc.wait(timeout=30)
+        await asyncio.get_running_loop().run_in_executor(None, self.proc.wait, 30)
 
 
 async def over_unix_socket(config, model: str, sample, args) -> dict:
-    from ..client import AsyncClient
-
-    async with DaemonSubprocess(config, model) as daemon, AsyncClient(f"unix://{daemon.socket}") as client:
-        loop = asyncio.get_running_loop()
-        runs = []
-        for _ in range(args.repeat):
-            latencies: list[float] = []
-            stop_at = loop.time() + args.duration
-
-            async def caller(stop_at: float = stop_at, latencies: list[float] = latencies) -> None:
-                while loop.time() < stop_at:
-                    t0 = loop.time()
-                    await client.infer(model, sample)
-                    latencies.append(loop.time() - t0)
-
-            t0 = loop.time()
-            await asyncio.gather(*(caller() for _ in range(args.concurrency)))
-            wall = loop.time() - t0
-            runs.append({"requests": len(latencies), "throughput_rps": len(latencies) / wall,
-                         **percentiles(latencies)})
-        result = median_run(runs)
-        stats = await client.stats(model)
-        ms = stats["model_stats"][0]
-        result["batch_sizes"] = {str(b["batch_size"]): b["compute_infer"]["count"] for b in ms["batch_stats"]}
-        result["dispatch_reasons"] = ms["dispatch_reasons"]
-        return result
+    """A daemon subprocess for `model`, loaded by closed-loop callers over its Unix socket."""
+    async with DaemonSubprocess(config, model) as daemon:
+        return await closed_loop_over(f"unix://{daemon.socket}", None, model, sample, args)
 
 
 async def through_mqtt(config, model: str, sample, args) -> dict:
     """A daemon subprocess subscribed on the broker, loaded with MQTT 5 request/response."""
     from ..config import parse_host_port
-    from .mqtt_load import bench_mqtt
 
     host, port = parse_host_port(args.mqtt, "--mqtt")
     prefix = f"edge-batcher/bench-{os.getpid()}"
@@ -88,12 +61,4 @@ async def through_mqtt(config, model: str, sample, args) -> dict:
            "EDGE_BATCHER_MQTT_PORT": str(port), "EDGE_BATCHER_MQTT_TOPIC_PREFIX": prefix,
            "EDGE_BATCHER_MQTT_CLIENT_ID": f"edge-batcher-bench-{os.getpid()}"}
     async with DaemonSubprocess(config, model, env):
-        loop = asyncio.get_running_loop()
-        runs = []
-        for _ in range(args.repeat):
-            # paho's client is blocking: run the load generator off the event loop.
-            r = await loop.run_in_executor(None, lambda: bench_mqtt(
-                args.mqtt, model=model, topic_prefix=prefix, inputs=sample, duration_s=args.duration,
-                warmup_s=MQTT_WARMUP_S, concurrency=min(args.concurrency, 32)))
-            runs.append(r)
-        return median_run(runs)
+        return await through_broker(args.mqtt, prefix, model, sample, args)

@@ -25,11 +25,12 @@ from ..cpu_affinity import pin_this_thread
 from ..metrics import Metrics
 from ..progress import Progress
 from ..runtime import discover_models, load_runner
-from .daemon_phases import DAEMON_STARTUP_S, MQTT_WARMUP_S, over_unix_socket, through_mqtt
+from .daemon_phases import DAEMON_STARTUP_S, over_unix_socket, through_mqtt
 from .engine_phases import minimal_batcher, raw_ceiling
 from .figures import median_run
 from .in_process import in_process
 from .open_loop import GENERATOR_ALONE_S
+from .transport_phases import MQTT_WARMUP_S
 
 
 async def bench_local(config, args) -> dict:

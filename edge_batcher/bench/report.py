@@ -1,9 +1,10 @@
-"""What `edge-batcher bench` shows: its results as two readable tables, and as a picture.
+"""What `edge-batcher bench` shows: its results as readable tables, and as a picture.
 
-:func:`format_report` turns the results dict that command.py measures into a throughput/latency
-table and a batching/overhead table with the ratios under them; :func:`plot_report` draws
-throughput, p50/p99 latency and the batch-size mix per phase into a PNG with matplotlib (the
-optional ``plot`` extra, imported only when a plot is asked for).
+:func:`format_report` turns the results that local_bench.py (or url_bench.py, per model of a
+running daemon) measures into a throughput/latency table, a batching/overhead table and the
+open loop's table, with the ratios under them; :func:`plot_report` draws throughput, p50/p99
+latency and the batch-size mix per phase into a PNG with matplotlib (the optional ``plot``
+extra, imported only when a plot is asked for).
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from ..errors import ConfigError
 
 
 def _phases(r: dict) -> list[tuple[str, dict]]:
-    """The load phases in the order they ran, each as one row: label and figures."""
-    rows = [("in-process, closed loop", r["in_process_closed"])]
-    rows += [(f"in-process, open loop at {p['load']}", p) for p in r["in_process_open"]]
-    rows.append(("in-process, batching off", r["in_process_no_batching"]))
+    """The load phases in the order they ran, each as one row: label and figures (a daemon at
+    --url has only the transport phases)."""
+    rows = []
+    if "in_process_closed" in r:
+        rows.append(("in-process, closed loop", r["in_process_closed"]))
+        rows += [(f"in-process, open loop at {p['load']}", p) for p in r["in_process_open"]]
+        rows.append(("in-process, batching off", r["in_process_no_batching"]))
     if "in_process_closed_any_cpu" in r:
         rows.append(("in-process, threads on any CPU", r["in_process_closed_any_cpu"]))
     if "in_process_closed_auto" in r:
@@ -28,11 +32,13 @@ def _phases(r: dict) -> list[tuple[str, dict]]:
         rows.append((f"in-process, loop_cpu auto (chose {chose})", r["in_process_closed_auto"]))
     if "unix_socket_closed" in r:
         rows.append(("Unix socket (binary), closed loop", r["unix_socket_closed"]))
+    if "url_closed" in r:
+        rows.append((f"{r['url_closed']['url']} (binary), closed loop", r["url_closed"]))
     if "mqtt" in r:
         m = r["mqtt"]
         lat = m["latency_ms"]
         rows.append(("MQTT 5 request/response",
-                     {**m, "p50_ms": lat["p50"], "p95_ms": lat["p95"], "p99_ms": lat["p99"]}))
+                     {**m, "p50_ms": lat["p50"], "p95_ms": lat["p95"], "p99_ms": lat["p99"], "statuses": m["status"]}))
     return rows
 
 
@@ -68,24 +74,36 @@ def _open_loop_table(r: dict) -> list[str]:
     return _table(rows)
 
 
-def format_report(r: dict) -> str:
+def format_report(results: dict) -> str:
+    """One model's bench, or (--url) each model of the daemon at the URL in turn."""
+    if "models" not in results:
+        return _format_model(results)
+    names = ", ".join(r["model"] for r in results["models"]) or "none"
+    lines = [f"the daemon at {results['url']}: {names}", f"skipped: {results['skipped']}", ""]
+    return "\n".join(lines) + "\n\n".join(_format_model(r) for r in results["models"])
+
+
+def _format_model(r: dict) -> str:
     placement = (f"event loop and engine threads on CPU {r['loop_cpu']}" if r.get("loop_cpu") is not None
                  else "threads on any CPU")
-    largest = r["preferred_batch_sizes"][-1]
+    where = f", {placement}" if "loop_cpu" in r else ""
     lines = [f"model {r['model']}, preferred sizes {r['preferred_batch_sizes']}, {r['concurrency']} closed-loop "
-             f"callers, {r['duration_s']} s x {r['repeat']} run(s) per phase (the median run), {placement}", ""]
+             f"callers, {r['duration_s']} s x {r['repeat']} run(s) per phase (the median run){where}", ""]
 
-    speed = [["phase", "req/s", "runs", "p50 ms", "p95 ms", "p99 ms", "errors"],
-             [f"raw engine ceiling (size {largest})", f"{r['raw_ceiling_rps']:.0f}", "", "", "", "", ""],
-             ["minimal asyncio batcher (reference)", f"{r['minimal_batcher_rps']:.0f}", "", "", "", "", ""]]
+    speed = [["phase", "req/s", "runs", "p50 ms", "p95 ms", "p99 ms", "errors"]]
+    if "raw_ceiling_rps" in r:
+        largest = r["preferred_batch_sizes"][-1]
+        speed += [[f"raw engine ceiling (size {largest})", f"{r['raw_ceiling_rps']:.0f}", "", "", "", "", ""],
+                  ["minimal asyncio batcher (reference)", f"{r['minimal_batcher_rps']:.0f}", "", "", "", "", ""]]
     batching = [["phase", "batches by size", "why batches left", "padding", "overhead us/req (runtime's own)",
                  "engine us/req"]]
     for label, p in _phases(r):
         runs = p.get("throughput_rps_all") or []
+        refused = {k: v for k, v in (p.get("statuses") or {}).items() if k != "200"}
         speed.append([label, f"{p['throughput_rps']:.0f}",
                       f"{min(runs):.0f}-{max(runs):.0f}" if len(runs) > 1 else "",
                       _ms(p["p50_ms"]), _ms(p["p95_ms"]), _ms(p["p99_ms"]),
-                      _counts(p.get("errors")) if p.get("errors") else ""])
+                      _counts(refused, order=str) if refused else ""])
         overhead = p.get("overhead_us_per_request")
         own = p.get("runtime_overhead_us_per_request")
         engine = p.get("engine_us_per_request")
@@ -94,12 +112,15 @@ def format_report(r: dict) -> str:
                          "-" if p.get("padding_ratio") is None else f"{p['padding_ratio']:.2f}",
                          "-" if overhead is None else f"{overhead:.1f}" + ("" if own is None else f" ({own:.1f})"),
                          "-" if engine is None else f"{engine:.1f}"])
-    lines += _table(speed) + [""] + _table(batching) + [""] + _open_loop_table(r) + [""]
-    lines.append(f"speedup over no batching: {r['speedup_over_no_batching']:.2f}x")
-    lines.append(f"throughput / raw ceiling: {r['ratio_to_ceiling']:.2f} "
-                 f"(the minimal batcher: {r['minimal_batcher_rps'] / r['raw_ceiling_rps']:.2f}; "
-                 f"the runtime / the minimal batcher: "
-                 f"{r['in_process_closed']['throughput_rps'] / r['minimal_batcher_rps']:.2f})")
+    lines += _table(speed) + [""] + _table(batching) + [""]
+    if "in_process_open" in r:
+        lines += _open_loop_table(r) + [""]
+    if "raw_ceiling_rps" in r:
+        lines.append(f"speedup over no batching: {r['speedup_over_no_batching']:.2f}x")
+        lines.append(f"throughput / raw ceiling: {r['ratio_to_ceiling']:.2f} "
+                     f"(the minimal batcher: {r['minimal_batcher_rps'] / r['raw_ceiling_rps']:.2f}; "
+                     f"the runtime / the minimal batcher: "
+                     f"{r['in_process_closed']['throughput_rps'] / r['minimal_batcher_rps']:.2f})")
     if "in_process_closed_any_cpu" in r:
         gain = r["in_process_closed"]["throughput_rps"] / r["in_process_closed_any_cpu"]["throughput_rps"]
         lines.append(f"one shared CPU vs threads on any CPU: {gain:.2f}x")
@@ -112,7 +133,7 @@ def format_report(r: dict) -> str:
         from .mqtt_load import format_mqtt_report
 
         lines += ["", format_mqtt_report(r["mqtt"])]
-    return "\n".join(lines)
+    return "\n".join(lines).rstrip("\n")
 
 
 def pyplot():
