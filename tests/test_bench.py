@@ -3,20 +3,26 @@ targets live in the benchmark's own output, see docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+CSV_COLUMNS = ["model", "phase", "target", "load", "concurrency", "offered_rps", "throughput_rps", "runs_rps",
+               "requests", "p50_ms", "p95_ms", "p99_ms", "statuses", "batch_sizes", "dispatch_reasons"]
 
-def test_bench_reports_every_phase(model_repo):
+
+def test_bench_reports_every_phase(model_repo, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "edge_batcher.cli", "bench", "--models", str(model_repo), "--duration", "0.5",
-         "--repeat", "1", "--concurrency", "16", "--rate", "25%,2000", "--unix", "--json"],
+         "--repeat", "1", "--concurrency", "16", "--rate", "25%,2000", "--unix", "--json",
+         "--csv", str(tmp_path / "bench.csv")],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
+    check_csv_rows(tmp_path / "bench.csv", r)
     assert r["raw_ceiling_rps"] > 0
     assert r["minimal_batcher_rps"] > 0
     if r["loop_cpu"] is not None:  # threads share one CPU: the bench also measures without that
@@ -40,6 +46,36 @@ def test_bench_reports_every_phase(model_repo):
     assert r["in_process_closed"]["overhead_us_per_request"] > 0
     assert r["speedup_over_no_batching"] == (
         r["in_process_closed"]["throughput_rps"] / r["in_process_no_batching"]["throughput_rps"])
+
+
+def check_csv_rows(path: Path, r: dict) -> None:
+    """--csv: the documented header, then one row per phase in the order they ran, each
+    holding the figures --json gives for it."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == CSV_COLUMNS
+        rows = list(reader)
+    phases = [("in_process_closed", r["in_process_closed"]), *(("in_process_open", p) for p in r["in_process_open"]),
+              ("in_process_no_batching", r["in_process_no_batching"])]
+    phases += [(key, r[key]) for key in ("in_process_closed_any_cpu", "in_process_closed_auto") if key in r]
+    phases.append(("unix_socket_closed", r["unix_socket_closed"]))
+    assert [row["phase"] for row in rows] == ["raw_ceiling", "minimal_batcher"] + [key for key, _ in phases]
+    assert {row["model"] for row in rows} == {"vibration"}
+    assert float(rows[0]["throughput_rps"]) == round(r["raw_ceiling_rps"], 1) and rows[0]["target"] == "engine"
+    for row, (key, p) in zip(rows[2:], phases):
+        assert row["target"] == p.get("url", "in-process")
+        assert float(row["throughput_rps"]) == round(p["throughput_rps"], 1)
+        assert int(row["requests"]) == p["requests"]
+        assert [float(row[q]) for q in ("p50_ms", "p95_ms", "p99_ms")] == [
+            round(p[q], 3) for q in ("p50_ms", "p95_ms", "p99_ms")]
+        assert dict(item.split(":") for item in row["statuses"].split()) == {
+            status: str(n) for status, n in p["statuses"].items()}
+        assert sum(int(item.split(":")[1]) for item in row["batch_sizes"].split()) == sum(p["batch_sizes"].values())
+        if key == "in_process_open":
+            assert row["load"] == p["load"] and float(row["offered_rps"]) == round(p["offered_rps"], 1)
+            assert row["concurrency"] == ""
+        else:
+            assert row["load"] == row["offered_rps"] == "" and int(row["concurrency"]) == r["concurrency"]
 
 
 def test_gil_bench_times_the_engine_alone_and_beside_a_python_thread(model_repo):

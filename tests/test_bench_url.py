@@ -4,6 +4,7 @@ broker it is subscribed on; only the transport phases, on the models it serves."
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
@@ -21,7 +22,7 @@ def bench(*args: str) -> subprocess.CompletedProcess:
                            "--concurrency", "4", *args], capture_output=True, text=True, timeout=120)
 
 
-def test_bench_url_loads_the_models_a_running_daemon_serves(start_daemon):
+def test_bench_url_loads_the_models_a_running_daemon_serves(start_daemon, tmp_path):
     port = free_port()
     daemon = start_daemon(f'[models]\nload = ["vibration", "seqsum"]\n'
                           f'[server]\nhttp = "127.0.0.1:{port}"\ntoken = "{TOKEN}"\n')
@@ -31,7 +32,7 @@ def test_bench_url_loads_the_models_a_running_daemon_serves(start_daemon):
         batches_before = sum(b["compute_infer"]["count"]
                              for b in client.stats("vibration")["model_stats"][0]["batch_stats"])
 
-    proc = bench("--url", f"http://127.0.0.1:{port}", "--token", TOKEN, "--json")
+    proc = bench("--url", f"http://127.0.0.1:{port}", "--token", TOKEN, "--json", "--csv", str(tmp_path / "url.csv"))
     assert proc.returncode == 0, proc.stderr
     assert "skipped: raw engine ceiling, minimal asyncio batcher and in-process phases" in proc.stderr
     r = json.loads(proc.stdout)
@@ -51,6 +52,12 @@ def test_bench_url_loads_the_models_a_running_daemon_serves(start_daemon):
                             for b in client.stats("vibration")["model_stats"][0]["batch_stats"])
     vibration = r["models"][1]["url_closed"]
     assert sum(vibration["batch_sizes"].values()) == batches_after - batches_before
+    with open(tmp_path / "url.csv", newline="") as f:  # --csv: a row per model, the URL as its target
+        rows = list(csv.DictReader(f))
+    assert [(row["model"], row["phase"], row["target"]) for row in rows] == [
+        ("seqsum", "url_closed", r["url"]), ("vibration", "url_closed", r["url"])]
+    for row, m in zip(rows, r["models"]):
+        assert int(row["requests"]) == m["url_closed"]["requests"] and row["statuses"] == f"200:{row['requests']}"
 
     # The Unix socket, one model; the table names the URL and what was skipped.
     proc = bench("--url", daemon.url, "--model", "vibration")

@@ -9,7 +9,8 @@
 * ``daemon_phases.py``: a daemon subprocess of its own, for the transport phases.
 * ``transport_phases.py``: any daemon loaded over its URL or through its MQTT broker.
 * ``figures.py``: latency percentiles and the median run, shared by the phases.
-* ``report.py``: the results as two tables, and as a picture (--plot).
+* ``report.py``: the results as tables, and as a picture (--plot).
+* ``csv_table.py``: --csv: one row per phase and model.
 * ``mqtt_load.py``: a closed-loop MQTT 5 request/response load generator.
 * ``http_load.py``: a light closed-loop HTTP/1.1 load generator (tools/bench_compare.py).
 

@@ -1,10 +1,10 @@
 """`edge-batcher bench`: its arguments, and what it prints (report.py) or writes.
 
 The phases and their order are local_bench.py's, or url_bench.py's against a running daemon
-(--url); while they run, each step is announced on
-stderr (progress.py: a bar on a terminal, plain lines in logs). The results are two tables
-(throughput and latency; batching and overhead), or JSON, and with --plot FILE.png a picture
-of the same (report.py; matplotlib, the `plot` extra).
+(--url); while they run, each step is announced on stderr (progress.py: a bar on a terminal,
+plain lines in logs). The results are tables (throughput and latency; batching and overhead;
+the open loop's), or JSON; with --csv FILE also one row per phase and model (csv_table.py), and
+with --plot FILE.png a picture of the tables (report.py; matplotlib, the `plot` extra).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pathlib import Path
 from ..client import ClientError
 from ..config import load_config
 from ..errors import ConfigError
+from .csv_table import write_csv
 from .local_bench import bench_local
 from .open_loop import rates
 from .report import format_report, plot_report, pyplot
@@ -44,12 +45,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --url and --mqtt: the daemon's [mqtt] topic_prefix (default edge-batcher/<this host>)")
     p.add_argument("--repeat", type=int, default=3, help="repeat each phase, report medians (default 3)")
     p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument("--csv", metavar="FILE", type=Path,
+                   help="also write one row per phase and model: throughput, latency percentiles, answers by "
+                        "status, batch sizes (columns: docs/benchmarks.md)")
     p.add_argument("--plot", metavar="FILE.png", type=Path,
                    help="also draw throughput, p50/p99 latency and the batch-size mix per phase "
                         "(needs matplotlib: pip install 'edge-batcher[plot]'; not with --url)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.csv is not None and not args.csv.resolve().parent.is_dir():
+        raise ConfigError(f"--csv {args.csv}: no such directory")  # now, not after minutes of measuring
     if args.url is not None:
         given = [flag for flag, value in (("--config", args.config), ("--models", args.models), ("--unix", args.unix),
                                           ("--plot", args.plot)) if value]
@@ -73,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(results, indent=2))
     else:
         print(format_report(results))
+    if args.csv is not None:
+        write_csv(results, args.csv)
+        print(f"CSV written to {args.csv}", file=sys.stderr)
     if args.plot is not None:
         plot_report(results, args.plot)
         print(f"plot written to {args.plot}", file=sys.stderr)
