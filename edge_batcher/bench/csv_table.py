@@ -1,25 +1,7 @@
-"""`bench --csv FILE`: one row per phase and model, as perf_analyzer's `-f` writes one per load.
-
-The columns, in order (an empty cell: the figure does not apply to that phase):
-
-* ``model``: the model loaded.
-* ``phase``: the phase's key in ``--json``: raw_ceiling, minimal_batcher, in_process_closed,
-  in_process_open, in_process_no_batching, in_process_closed_any_cpu, in_process_closed_auto,
-  unix_socket_closed, url_closed, mqtt.
-* ``target``: where the load went: ``engine`` (its infer() called directly), ``in-process``
-  (the runtime in the bench's process), the daemon's URL, or ``mqtt://HOST:PORT/TOPIC``.
-* ``load``: an open-loop phase's --rate as given (``50%`` of the closed loop's throughput, or
-  ``2000/s``).
-* ``concurrency``: closed-loop callers (requests outstanding, for MQTT).
-* ``offered_rps``: open loop: arrivals submitted per second.
-* ``throughput_rps``: the median run's successful answers per second (rows per second for the
-  raw ceiling; for the open loop, those answered while arrivals were due).
-* ``runs_rps``: every run's throughput, space-separated, in the order they ran.
-* ``requests``: successful answers in the median run.
-* ``p50_ms``, ``p95_ms``, ``p99_ms``: latency of those answers, milliseconds.
-* ``statuses``: every answer of the median run by status, ``200:9000 429:12``.
-* ``batch_sizes``: batches run by size, ``8:1100 4:3``; ``dispatch_reasons``: by why they left.
-"""
+"""`bench --csv FILE`: the results as one row per phase and model, as perf_analyzer's `-f` writes
+one per load: a header of COLUMNS, then the phases in the order they ran. What each column
+holds is documented in docs/benchmarks.md (its `--csv FILE` table); an empty cell is a figure
+that does not apply to that phase (an open loop has no callers, the raw ceiling no latency)."""
 
 from __future__ import annotations
 

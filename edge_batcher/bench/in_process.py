@@ -44,8 +44,8 @@ async def in_process(model_config, sample, args, *, closed: bool, rate: float = 
     # runtime does, so it is subtracted; the open loop's depends on how busy the loop is (alone
     # it pays a loop turn per few arrivals, behind a saturated runtime it submits many per turn),
     # so it is shown beside the phase's figure, not subtracted from it.
-    own = (closed_generator_cost_us(model_config.name, sample) if closed
-           else generator_cost_us(model_config.name, sample, rate))
+    own = await (closed_generator_cost_us(model_config.name, sample) if closed
+                 else generator_cost_us(model_config.name, sample, rate))
     return {
         **figures,
         "batch_sizes": {str(b["batch_size"]): b["compute_infer"]["count"] for b in stats["batch_stats"]},
@@ -104,7 +104,7 @@ def _by_status(statuses: Counter) -> dict[str, int]:
     return {str(status): statuses[status] for status in sorted(statuses)}
 
 
-def closed_generator_cost_us(model: str, sample) -> float:
+async def closed_generator_cost_us(model: str, sample) -> float:
     """Event-loop CPU per request of the closed-loop load generator itself: the same caller
     coroutine (building the InferRequest, awaiting, timing, recording) around a future that is
     already resolved. Subtracted to report the runtime's own overhead."""
@@ -126,8 +126,5 @@ def closed_generator_cost_us(model: str, sample) -> float:
             await one()
         return (time.thread_time() - cpu0) / n * 1e6
 
-    # A fresh loop on a thread: this runs inside the benchmark's own event loop.
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, measure()).result()
+    # A fresh loop on a thread (on the caller's CPUs), while the bench's own loop waits idle.
+    return await asyncio.get_running_loop().run_in_executor(None, asyncio.run, measure())

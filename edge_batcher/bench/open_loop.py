@@ -1,13 +1,10 @@
-"""Open-loop load: Poisson arrivals at a fixed rate, whatever the answers do, and what they cost.
-
-Arrivals are timer callbacks and answers done callbacks, not a task per arrival: that cost the
-loop more than the runtime's own work and made the phase measure its generator. A timer that
-fires late submits every arrival already due, and latency counts from the scheduled arrival
-time, so falling behind (the generator's or the runtime's) shows in the latencies instead of
-lowering the load (no coordinated omission). How late each arrival was submitted is kept as
-its lag: the loop sleeps in whole milliseconds (epoll's timeout), so even an idle runtime sees
-arrivals up to ~1 ms late, and a busy loop more; the lag tells that part of the latency apart.
-"""
+"""Open-loop load: Poisson arrivals at each --rate, whatever the answers do. Arrivals are timer
+callbacks and answers done callbacks, not a task per arrival (that cost the loop more than the
+runtime's own work). A timer that fires late submits every arrival already due, and latency
+counts from the scheduled arrival, so falling behind (the generator's or the runtime's) shows
+in the latencies instead of lowering the load (no coordinated omission); how late each arrival
+was submitted is kept as its lag: the loop sleeps in whole milliseconds (epoll's timeout), so
+even an idle runtime sees arrivals up to ~1 ms late, a busy loop more."""
 
 from __future__ import annotations
 
@@ -145,7 +142,7 @@ class _AnsweredAtOnce:
         return future
 
 
-def generator_cost_us(model: str, sample, rate: float, seconds: float = GENERATOR_ALONE_S) -> float:
+async def generator_cost_us(model: str, sample, rate: float, seconds: float = GENERATOR_ALONE_S) -> float:
     """Event-loop CPU per arrival of this generator alone at `rate`: the same arrivals, timers
     and answer callbacks in front of a runner that answers at once (the loop idle between
     arrivals: behind a busy runtime, one timer submits more arrivals at a time)."""
@@ -154,8 +151,5 @@ def generator_cost_us(model: str, sample, rate: float, seconds: float = GENERATO
         run = await poisson_arrivals(_AnsweredAtOnce(), model, sample, rate, seconds)
         return (time.thread_time() - cpu0) / max(1, run.offered) * 1e6
 
-    # A fresh loop on a thread (on the CPUs of the caller): this runs inside the bench's own loop.
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, measure()).result()
+    # A fresh loop on a thread (on the caller's CPUs), while the bench's own loop waits idle.
+    return await asyncio.get_running_loop().run_in_executor(None, asyncio.run, measure())
