@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_index, parser=p)
 
     p = sub.add_parser("bench", help="measure throughput and latency (see docs/benchmarks.md)")
-    from .bench import add_arguments
+    from .bench.command import add_arguments
 
     add_arguments(p)
     p.set_defaults(func=cmd_bench)
@@ -488,7 +488,7 @@ def cmd_index(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import run
+    from .bench.command import run
 
     return run(args)
 

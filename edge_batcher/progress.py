@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from typing import TextIO
 
 BAR_WIDTH = 20
@@ -25,19 +26,32 @@ class Progress:
     """The step a command of ``total`` steps is at, with the time spent and an estimate of the
     time left. ``step(label)`` announces the next step; ``close()`` (or leaving the ``with``
     block) clears the bar. In plain mode each step is one line: ``<name> 2/5: <label> (3 s, ~4 s left)``.
+
+    The estimate scales the time spent by the work left: by the count of steps, or, given
+    ``weights`` (each step's expected cost, e.g. its planned seconds), by their weight, so that
+    a long last step is not announced at the length of the short ones before it.
     """
 
-    def __init__(self, name: str, total: int, stream: TextIO | None = None):
+    def __init__(self, name: str, total: int, stream: TextIO | None = None, *,
+                 weights: Sequence[float] | None = None):
+        if weights is not None and len(weights) != total:
+            raise ValueError(f"{len(weights)} step weights for {total} steps")
         self.name = name
         self.stream = stream if stream is not None else sys.stderr
         self.total = total
+        self.weights = list(weights) if weights is not None else [1.0] * total
         self.done = 0
         self.tty = is_terminal(self.stream)
         self.started = time.monotonic()
 
+    def time_left(self, elapsed: float) -> float:
+        """Seconds left after `elapsed` for the steps done so far, at the pace they went."""
+        done = sum(self.weights[:self.done])
+        return elapsed / done * sum(self.weights[self.done:]) if done > 0 else 0.0
+
     def step(self, label: str) -> None:
         elapsed = time.monotonic() - self.started
-        left = f", ~{elapsed / self.done * (self.total - self.done):.0f} s left" if self.done else ""
+        left = f", ~{self.time_left(elapsed):.0f} s left" if self.done else ""
         self.done += 1
         self.total = max(self.total, self.done)  # a step more than planned: never past 100%
         if self.tty:

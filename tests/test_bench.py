@@ -3,33 +3,79 @@ targets live in the benchmark's own output, see docs/benchmarks.md)."""
 
 from __future__ import annotations
 
+import csv
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+CSV_COLUMNS = ["model", "phase", "target", "load", "concurrency", "offered_rps", "throughput_rps", "runs_rps",
+               "requests", "p50_ms", "p95_ms", "p99_ms", "statuses", "batch_sizes", "dispatch_reasons"]
 
-def test_bench_reports_every_phase(model_repo):
+
+def test_bench_reports_every_phase(model_repo, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "edge_batcher.cli", "bench", "--models", str(model_repo), "--duration", "0.5",
-         "--repeat", "1", "--concurrency", "16", "--unix", "--json"],
+         "--repeat", "1", "--concurrency", "16", "--rate", "25%,2000", "--unix", "--json",
+         "--csv", str(tmp_path / "bench.csv")],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     r = json.loads(proc.stdout)
+    check_csv_rows(tmp_path / "bench.csv", r)
     assert r["raw_ceiling_rps"] > 0
     assert r["minimal_batcher_rps"] > 0
     if r["loop_cpu"] is not None:  # threads share one CPU: the bench also measures without that
         assert r["in_process_closed_any_cpu"]["throughput_rps"] > 0
-    for phase in ("in_process_closed", "in_process_open", "in_process_no_batching", "unix_socket_closed"):
-        p = r[phase]
-        assert p["requests"] > 0 and p["throughput_rps"] > 0, phase
-        assert 0 < p["p50_ms"] <= p["p95_ms"] <= p["p99_ms"], phase
+    opened = r["in_process_open"]
+    for p in (r["in_process_closed"], *opened, r["in_process_no_batching"], r["unix_socket_closed"]):
+        assert p["requests"] > 0 and p["throughput_rps"] > 0, p
+        assert 0 < p["p50_ms"] <= p["p95_ms"] <= p["p99_ms"], p
+    # One open-loop phase per --rate: a share of the closed loop's throughput, or arrivals/s.
+    assert [p["load"] for p in opened] == ["25%", "2000/s"]
+    assert [p["rate"] for p in opened] == [0.25 * r["in_process_closed"]["throughput_rps"], 2000]
+    for p in opened:
+        expected = p["rate"] * r["duration_s"]
+        assert abs(p["offered_rps"] * r["duration_s"] - expected) < 5 * expected ** 0.5  # a Poisson count
+        assert sum(p["statuses"].values()) == round(p["offered_rps"] * r["duration_s"])
+    unix = r["unix_socket_closed"]
+    assert unix["url"].startswith("unix://") and unix["statuses"] == {"200": unix["requests"]}
+    assert sum(int(size) * count for size, count in unix["batch_sizes"].items()) >= unix["requests"]
     assert set(r["in_process_closed"]["batch_sizes"]) <= {"2", "4", "8"}
     assert set(r["in_process_no_batching"]["batch_sizes"]) == {"1"}
     assert r["in_process_closed"]["overhead_us_per_request"] > 0
     assert r["speedup_over_no_batching"] == (
         r["in_process_closed"]["throughput_rps"] / r["in_process_no_batching"]["throughput_rps"])
+
+
+def check_csv_rows(path: Path, r: dict) -> None:
+    """--csv: the documented header, then one row per phase in the order they ran, each
+    holding the figures --json gives for it."""
+    with open(path, newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == CSV_COLUMNS
+        rows = list(reader)
+    phases = [("in_process_closed", r["in_process_closed"]), *(("in_process_open", p) for p in r["in_process_open"]),
+              ("in_process_no_batching", r["in_process_no_batching"])]
+    phases += [(key, r[key]) for key in ("in_process_closed_any_cpu", "in_process_closed_auto") if key in r]
+    phases.append(("unix_socket_closed", r["unix_socket_closed"]))
+    assert [row["phase"] for row in rows] == ["raw_ceiling", "minimal_batcher"] + [key for key, _ in phases]
+    assert {row["model"] for row in rows} == {"vibration"}
+    assert float(rows[0]["throughput_rps"]) == round(r["raw_ceiling_rps"], 1) and rows[0]["target"] == "engine"
+    for row, (key, p) in zip(rows[2:], phases):
+        assert row["target"] == p.get("url", "in-process")
+        assert float(row["throughput_rps"]) == round(p["throughput_rps"], 1)
+        assert int(row["requests"]) == p["requests"]
+        assert [float(row[q]) for q in ("p50_ms", "p95_ms", "p99_ms")] == [
+            round(p[q], 3) for q in ("p50_ms", "p95_ms", "p99_ms")]
+        assert dict(item.split(":") for item in row["statuses"].split()) == {
+            status: str(n) for status, n in p["statuses"].items()}
+        assert sum(int(item.split(":")[1]) for item in row["batch_sizes"].split()) == sum(p["batch_sizes"].values())
+        if key == "in_process_open":
+            assert row["load"] == p["load"] and float(row["offered_rps"]) == round(p["offered_rps"], 1)
+            assert row["concurrency"] == ""
+        else:
+            assert row["load"] == row["offered_rps"] == "" and int(row["concurrency"]) == r["concurrency"]
 
 
 def test_gil_bench_times_the_engine_alone_and_beside_a_python_thread(model_repo):
@@ -61,17 +107,21 @@ def test_engine_cost_bench_builds_checked_spectrum_models_and_measures_each():
 
 def test_open_loop_arrivals_keep_their_schedule_and_latency_counts_from_the_arrival():
     """Poisson arrivals keep their schedule while the loop is stalled: the ones due during a
-    stall are submitted together when it ends, and their latency includes the stall (no
-    coordinated omission: a slow runtime cannot lower the load it is measured under). The
-    runner here answers on the next loop iteration, so any latency is the generator's own;
-    the real runtime under this generator is in test_bench_reports_every_phase."""
+    stall are submitted together when it ends, their latency includes the stall (no
+    coordinated omission: a slow runtime cannot lower the load it is measured under), and
+    their lag says how late they were submitted. The runner here answers on the next loop
+    iteration, so any latency is the generator's own; the real runtime under this generator
+    is in test_open_loop_past_capacity_counts_what_was_offered_served_and_refused."""
     import asyncio
     import time
 
-    from edge_batcher.bench import _poisson_arrivals
+    from edge_batcher.bench.open_loop import poisson_arrivals
 
     class RunnerAnsweringAtOnce:
         submitted = 0
+
+        def refuse_if_full(self):
+            pass
 
         def infer(self, request):
             self.submitted += 1
@@ -82,26 +132,61 @@ def test_open_loop_arrivals_keep_their_schedule_and_latency_counts_from_the_arri
     rate, duration, stall = 400.0, 0.5, 0.15
 
     async def main():
-        loop = asyncio.get_running_loop()
-        runner, latencies, errors = RunnerAnsweringAtOnce(), [], {}
-        loop.call_later(0.1, time.sleep, stall)  # the whole loop stops, as under a CPU stall
-        await _poisson_arrivals(runner, "m", {"x": None}, rate, loop.time() + duration, latencies, errors)
-        return runner.submitted, latencies, errors
+        runner = RunnerAnsweringAtOnce()
+        asyncio.get_running_loop().call_later(0.1, time.sleep, stall)  # the whole loop stops, as under a CPU stall
+        run = await poisson_arrivals(runner, "m", {"x": None}, rate, duration)
+        return runner.submitted, run
 
-    submitted, latencies, errors = asyncio.run(main())
+    submitted, run = asyncio.run(main())
     expected = rate * duration
-    assert errors == {} and len(latencies) == submitted
+    assert run.errors == {} and run.statuses == {200: submitted} and run.offered == submitted
+    assert len(run.latencies) == len(run.lags) == submitted
     assert abs(submitted - expected) < 5 * expected ** 0.5  # a Poisson count, within 5 sigma
     # ~rate * stall arrivals fell due during the stall, half of them over half of it before
     # its end; timing from submission would see at most the one then in flight.
-    waited_out = sum(1 for latency in latencies if latency >= 0.5 * stall)
+    waited_out = sum(1 for latency in run.latencies if latency >= 0.5 * stall)
     assert waited_out >= 0.25 * rate * stall
+    assert sum(1 for lag in run.lags if lag >= 0.5 * stall) >= 0.25 * rate * stall
+    assert run.served_in_window <= submitted
+
+
+def test_open_loop_past_capacity_counts_what_was_offered_served_and_refused(model_repo):
+    """The real runtime with a queue of 8 under ten times the arrivals it can take: every
+    arrival is answered once, as a client would count it (200, or 429 from the full queue);
+    throughput is what was served while arrivals were due, below what was offered."""
+    import argparse
+    import asyncio
+
+    from edge_batcher import placement
+    from edge_batcher.bench.in_process import in_process
+    from edge_batcher.metrics import Metrics
+    from edge_batcher.runtime import discover_models, load_runner
+
+    (model,) = discover_models(model_repo, ["vibration"])
+    model.batching.queue_capacity = 8
+    args = argparse.Namespace(duration=0.5, concurrency=8)
+
+    async def main():
+        runner = await asyncio.get_running_loop().run_in_executor(None, load_runner, model, Metrics(), True)
+        sample = placement.sample_inputs(runner)
+        await runner.close()
+        closed = await in_process(model, sample, args, closed=True)
+        return closed, await in_process(model, sample, args, closed=False, rate=10 * closed["throughput_rps"])
+
+    closed, p = asyncio.run(main())
+    assert closed["statuses"] == {"200": closed["requests"]}
+    offered = round(p["offered_rps"] * args.duration)
+    assert set(p["statuses"]) == {"200", "429"} and sum(p["statuses"].values()) == offered
+    assert p["errors"] == {"Overloaded": p["statuses"]["429"]} and p["requests"] == p["statuses"]["200"]
+    assert 0 < p["throughput_rps"] * args.duration <= p["requests"] < offered
+    assert 0 <= p["lag_p50_ms"] <= p["lag_p99_ms"]
+    assert p["generator_us_per_request"] > 0 and p["overhead_us_per_request"] > 0
 
 
 def test_the_http_load_generator_counts_answers_by_status(daemon):
-    """edge_batcher/bench_http.py (tools/bench_compare.py's load) against a real daemon: every
+    """edge_batcher/bench/http_load.py (tools/bench_compare.py's load) against a real daemon: every
     answer framed and counted, for a served model and an unknown one."""
-    from edge_batcher.bench_http import bench_http
+    from edge_batcher.bench.http_load import bench_http
 
     ok = bench_http(f"unix://{daemon.socket}", duration_s=0.3, warmup_s=0.1, concurrency=4)
     assert ok["requests"] > 0 and ok["status"] == {"200": ok["requests"]}

@@ -4,9 +4,11 @@ on a terminal), two readable tables, and --plot FILE.png. Speed is not judged he
 from __future__ import annotations
 
 import io
+import json
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -58,3 +60,39 @@ def test_progress_redraws_one_line_on_a_terminal_and_writes_lines_elsewhere():
     assert len(log.getvalue().splitlines()) == 3
     assert "\n" not in tty.getvalue()
     assert tty.getvalue().count("\r\033[K") == 4 and "[######..............] 2/3 b" in tty.getvalue()
+
+
+def test_progress_weighs_the_steps_left_by_their_expected_cost():
+    progress = Progress("bench", 3, io.StringIO(), weights=[1, 1, 8])
+    plain = Progress("bench", 3, io.StringIO())
+    for p in (progress, plain):
+        p.step("a")
+        p.step("b")
+    # Two steps of weight 1 took 4 s: the last, of weight 8, should take 16 s, not 2 s.
+    assert progress.time_left(4.0) == 16.0
+    assert plain.time_left(4.0) == 2.0
+    with pytest.raises(ValueError):
+        Progress("bench", 3, io.StringIO(), weights=[1, 1])
+
+
+def test_bench_time_left_holds_before_its_daemon_step(model_repo):
+    """The last step (a daemon subprocess: it starts, loads, calibrates, then runs) is several
+    times longer than the in-process steps before it; the estimate announced with it must be
+    of its length, where a count of steps said ~1 s before a ~3 s step (issue 32)."""
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edge_batcher.cli", "bench", "--models", str(model_repo), "--duration", "0.5",
+         "--repeat", "1", "--concurrency", "16", "--rate", "50%", "--unix", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    lines = [(time.monotonic() - started, line) for line in proc.stderr]
+    out, _ = proc.communicate(timeout=300)
+    ended = time.monotonic() - started
+    assert proc.returncode == 0, "".join(line for _, line in lines)
+    assert "unix_socket_closed" in json.loads(out)
+    announced_at, last = lines[-1]
+    assert last.startswith("bench ") and "Unix socket" in last, last
+    estimate = float(re.search(r"~(\d+) s left", last)[1])
+    took = ended - announced_at
+    assert took > 1.5  # the daemon's start alone: far more than one in-process step
+    assert 0.6 * took <= estimate <= 1.6 * took + 1, (estimate, took)

@@ -4,11 +4,11 @@
 Each round runs, one after another on the same machine and the same demo vibration model:
 
 * **MLServer** (the `.venv-mlserver` that `make test` creates) with adaptive batching (max 8,
-  2 ms) on TCP, loaded with v2 JSON by `edge_batcher.bench_http` (closed loop);
+  2 ms) on TCP, loaded with v2 JSON by `edge_batcher.bench.http_load` (closed loop);
 * **edge-batcher, Unix socket**: `edge-batcher serve`, the same JSON requests and load;
 * **bare MQTT responder**: a paho client (its own process) that answers every request at once
   with a fixed reply (QoS 1): the floor that mosquitto and paho allow here, loaded by
-  `edge_batcher.bench_mqtt`;
+  `edge_batcher.bench.mqtt_load`;
 * **edge-batcher, MQTT**: the same daemon through the same broker and load.
 
 For every server it prints CPU time per request: the whole process tree, and its main thread
@@ -52,8 +52,8 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion  # noqa: E40
 from paho.mqtt.packettypes import PacketTypes  # noqa: E402
 from paho.mqtt.properties import Properties  # noqa: E402
 
-from edge_batcher.bench_http import bench_http  # noqa: E402
-from edge_batcher.bench_mqtt import bench_mqtt  # noqa: E402
+from edge_batcher.bench.http_load import bench_http  # noqa: E402
+from edge_batcher.bench.mqtt_load import bench_mqtt  # noqa: E402
 from edge_batcher.transports.mqtt import tcp_no_delay  # noqa: E402
 from tests.support.mlserver_peer import MLSERVER, MLServerPeer  # noqa: E402
 

@@ -296,7 +296,7 @@ def test_stream_mapping_checked_against_the_loaded_models(served, broker, mappin
 
 
 def test_bench_mqtt_measures_through_the_broker(start_transport, broker):
-    from edge_batcher.bench_mqtt import bench_mqtt, format_mqtt_report
+    from edge_batcher.bench.mqtt_load import bench_mqtt, format_mqtt_report
 
     start_transport()
     results = bench_mqtt(f"127.0.0.1:{broker.port}", topic_prefix=PREFIX, duration_s=0.5, warmup_s=0.2,

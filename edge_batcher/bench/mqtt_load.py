@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import socket
-import statistics
 import threading
 import time
 import uuid
@@ -23,9 +22,10 @@ from typing import Any
 
 import numpy as np
 
-from .config import parse_host_port
-from .protocol import v2
-from .transports.mqtt import tcp_no_delay
+from ..config import parse_host_port
+from ..protocol import v2
+from ..transports.mqtt import tcp_no_delay
+from .figures import latency_summary
 
 
 def bench_mqtt(
@@ -155,20 +155,6 @@ def bench_mqtt(
     }
 
 
-def latency_summary(sorted_ms: list[float]) -> dict[str, float]:
-    """p50/p95/p99, mean and max of sorted latencies (NaN for none); bench_http reports the same."""
-    nan = float("nan")
-    return {"p50": _percentile(sorted_ms, 50), "p95": _percentile(sorted_ms, 95), "p99": _percentile(sorted_ms, 99),
-            "mean": statistics.fmean(sorted_ms) if sorted_ms else nan, "max": sorted_ms[-1] if sorted_ms else nan}
-
-
-def _percentile(sorted_values: list[float], p: float) -> float:
-    if not sorted_values:
-        return float("nan")
-    k = min(len(sorted_values) - 1, max(0, round(p / 100.0 * (len(sorted_values) - 1))))
-    return sorted_values[k]
-
-
 def format_mqtt_report(results: dict) -> str:
     lat = results["latency_ms"]
     status = ", ".join(f"{k}: {v}" for k, v in sorted(results["status"].items())) or "none"
@@ -183,7 +169,7 @@ def format_mqtt_report(results: dict) -> str:
     ])
 
 
-if __name__ == "__main__":  # python -m edge_batcher.bench_mqtt HOST:PORT [TOPIC_PREFIX] [--json]
+if __name__ == "__main__":  # python -m edge_batcher.bench.mqtt_load HOST:PORT [TOPIC_PREFIX] [--json]
     import sys
 
     args = [a for a in sys.argv[1:] if a != "--json"]

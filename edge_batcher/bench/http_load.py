@@ -18,8 +18,8 @@ from collections import Counter
 
 import numpy as np
 
-from .bench_mqtt import latency_summary
-from .protocol import v2
+from ..protocol import v2
+from .figures import latency_summary
 
 
 def v2_json_request(inputs: dict[str, np.ndarray]) -> bytes:

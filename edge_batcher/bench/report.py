@@ -1,9 +1,10 @@
-"""What `edge-batcher bench` shows: its results as two readable tables, and as a picture.
+"""What `edge-batcher bench` shows: its results as readable tables, and as a picture.
 
-:func:`format_report` turns the results dict that bench.py measures into a throughput/latency
-table and a batching/overhead table with the ratios under them; :func:`plot_report` draws
-throughput, p50/p99 latency and the batch-size mix per phase into a PNG with matplotlib (the
-optional ``plot`` extra, imported only when a plot is asked for).
+:func:`format_report` turns the results that local_bench.py (or url_bench.py, per model of a
+running daemon) measures into a throughput/latency table, a batching/overhead table and the
+open loop's table, with the ratios under them; :func:`plot_report` draws throughput, p50/p99
+latency and the batch-size mix per phase into a PNG with matplotlib (the optional ``plot``
+extra, imported only when a plot is asked for).
 """
 
 from __future__ import annotations
@@ -12,14 +13,17 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 def _phases(r: dict) -> list[tuple[str, dict]]:
-    """The load phases in the order they ran, each as one row: label and figures."""
-    rows = [("in-process, closed loop", r["in_process_closed"]),
-            (f"in-process, open loop ({r['in_process_open']['offered_rps']:.0f}/s)", r["in_process_open"]),
-            ("in-process, batching off", r["in_process_no_batching"])]
+    """The load phases in the order they ran, each as one row: label and figures (a daemon at
+    --url has only the transport phases)."""
+    rows = []
+    if "in_process_closed" in r:
+        rows.append(("in-process, closed loop", r["in_process_closed"]))
+        rows += [(f"in-process, open loop at {p['load']}", p) for p in r["in_process_open"]]
+        rows.append(("in-process, batching off", r["in_process_no_batching"]))
     if "in_process_closed_any_cpu" in r:
         rows.append(("in-process, threads on any CPU", r["in_process_closed_any_cpu"]))
     if "in_process_closed_auto" in r:
@@ -28,11 +32,13 @@ def _phases(r: dict) -> list[tuple[str, dict]]:
         rows.append((f"in-process, loop_cpu auto (chose {chose})", r["in_process_closed_auto"]))
     if "unix_socket_closed" in r:
         rows.append(("Unix socket (binary), closed loop", r["unix_socket_closed"]))
+    if "url_closed" in r:
+        rows.append((f"{r['url_closed']['url']} (binary), closed loop", r["url_closed"]))
     if "mqtt" in r:
         m = r["mqtt"]
         lat = m["latency_ms"]
         rows.append(("MQTT 5 request/response",
-                     {**m, "p50_ms": lat["p50"], "p95_ms": lat["p95"], "p99_ms": lat["p99"]}))
+                     {**m, "p50_ms": lat["p50"], "p95_ms": lat["p95"], "p99_ms": lat["p99"], "statuses": m["status"]}))
     return rows
 
 
@@ -50,24 +56,54 @@ def _counts(counts: dict | None, order=None) -> str:
     return " ".join(f"{k}:{counts[k]}" for k in keys if counts[k])
 
 
-def format_report(r: dict) -> str:
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _open_loop_table(r: dict) -> list[str]:
+    """What each open-loop rate offered and what was served while arrivals were due: where the
+    runtime stops keeping up. The lag (arrival submitted - scheduled) is the generator's part of
+    the latency: up to ~1 ms from the loop's millisecond sleeps, more when the loop is busy."""
+    closed = r["in_process_closed"]["throughput_rps"]
+    rows = [["open loop (Poisson)", "offered/s", "of closed loop", "served/s", "answers by status",
+             "lag p50 ms", "lag p99 ms", "generator alone us/req"]]
+    for p in r["in_process_open"]:
+        rows.append([f"at {p['load']}", f"{p['offered_rps']:.0f}", f"{p['offered_rps'] / closed:.2f}",
+                     f"{p['throughput_rps']:.0f}", _counts(p["statuses"], order=int),
+                     _ms(p["lag_p50_ms"]), _ms(p["lag_p99_ms"]), f"{p['generator_us_per_request']:.1f}"])
+    return _table(rows)
+
+
+def format_report(results: dict) -> str:
+    """One model's bench, or (--url) each model of the daemon at the URL in turn."""
+    if "models" not in results:
+        return _format_model(results)
+    names = ", ".join(r["model"] for r in results["models"]) or "none"
+    lines = [f"the daemon at {results['url']}: {names}", f"skipped: {results['skipped']}", ""]
+    return "\n".join(lines) + "\n\n".join(_format_model(r) for r in results["models"])
+
+
+def _format_model(r: dict) -> str:
     placement = (f"event loop and engine threads on CPU {r['loop_cpu']}" if r.get("loop_cpu") is not None
                  else "threads on any CPU")
-    largest = r["preferred_batch_sizes"][-1]
+    where = f", {placement}" if "loop_cpu" in r else ""
     lines = [f"model {r['model']}, preferred sizes {r['preferred_batch_sizes']}, {r['concurrency']} closed-loop "
-             f"callers, {r['duration_s']} s x {r['repeat']} run(s) per phase (the median run), {placement}", ""]
+             f"callers, {r['duration_s']} s x {r['repeat']} run(s) per phase (the median run){where}", ""]
 
-    speed = [["phase", "req/s", "runs", "p50 ms", "p95 ms", "p99 ms", "errors"],
-             [f"raw engine ceiling (size {largest})", f"{r['raw_ceiling_rps']:.0f}", "", "", "", "", ""],
-             ["minimal asyncio batcher (reference)", f"{r['minimal_batcher_rps']:.0f}", "", "", "", "", ""]]
+    speed = [["phase", "req/s", "runs", "p50 ms", "p95 ms", "p99 ms", "errors"]]
+    if "raw_ceiling_rps" in r:
+        largest = r["preferred_batch_sizes"][-1]
+        speed += [[f"raw engine ceiling (size {largest})", f"{r['raw_ceiling_rps']:.0f}", "", "", "", "", ""],
+                  ["minimal asyncio batcher (reference)", f"{r['minimal_batcher_rps']:.0f}", "", "", "", "", ""]]
     batching = [["phase", "batches by size", "why batches left", "padding", "overhead us/req (runtime's own)",
                  "engine us/req"]]
     for label, p in _phases(r):
         runs = p.get("throughput_rps_all") or []
+        refused = {k: v for k, v in (p.get("statuses") or {}).items() if k != "200"}
         speed.append([label, f"{p['throughput_rps']:.0f}",
                       f"{min(runs):.0f}-{max(runs):.0f}" if len(runs) > 1 else "",
-                      f"{p['p50_ms']:.2f}", f"{p['p95_ms']:.2f}", f"{p['p99_ms']:.2f}",
-                      _counts(p.get("errors")) if p.get("errors") else ""])
+                      _ms(p["p50_ms"]), _ms(p["p95_ms"]), _ms(p["p99_ms"]),
+                      _counts(refused, order=str) if refused else ""])
         overhead = p.get("overhead_us_per_request")
         own = p.get("runtime_overhead_us_per_request")
         engine = p.get("engine_us_per_request")
@@ -77,11 +113,14 @@ def format_report(r: dict) -> str:
                          "-" if overhead is None else f"{overhead:.1f}" + ("" if own is None else f" ({own:.1f})"),
                          "-" if engine is None else f"{engine:.1f}"])
     lines += _table(speed) + [""] + _table(batching) + [""]
-    lines.append(f"speedup over no batching: {r['speedup_over_no_batching']:.2f}x")
-    lines.append(f"throughput / raw ceiling: {r['ratio_to_ceiling']:.2f} "
-                 f"(the minimal batcher: {r['minimal_batcher_rps'] / r['raw_ceiling_rps']:.2f}; "
-                 f"the runtime / the minimal batcher: "
-                 f"{r['in_process_closed']['throughput_rps'] / r['minimal_batcher_rps']:.2f})")
+    if "in_process_open" in r:
+        lines += _open_loop_table(r) + [""]
+    if "raw_ceiling_rps" in r:
+        lines.append(f"speedup over no batching: {r['speedup_over_no_batching']:.2f}x")
+        lines.append(f"throughput / raw ceiling: {r['ratio_to_ceiling']:.2f} "
+                     f"(the minimal batcher: {r['minimal_batcher_rps'] / r['raw_ceiling_rps']:.2f}; "
+                     f"the runtime / the minimal batcher: "
+                     f"{r['in_process_closed']['throughput_rps'] / r['minimal_batcher_rps']:.2f})")
     if "in_process_closed_any_cpu" in r:
         gain = r["in_process_closed"]["throughput_rps"] / r["in_process_closed_any_cpu"]["throughput_rps"]
         lines.append(f"one shared CPU vs threads on any CPU: {gain:.2f}x")
@@ -91,10 +130,10 @@ def format_report(r: dict) -> str:
         ratio = auto["throughput_rps"] / better
         lines.append(f"loop_cpu auto vs the better of the two: {ratio:.2f}x ({auto['placement']})")
     if "mqtt" in r:
-        from .bench_mqtt import format_mqtt_report
+        from .mqtt_load import format_mqtt_report
 
         lines += ["", format_mqtt_report(r["mqtt"])]
-    return "\n".join(lines)
+    return "\n".join(lines).rstrip("\n")
 
 
 def pyplot():

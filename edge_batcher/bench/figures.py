@@ -1,0 +1,36 @@
+"""Summaries the phases and load generators share: latency percentiles, the median of runs."""
+
+from __future__ import annotations
+
+import statistics
+
+import numpy as np
+
+
+def percentiles(latencies: list[float]) -> dict:
+    if not latencies:
+        return {"p50_ms": None, "p95_ms": None, "p99_ms": None}
+    a = np.array(latencies) * 1e3
+    return {f"p{q}_ms": float(np.percentile(a, q)) for q in (50, 95, 99)}
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run with the median throughput (its other figures belong to the same run)."""
+    ordered = sorted(runs, key=lambda r: r["throughput_rps"])
+    best = dict(ordered[len(ordered) // 2])
+    best["throughput_rps_all"] = [round(r["throughput_rps"], 1) for r in runs]
+    return best
+
+
+def latency_summary(sorted_ms: list[float]) -> dict[str, float]:
+    """p50/p95/p99, mean and max of sorted latencies (NaN for none): what http_load and mqtt_load report."""
+    nan = float("nan")
+    return {"p50": _percentile(sorted_ms, 50), "p95": _percentile(sorted_ms, 95), "p99": _percentile(sorted_ms, 99),
+            "mean": statistics.fmean(sorted_ms) if sorted_ms else nan, "max": sorted_ms[-1] if sorted_ms else nan}
+
+
+def _percentile(sorted_values: list[float], p: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    k = min(len(sorted_values) - 1, max(0, round(p / 100.0 * (len(sorted_values) - 1))))
+    return sorted_values[k]

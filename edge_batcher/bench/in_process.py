@@ -1,0 +1,130 @@
+"""One load phase through the whole runtime in this process (validation, queue, policy, worker
+thread, futures) on a fresh runner: closed loop (N concurrent callers) or open loop (Poisson
+arrivals, open_loop.py). Overhead outside the engine = CPU time of the event-loop thread per
+request plus the worker's batch assembly and splitting per request; it is CPU time, so the other
+core's work does not count."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+
+from .. import placement
+from ..errors import EdgeBatcherError
+from ..metrics import Metrics
+from ..runtime import load_runner
+from ..types import InferRequest
+from .figures import percentiles
+from .open_loop import generator_cost_us, poisson_arrivals
+
+
+async def in_process(model_config, sample, args, *, closed: bool, rate: float = 0.0,
+                     auto_cpu: int | None = None) -> dict:
+    """One load phase on a fresh runner; `auto_cpu`: first let placement.choose decide
+    between that CPU and any CPU, as the daemon does with loop_cpu = "auto"."""
+    loop = asyncio.get_running_loop()
+    metrics = Metrics()
+    runner = await loop.run_in_executor(None, load_runner, model_config, metrics, True)
+    await runner.start()
+    choice = await placement.choose(auto_cpu, [runner]) if auto_cpu is not None else None
+
+    cpu0 = time.thread_time()
+    if closed:
+        figures = await _closed_loop(runner, model_config.name, sample, args)
+    else:
+        figures = await _open_loop(runner, model_config.name, sample, rate, args.duration)
+    loop_cpu = time.thread_time() - cpu0
+    stats = runner.statistics()
+    await runner.close()
+    answered = sum(figures["statuses"].values())
+    worker_io_s = stats["execution_ns"]["assemble_and_split"] / 1e9
+    overhead = (loop_cpu + worker_io_s) / answered * 1e6 if answered else None
+    # The generator's own loop CPU, measured alone. The closed loop's is the same whatever the
+    # runtime does, so it is subtracted; the open loop's depends on how busy the loop is (alone
+    # it pays a loop turn per few arrivals, behind a saturated runtime it submits many per turn),
+    # so it is shown beside the phase's figure, not subtracted from it.
+    own = await (closed_generator_cost_us(model_config.name, sample) if closed
+                 else generator_cost_us(model_config.name, sample, rate))
+    return {
+        **figures,
+        "batch_sizes": {str(b["batch_size"]): b["compute_infer"]["count"] for b in stats["batch_stats"]},
+        "dispatch_reasons": stats["dispatch_reasons"],
+        "padding_ratio": round(stats["padding_ratio"], 4),
+        # Per request answered, whatever its status: a refused request costs the loop too.
+        "overhead_us_per_request": overhead,
+        "generator_us_per_request": own,
+        "runtime_overhead_us_per_request": overhead - own if overhead is not None and closed else None,
+        "loop_cpu_us_per_request": loop_cpu / answered * 1e6 if answered else None,
+        "engine_us_per_request": stats["execution_ns"]["engine"] / 1e3 / answered if answered else None,
+        **({"placement_cpu": choice.cpu, "placement": choice.why} if choice else {}),
+    }
+
+
+async def _closed_loop(runner, model: str, sample, args) -> dict:
+    """`args.concurrency` callers, each sending its next request when its last is answered."""
+    loop = asyncio.get_running_loop()
+    latencies: list[float] = []
+    statuses: Counter = Counter()
+    errors: Counter = Counter()
+    stop_at = loop.time() + args.duration
+
+    async def caller() -> None:
+        while loop.time() < stop_at:
+            t0 = loop.time()
+            try:
+                await runner.infer(InferRequest(model, sample))
+            except EdgeBatcherError as exc:  # counted, as a client would see it
+                statuses[exc.status] += 1
+                errors[type(exc).__name__] += 1
+                await asyncio.sleep(0)  # a refusal raises at once: let the loop run before the next
+                continue
+            latencies.append(loop.time() - t0)
+            statuses[200] += 1
+
+    t0 = loop.time()
+    await asyncio.gather(*(caller() for _ in range(args.concurrency)))
+    wall = loop.time() - t0
+    return {"requests": len(latencies), "throughput_rps": len(latencies) / wall, "offered_rps": None,
+            "statuses": _by_status(statuses), "errors": dict(errors), **percentiles(latencies)}
+
+
+async def _open_loop(runner, model: str, sample, rate: float, duration: float) -> dict:
+    """Poisson arrivals at `rate` for `duration`. Throughput counts the successful answers
+    given while arrivals were due, over that window: the rate the runtime kept up with."""
+    run = await poisson_arrivals(runner, model, sample, rate, duration)
+    lag = percentiles(run.lags)
+    return {"requests": len(run.latencies), "throughput_rps": run.served_in_window / run.window_s,
+            "rate": rate, "offered_rps": run.offered / run.window_s,
+            "statuses": _by_status(run.statuses), "errors": dict(run.errors), **percentiles(run.latencies),
+            "lag_p50_ms": lag["p50_ms"], "lag_p99_ms": lag["p99_ms"]}
+
+
+def _by_status(statuses: Counter) -> dict[str, int]:
+    return {str(status): statuses[status] for status in sorted(statuses)}
+
+
+async def closed_generator_cost_us(model: str, sample) -> float:
+    """Event-loop CPU per request of the closed-loop load generator itself: the same caller
+    coroutine (building the InferRequest, awaiting, timing, recording) around a future that is
+    already resolved. Subtracted to report the runtime's own overhead."""
+    async def measure() -> float:
+        loop = asyncio.get_running_loop()
+        latencies: list[float] = []
+
+        async def one() -> None:
+            t0 = loop.time()
+            InferRequest(model, sample)
+            future = loop.create_future()
+            future.set_result(None)
+            await future
+            latencies.append(loop.time() - t0)
+
+        n = 20000
+        cpu0 = time.thread_time()
+        for _ in range(n):
+            await one()
+        return (time.thread_time() - cpu0) / n * 1e6
+
+    # A fresh loop on a thread (on the caller's CPUs), while the bench's own loop waits idle.
+    return await asyncio.get_running_loop().run_in_executor(None, asyncio.run, measure())
