@@ -265,6 +265,19 @@ class Client:
         """The loaded models with their state (Triton's POST /v2/repository/index)."""
         return _json(*self._request_json("POST", "/v2/repository/index", b"{}"))
 
+    def index_add(self, model: str, documents: list[tuple[str, str]], rebuild: bool = False) -> dict:
+        """Add (source, text) documents to a rag model's index; the daemon embeds and writes it
+        (give the Client a timeout that fits: about 20 passages a second on a small CPU)."""
+        body = json.dumps({"documents": [{"source": s, "text": t} for s, t in documents], "rebuild": rebuild})
+        return _json(*self._request_json("POST", _model_path(model, "/index"), body.encode()))
+
+    def index_remove(self, model: str, sources: list[str]) -> dict:
+        body = json.dumps({"sources": sources}).encode()
+        return _json(*self._request_json("POST", _model_path(model, "/index/remove"), body))
+
+    def index_info(self, model: str) -> dict:
+        return _json(*self._request_json("GET", _model_path(model, "/index")))
+
     def load_model(self, model: str) -> None:
         """Load (or load again) a model of the daemon's repository (Triton's repository extension)."""
         _json(*self._request_json("POST", f"/v2/repository/models/{quote(model, safe='')}/load", b"{}"))

@@ -5,7 +5,9 @@
     edge-batcher index list
     edge-batcher index info
 
-Where things are found: the model repository is --model-repo, else the daemon config's
+With --url the daemon does it (POST /v2/models/{rag}/index): it embeds with the model it serves
+and writes its own index as its own user, the way to add documents to the installed service.
+Without, where things are found: the model repository is --model-repo, else the daemon config's
 [models] repository (--config), else ./engines. When the repository has a rag model
 (--rag-model, default "rag"), its [rag] index_dir and embedding_model are used; --index and
 --embedding-model override them. Embedding runs here, in this process, with the same ONNX
@@ -21,25 +23,12 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from ..config import load_config, load_model_config
 from ..errors import ConfigError, EdgeBatcherError
 from ..progress import Progress
-from .index import (
-    DEFAULT_MAX_CHARS,
-    Passage,
-    SentenceVectors,
-    default_index_dir,
-    embed_passages,
-    load_index,
-    read_meta,
-    split_file,
-    write_index,
-)
-
-if TYPE_CHECKING:
-    import numpy as np  # imported where used: the CLI starts without it
+from .index import DEFAULT_MAX_CHARS, default_index_dir, load_index, read_meta
+from .index_update import Document, add_documents, remove_documents
 
 PROGRESS_STEPS = 20  # embedding runs ~20 texts a second on the 2-core VM: a line every 5 % of it
 
@@ -53,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         p.add_argument("--model-repo", type=Path, help="model repository (default: from --config, else ./engines)")
         p.add_argument("--config", help="daemon config file whose [models] repository to use")
         p.add_argument("--rag-model", default="rag", help="the rag model whose [rag] settings apply (default: rag)")
+        p.add_argument("--url", help="a running daemon (unix:///path.sock or http://host:port): it embeds and writes "
+                                     "its own index, as its own user (the installed service's way)")
+        p.add_argument("--token", help="bearer token for a TCP --url")
 
     p = sub.add_parser("add", help="split files into passages, embed them and add them to the index")
     p.add_argument("files", nargs="+", type=Path, metavar="FILE", help=".md or .txt files")
@@ -89,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
             missing = [str(f) for f in args.files if not f.is_file()]
             if missing:
                 raise _NotThere(f"no such file: {', '.join(missing)} (nothing was indexed)")
+        if getattr(args, "url", None):
+            return _through_the_daemon(args)
         index_dir, embedding_model, repo = _locate(args)
         if command == "add":
             return _add(args, index_dir, embedding_model, repo)
@@ -107,6 +101,39 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
+DAEMON_TIMEOUT_S = 3600.0  # a manual of thousands of passages takes minutes to embed on a small CPU
+
+
+def _through_the_daemon(args: argparse.Namespace) -> int:
+    """index add | remove | info | list against a running daemon (POST /v2/models/{rag}/index):
+    the files are read here and sent; the daemon splits, embeds and writes its own index."""
+    from ..client import Client, ClientError
+
+    command = args.index_command
+    with Client(args.url, token=args.token, timeout=DAEMON_TIMEOUT_S) as client:
+        try:
+            if command == "add":
+                documents = [(str(path.resolve()), _read_text(path)) for path in args.files]
+                print(f"sending {len(documents)} file(s) to {args.url}; it embeds them ...", file=sys.stderr,
+                      flush=True)
+                s = client.index_add(args.rag_model, documents, rebuild=args.rebuild)
+                for source in s["empty"]:
+                    print(f"{source}: no text to index", file=sys.stderr)
+                print(f"indexed {s['added']} passages from {len(documents)} file(s)"
+                      + (f" (replacing {s['replaced']})" if s["replaced"] else "")
+                      + f"; model {args.rag_model}'s index now holds {s['count']} passages, version {s['version']}")
+            elif command == "remove":
+                s = client.index_remove(args.rag_model, [str(p.resolve()) for p in args.files])
+                print(f"removed {s['removed']} passages; model {args.rag_model}'s index now holds {s['count']}, "
+                      f"version {s['version']}")
+            else:  # info, list: what the daemon's index holds
+                print(json.dumps(client.index_info(args.rag_model), indent=2))
+        except ClientError as exc:
+            prefix = f"{exc.status}: " if exc.status else ""
+            raise EdgeBatcherError(f"{prefix}{exc.message}") from None
+    return 0
+
+
 def _locate(args: argparse.Namespace) -> tuple[Path, str, Path]:
     repo = args.model_repo or Path(load_config(args.config).models.repository)
     index_dir, embedding_model = None, None
@@ -122,40 +149,20 @@ def _locate(args: argparse.Namespace) -> tuple[Path, str, Path]:
     return index_dir, embedding_model, repo
 
 
-def _current(index_dir: Path) -> tuple[list[Passage], np.ndarray, dict, SentenceVectors | None]:
-    import numpy as np
-
-    index = load_index(index_dir)
-    if index is None:
-        return [], np.zeros((0, 0), dtype=np.float32), {}, None
-    return list(index.passages), index.embeddings, index.meta, index.sentences
-
-
 def _add(args, index_dir: Path, embedding_model: str, repo: Path) -> int:
-    import numpy as np
-
     from .embed import TextEmbeddingEngine
 
     t0 = time.perf_counter()
-    passages, embeddings, meta, sentences = (([], np.zeros((0, 0), np.float32), {}, None) if args.rebuild
-                                             else _current(index_dir))
-    if meta and meta.get("embedding_model") != embedding_model:
+    documents = []
+    for path in args.files:
+        try:
+            documents.append(Document(str(path.resolve()), _read_text(path)))
+        except OSError as exc:
+            raise _NotThere(f"{path}: cannot read it: {exc.strerror or exc} (nothing was indexed)") from None
+    meta = {} if args.rebuild else (read_meta(index_dir) or {})
+    if meta and meta.get("embedding_model") != embedding_model:  # before loading a model for nothing
         raise ConfigError(f"index {index_dir} was built with embedding model {meta.get('embedding_model')!r}, not "
                           f"{embedding_model!r}: add --rebuild to re-embed everything with {embedding_model!r}")
-    new: list[Passage] = []
-    sources = dict(meta.get("sources", {}))
-    for path in args.files:
-        if not path.is_file():
-            raise _NotThere(f"no such file: {path} (nothing was indexed)")
-        parts = split_file(path, args.max_chars)
-        if not parts:
-            print(f"{path}: no text to index", file=sys.stderr)
-        new.extend(parts)
-        sources[str(path.resolve())] = {"passages": len(parts),
-                                        "added": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    replaced_sources = {p.source for p in new}
-    keep = [i for i, p in enumerate(passages) if p.source not in replaced_sources]
-    replaced = len(passages) - len(keep)
     config_dir = repo / embedding_model
     if not (config_dir / "model.toml").is_file():
         raise ConfigError(f"embedding model {embedding_model!r} not found in {repo} (build it with "
@@ -163,42 +170,34 @@ def _add(args, index_dir: Path, embedding_model: str, repo: Path) -> int:
     engine = TextEmbeddingEngine(load_model_config(config_dir))
     engine.load()
     assert engine.tokenizer is not None
-    if args.max_chars > engine.tokenizer.max_chars:
-        engine.close()
-        raise ConfigError(f"--max-chars {args.max_chars} is longer than the {engine.tokenizer.max_chars} characters "
-                          f"embedding model {embedding_model!r} reads ([tokenizer] max_chars)")
-    # Embedding is the long part (about 20 texts a second on a 2-core CPU): say it starts.
-    print(f"embedding {len(new)} passages from {len(args.files)} file(s) with {embedding_model} ...",
-          file=sys.stderr, flush=True)
     try:
-        vectors, new_sentences = embed_passages(new, partial(engine.embed, progress=_progress("new passages")))
-        vectors = vectors.reshape(len(new), engine.dim)
-        if sentences is None:  # an index written before sentence vectors: embed the kept passages' too
-            sentences = embed_passages([passages[i] for i in keep],
-                                       partial(engine.embed, progress=_progress("kept passages")))[1]
-            keep_sentences = sentences
-        else:
-            keep_sentences = sentences.select(keep)
+        if args.max_chars > engine.tokenizer.max_chars:
+            raise ConfigError(f"--max-chars {args.max_chars} is longer than the {engine.tokenizer.max_chars} "
+                              f"characters embedding model {embedding_model!r} reads ([tokenizer] max_chars)")
+        # Embedding is the long part (about 20 texts a second on a 2-core CPU): say it starts.
+        print(f"embedding {len(args.files)} file(s) with {embedding_model} ...", file=sys.stderr, flush=True)
+        summary = add_documents(index_dir, documents, partial(engine.embed, progress=_progress("new passages")),
+                                embedding_model=embedding_model, dim=engine.dim, max_chars=args.max_chars,
+                                rebuild=args.rebuild)
     finally:
         engine.close()
-    kept = embeddings[keep] if len(keep) else np.zeros((0, engine.dim), np.float32)
-    # Ids stay unique across files: a later file with a clashing id gets a suffix.
-    used = {passages[i].id for i in keep}
-    for p in new:
-        base, n = p.id, 2
-        while p.id in used:
-            p.id = f"{base}~{n}"
-            n += 1
-        used.add(p.id)
-    all_passages = [passages[i] for i in keep] + new
-    all_embeddings = np.concatenate([kept.reshape(-1, engine.dim), vectors], axis=0)
-    meta = write_index(index_dir, all_passages, all_embeddings, embedding_model=embedding_model, sources=sources,
-                       sentences=keep_sentences.after(new_sentences, len(keep)))
-    print(f"indexed {len(new)} passages from {len(args.files)} file(s)"
-          + (f" (replacing {replaced})" if replaced else "")
-          + f"; {index_dir} now holds {meta['count']} passages, version {meta['version']} "
-          f"({embedding_model}, {meta['dim']}-d) in {time.perf_counter() - t0:.1f} s")
+    for source in summary["empty"]:
+        print(f"{source}: no text to index", file=sys.stderr)
+    print(f"indexed {summary['added']} passages from {len(args.files)} file(s)"
+          + (f" (replacing {summary['replaced']})" if summary["replaced"] else "")
+          + f"; {index_dir} now holds {summary['count']} passages, version {summary['version']} "
+          f"({embedding_model}, {engine.dim}-d) in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def _read_text(path: Path) -> str:
+    """A file to index: .md or .txt, UTF-8."""
+    if path.suffix.lower() not in (".md", ".markdown", ".txt", ".text"):
+        raise ConfigError(f"{path}: only text (.txt) and markdown (.md) files can be indexed")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: cannot read it as UTF-8 text: {exc}") from None
 
 
 def _progress(what: str) -> Callable[[int, int], None]:
@@ -221,17 +220,11 @@ def _progress(what: str) -> Callable[[int, int], None]:
 
 
 def _remove(args, index_dir: Path) -> int:
-    passages, embeddings, meta, sentences = _current(index_dir)
-    if not meta:
+    summary = remove_documents(index_dir, {str(p.resolve()) for p in args.files})
+    if summary is None:
         raise _NotThere(f"no index in {index_dir}: build one with `edge-batcher index add FILE...`")
-    gone = {str(p.resolve()) for p in args.files}
-    keep = [i for i, p in enumerate(passages) if p.source not in gone]
-    sources = {k: v for k, v in meta.get("sources", {}).items() if k not in gone}
-    new_meta = write_index(index_dir, [passages[i] for i in keep], embeddings[keep].reshape(len(keep), -1)
-                           if keep else embeddings[:0], embedding_model=meta["embedding_model"], sources=sources,
-                           sentences=sentences.select(keep) if sentences is not None else None)
-    print(f"removed {len(passages) - len(keep)} passages; {index_dir} now holds {new_meta['count']}, "
-          f"version {new_meta['version']}")
+    print(f"removed {summary['removed']} passages; {index_dir} now holds {summary['count']}, "
+          f"version {summary['version']}")
     return 0
 
 

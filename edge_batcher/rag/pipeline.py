@@ -24,6 +24,7 @@ from ..scheduler.runner import ModelRunner
 from ..types import InferRequest, InferResponse, TensorSpec
 from .deadline import estimate as estimate_local
 from .deadline import too_slow
+from .documents import Documents
 from .extract import answer_text, choose, sentences
 from .index import Hit, Index, IndexWatcher, load_index
 from .peer import ChatPeer
@@ -74,6 +75,7 @@ class RagService(ServiceAccounting):
                          "generate_ns": 0, "extract_ns": 0, "passages_returned": 0,
                          "sentences_embedded": 0}
         self.routes = {"local": 0, "peer": 0, "extractive": 0}
+        self.documents = Documents(self)  # added and removed over the API (documents.py)
         self.fallbacks: dict[str, int] = {}  # why a generated answer was not possible -> count
 
     # ------------------------------------------------------------------ lifecycle
@@ -123,6 +125,14 @@ class RagService(ServiceAccounting):
             await self.peer.close()
 
     # ------------------------------------------------------------------ the index
+
+    async def reload_index(self) -> None:
+        """Load the index now if its files changed (after documents were added or removed);
+        a problem with it shows in not_ready() and in the answers."""
+        try:
+            await self._current_index()
+        except Unavailable:
+            pass
 
     async def _current_index(self) -> Index:
         """The index, reloaded (off the loop) when meta.json was replaced since the last look."""

@@ -24,6 +24,7 @@ from .body_budget import BodyBudget
 from .http_body import ClientGone, read_body
 from .http_connections import connection_state_middleware
 from .http_generate import add_generate_routes
+from .http_index import add_index_routes
 from .http_keys import BODY_BUDGET, HEALTH_CHECKS, RUNTIME
 from .http_repository import add_repository_routes
 from .triton_config import MODEL_VERSION, PLATFORMS, model_config, servable_for
@@ -95,6 +96,7 @@ def create_app(
         ])  # fmt: skip
     add_generate_routes(app)
     add_repository_routes(app)
+    add_index_routes(app)
     return app
 
 

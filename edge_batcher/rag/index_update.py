@@ -1,0 +1,112 @@
+"""Adding documents to a document index and removing them: one implementation for the CLI, which
+embeds with a model of its own (index_cli.py), and for the running daemon, which embeds with the
+model it serves and writes its own index (pipeline.py, `POST /v2/models/{rag}/index`).
+
+A document is a source name and its text, split like a file of that name (markdown for .md and
+.markdown, plain text otherwise); adding a source again replaces its passages. `embed(texts)`
+returns the texts' vectors; it is called for the new passages and their sentences (and for the
+kept passages' sentences of an index written before sentence vectors). Blocking: files and
+embedding; the daemon runs it off the event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError
+from .index import (
+    Passage,
+    SentenceVectors,
+    embed_passages,
+    load_index,
+    split_markdown,
+    split_text,
+    write_index,
+)
+
+Embed = Callable[[list[str]], np.ndarray]
+MARKDOWN_SUFFIXES = (".md", ".markdown")
+
+
+@dataclass(frozen=True)
+class Document:
+    source: str  # where it came from: a file's resolved path, or the name an API client gave
+    text: str
+
+
+def split_document(document: Document, max_chars: int) -> list[Passage]:
+    """Passages of one document, split as a file of its source's name would be."""
+    if max_chars < 1:
+        raise ConfigError(f"the longest passage must be at least 1 character, got {max_chars}")
+    stem = Path(document.source).stem or "document"
+    if Path(document.source).suffix.lower() in MARKDOWN_SUFFIXES:
+        return split_markdown(document.text, stem, max_chars, document.source)
+    return split_text(document.text, stem, max_chars, document.source)
+
+
+def add_documents(index_dir: Path, documents: list[Document], embed: Embed, *, embedding_model: str, dim: int,
+                  max_chars: int, rebuild: bool = False) -> dict[str, Any]:
+    """Split, embed and add `documents` (replacing earlier versions of the same sources); write the
+    index. Returns {"added", "replaced", "count", "version", "empty"}: "empty" names documents with
+    no text to index."""
+    passages, embeddings, meta, sentences = _current(index_dir, rebuild)
+    if meta and meta.get("embedding_model") != embedding_model:
+        raise ConfigError(f"index {index_dir} was built with embedding model {meta.get('embedding_model')!r}, not "
+                          f"{embedding_model!r}: rebuild it to re-embed everything with {embedding_model!r}")
+    new: list[Passage] = []
+    sources = dict(meta.get("sources", {}))
+    empty = []
+    for document in documents:
+        parts = split_document(document, max_chars)
+        if not parts:
+            empty.append(document.source)
+        new.extend(parts)
+        sources[document.source] = {"passages": len(parts), "added": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    replaced_sources = {d.source for d in documents}
+    keep = [i for i, p in enumerate(passages) if p.source not in replaced_sources]
+    vectors, new_sentences = embed_passages(new, embed)
+    vectors = vectors.reshape(len(new), dim)
+    if sentences is None:  # an index written before sentence vectors: embed the kept passages' too
+        keep_sentences = embed_passages([passages[i] for i in keep], embed)[1]
+    else:
+        keep_sentences = sentences.select(keep)
+    kept = embeddings[keep].reshape(-1, dim) if len(keep) else np.zeros((0, dim), np.float32)
+    used = {passages[i].id for i in keep}  # ids stay unique: a later clashing id gets a suffix
+    for p in new:
+        base, n = p.id, 2
+        while p.id in used:
+            p.id = f"{base}~{n}"
+            n += 1
+        used.add(p.id)
+    written = write_index(index_dir, [passages[i] for i in keep] + new, np.concatenate([kept, vectors], axis=0),
+                          embedding_model=embedding_model, sources=sources,
+                          sentences=keep_sentences.after(new_sentences, len(keep)))
+    return {"added": len(new), "replaced": len(passages) - len(keep), "count": written["count"],
+            "version": written["version"], "empty": empty}
+
+
+def remove_documents(index_dir: Path, sources: set[str]) -> dict[str, Any] | None:
+    """Remove the passages of `sources`; write the index. None when there is no index."""
+    passages, embeddings, meta, sentences = _current(index_dir, rebuild=False)
+    if not meta:
+        return None
+    keep = [i for i, p in enumerate(passages) if p.source not in sources]
+    kept_sources = {k: v for k, v in meta.get("sources", {}).items() if k not in sources}
+    written = write_index(index_dir, [passages[i] for i in keep], embeddings[keep].reshape(len(keep), -1)
+                          if keep else embeddings[:0], embedding_model=meta["embedding_model"], sources=kept_sources,
+                          sentences=sentences.select(keep) if sentences is not None else None)
+    return {"removed": len(passages) - len(keep), "count": written["count"], "version": written["version"],
+            "unknown": sorted(sources - set(meta.get("sources", {})))}
+
+
+def _current(index_dir: Path, rebuild: bool) -> tuple[list[Passage], np.ndarray, dict, SentenceVectors | None]:
+    index = None if rebuild else load_index(index_dir)
+    if index is None:
+        return [], np.zeros((0, 0), dtype=np.float32), {}, None
+    return list(index.passages), index.embeddings, index.meta, index.sentences
