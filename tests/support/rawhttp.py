@@ -18,9 +18,10 @@ class UnixConnection(http.client.HTTPConnection):
         self.sock.connect(self.path)
 
 
-def request(path, method: str, url: str, body: bytes | str | None = None, headers: dict | None = None):
+def request(path, method: str, url: str, body: bytes | str | None = None, headers: dict | None = None,
+            timeout: float = 30.0):
     """Returns (status, parsed JSON body or text)."""
-    conn = UnixConnection(str(path))
+    conn = UnixConnection(str(path), timeout)
     try:
         if isinstance(body, str):
             body = body.encode()
