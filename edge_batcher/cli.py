@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "file, EDGE_BATCHER_<SECTION>_<KEY> variables and these flags set it; "
                                    "`edge-batcher config` prints what it would use.")
     add_settings(p)
+    p.add_argument("--check", action="store_true",
+                   help="check the configuration, every listener (bound and let go), each model's backend and "
+                        "file, and the memory plan, without loading a model; print what was found and exit "
+                        "(2 if something would stop the start)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("config", help="print the settings `serve` would use with the same flags: socket path, "
@@ -199,6 +203,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         configure_logging(config.server.log_level, config.server.log_format)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+    if args.check:
+        from .preflight import preflight, print_findings
+
+        return print_findings(preflight(config))
     serve(config)
     return 0
 

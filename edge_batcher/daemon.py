@@ -210,6 +210,22 @@ class Daemon:
             listeners.append((sock, f"{scheme}://{host}:{port} (bearer token required)"))
         return listeners
 
+    async def check_listeners(self) -> list[str]:
+        """Bind every listener the start binds, then let go of them (`serve --check`): the
+        addresses, as bound."""
+        listeners: list[tuple[socket.socket, str]] = []
+        try:
+            listeners = self._bind()
+            await self._bind_grpc()
+            return [where for _, where in listeners] + [f"grpc {a}" for a in (self.grpc.bound if self.grpc else [])]
+        finally:
+            for sock, _ in listeners:
+                sock.close()
+            if self._socket_file is not None:
+                remove_socket_file(*self._socket_file)
+            if self.grpc is not None:
+                await self.grpc.stop(0)
+
     async def _listen(self, listeners: list[tuple[socket.socket, str]]) -> None:
         """Serve the v2 API on the sockets bound at start."""
         s = self.config.server

@@ -219,6 +219,28 @@ class DeviceProfile:
                 "failed": {f"{s}x{b}": why for (s, b), why in self.failed.items()}}
 
 
+def load_need(config: ModelConfig, probe: MemoryProbe, instances: int) -> tuple[int, str] | None:
+    """(bytes, how they were reckoned) that loading a model's instances takes at its peak,
+    from its model file: in host memory about LOAD_PEAK_FACTOR x the file for a moment (ONNX
+    Runtime holds the file's bytes and the weights it made of them at once: +142 MiB at the
+    peak for MiniLM's 86 MiB, +97 MiB after); on a GPU the weights themselves. None where the
+    file says nothing: a fixed budget (a configured number: the model file is not the weights),
+    or no readable file (the engine's load says what is wrong with it)."""
+    if probe.name == "fixed":
+        return None
+    try:
+        weights = config.model_path.stat().st_size * instances
+    except OSError:
+        return None
+    providers = [ep.name for ep in config.onnxruntime.execution_providers]
+    on_device = bool(providers) and providers[0] in DEVICE_PROVIDERS and measures_device(probe) \
+        and probe.name not in UNIFIED_PROBES
+    if on_device:
+        return weights, f"its weights: {weights / MiB:.1f} MiB, {instances} instance(s)"
+    return int(weights * LOAD_PEAK_FACTOR), \
+        f"{LOAD_PEAK_FACTOR:g}x its model file: {weights / MiB:.1f} MiB, {instances} instance(s)"
+
+
 class DeviceLoad:
     """Memory around one model's load. Create it before the engines load (it reads the meters
     and what the budget has available then), pass each new engine to `prepare` before its
@@ -239,27 +261,16 @@ class DeviceLoad:
             self._used_before = memory_in_use(budget.probe)
 
     def check_weights(self, config: ModelConfig) -> None:
-        """Refuse a model whose load alone would not fit, before loading it: the load would fail,
-        or on unified memory meet the OOM killer, before anything could be measured. In host
-        memory loading takes about LOAD_PEAK_FACTOR x the model file for a moment (ONNX Runtime
-        holds the file's bytes and the weights it made of them at once: +142 MiB at the peak for
-        MiniLM's 86 MiB, +97 MiB after); on a GPU the weights themselves."""
-        if self.budget is None or self.budget.probe.name == "fixed":
-            return  # a configured number: the estimate decides after the load (model file != weights)
-        try:
-            weights = config.model_path.stat().st_size * self.instances
-        except OSError:
-            return  # the engine's load says what is wrong with the file
-        providers = [ep.name for ep in config.onnxruntime.execution_providers]
-        on_device = bool(providers) and providers[0] in DEVICE_PROVIDERS and measures_device(self.budget.probe) \
-            and self.budget.probe.name not in UNIFIED_PROBES
-        need = weights if on_device else int(weights * LOAD_PEAK_FACTOR)
-        if need > self.available_before:
+        """Refuse a model whose load alone would not fit (load_need), before loading it: the
+        load would fail, or on unified memory meet the OOM killer, before anything could be
+        measured."""
+        if self.budget is None:
+            return
+        need = load_need(config, self.budget.probe, self.instances)
+        if need is not None and need[0] > self.available_before:
             raise ModelDoesNotFit(
-                f"model {config.name!r}: loading it needs about {need / MiB:.1f} MiB "
-                f"({'its weights' if on_device else f'{LOAD_PEAK_FACTOR:g}x its model file'}: "
-                f"{weights / MiB:.1f} MiB, {self.instances} instance(s)), more than the "
-                f"{self.available_before / MiB:.1f} MiB the memory budget has; it was not loaded")
+                f"model {config.name!r}: loading it needs about {need[0] / MiB:.1f} MiB ({need[1]}), more "
+                f"than the {self.available_before / MiB:.1f} MiB the memory budget has; it was not loaded")
 
     def meter(self, engine: Any) -> Meter | None:
         """The meter for a loaded engine (meter_for), or None without a budget."""

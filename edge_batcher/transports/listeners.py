@@ -50,7 +50,7 @@ def check_unix_socket_path(path: Path, where: str) -> None:
 def bind_unix_socket(path: Path, mode: int = 0o660) -> socket.socket:
     path = Path(path)
     check_unix_socket_path(path, "[server] unix_socket")
-    _remove_stale_socket(path)
+    remove_stale_socket(path, "choose another --unix-socket")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o777 & ~mode)  # the file is born with `mode`: no window with wider access
     try:
@@ -66,7 +66,9 @@ def bind_unix_socket(path: Path, mode: int = 0o660) -> socket.socket:
     return sock
 
 
-def _remove_stale_socket(path: Path) -> None:
+def remove_stale_socket(path: Path, alternative: str) -> None:
+    """Remove the socket file an earlier run left at `path`; refuse when something still
+    accepts connections there (another daemon) or the file is not a socket."""
     try:
         st = path.lstat()
     except FileNotFoundError:
@@ -86,7 +88,7 @@ def _remove_stale_socket(path: Path) -> None:
         return
     finally:
         probe.close()
-    raise ConfigError(f"another process is serving on {path}; stop it or choose another --unix-socket")
+    raise ConfigError(f"another process is serving on {path}; stop it or {alternative}")
 
 
 def bind_tcp_socket(host: str, port: int) -> socket.socket:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from ...errors import ConfigError, InvalidInput
 from ...protocol.parameters import to_infer_request
 from ...runtime import Runtime
 from ..edge import EdgeLimits
-from ..listeners import check_unix_socket_path
+from ..listeners import check_unix_socket_path, remove_stale_socket
 from ..triton_config import MODEL_VERSION, PLATFORMS, model_config, servable_for
 from . import grpc_service_pb2 as pb
 from . import model_config_pb2
@@ -89,12 +88,9 @@ class GrpcServer:
     def _bind_unix(self, path: Path) -> None:
         check_unix_socket_path(path, "[server] grpc")
         try:
-            if path.exists() or path.is_symlink():
-                if not stat.S_ISSOCK(path.lstat().st_mode):
-                    raise ConfigError(f"[server] grpc: {path} exists and is not a socket")
-                path.unlink()  # a stale socket of an earlier run
-        except OSError as exc:
-            raise ConfigError(f"[server] grpc: cannot replace {path}: {exc.strerror or exc}") from None
+            remove_stale_socket(path, "choose another [server] grpc address")
+        except ConfigError as exc:
+            raise ConfigError(f"[server] grpc: {exc}") from None
         try:
             self._server.add_insecure_port(f"{UNIX_PREFIX}{path}")
         except RuntimeError as exc:
