@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 from ..config import ModelConfig, TensorOverride
-from ..errors import ConfigError, DeadlineExceeded, EdgeBatcherError, InvalidInput, Overloaded, Unavailable
+from ..errors import ConfigError, EdgeBatcherError, InvalidInput, Overloaded, Unavailable
 from ..metrics import Metrics
 from ..scheduler.offloading import OffloadPort
 from ..scheduler.policy import Reason
@@ -41,14 +41,11 @@ class RemoteModel:
         self.outputs = outputs
         self.peers = peers
         self.validator = RequestValidator(self.name, inputs, outputs, config.sequence,
-                                          allow_non_finite=config.allow_non_finite_inputs)
+                                          allow_non_finite=config.allow_non_finite_inputs, batching=config.batching)
         self._stats = RunnerStats(self.name, metrics)
         self.stats = self._stats.counts
         b = config.batching
         self._capacity = b.queue_capacity  # requests on their way to a peer at once
-        self._priority_levels = b.priority_levels
-        self._default_timeout_s = b.default_timeout_ms / 1000.0
-        self._max_timeout_s = b.max_timeout_ms / 1000.0
         # Requests on their way to a peer: what the transports and drain see as not yet answered.
         self.queue: set[object] = set()
         self._idle = asyncio.Event()
@@ -119,12 +116,8 @@ class RemoteModel:
         if not self._serving:
             raise Unavailable(f"model {self.name!r} is not serving yet")
         _, rows, _ = self.validator.validate(request)
-        if request.priority is not None and not 0 <= request.priority < self._priority_levels:
-            raise InvalidInput(f"priority {request.priority} is out of range: model {self.name!r} has "
-                               f"levels 0..{self._priority_levels - 1}")
-        timeout_s = self._default_timeout_s if request.timeout_s is None else request.timeout_s
-        if timeout_s <= 0:
-            raise DeadlineExceeded(f"request timeout {timeout_s * 1000:.1f} ms has already passed")
+        self.validator.priority(request)
+        timeout_s = self.validator.timeout_s(request)
         view = self.peers.view(self.name)
         if not view.peer_available:
             self.stats.rejected += 1
@@ -134,7 +127,7 @@ class RemoteModel:
             raise InvalidInput(f"request has {rows} rows, more than model {self.name!r} sends to a peer in "
                                f"one request ({limit}); split it into smaller requests")
         self.refuse_if_full()
-        return min(timeout_s, self._max_timeout_s)
+        return timeout_s
 
     def statistics(self) -> dict[str, Any]:
         """Triton's statistics-extension shape: nothing executes here, every request is offloaded."""

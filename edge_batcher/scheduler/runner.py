@@ -1,14 +1,14 @@
 """Drives one model: validates and queues requests, asks the policy for batches, runs them.
 
-Threads: everything here runs on the event loop except `_execute`, which runs on the engine
-instance's own worker thread (one thread per instance: inference never blocks the loop, and
-an engine object is only ever touched by one thread). The hot path is plain callbacks, no task
+Threads: everything here runs on the event loop; a batch runs on its engine instance's own
+worker thread (execute.py; one thread per instance: inference never blocks the loop, and an
+engine object is only ever touched by one thread). The hot path is plain callbacks, no task
 per batch: `submit` queues a request and calls `_schedule` when the policy says the arrival may
-change its answer; `_schedule` runs the (pure) policy and hands each planned batch to its
-instance's worker; the worker's completion callback answers the batch's futures and calls
-`_schedule` again; a timer calls it when the policy said to look again later. Input checks
-live in validate.py, batch assembly in batch.py, counters and metrics in stats.py, warm-up in
-warmup.py, sending peer batches in offloading.py.
+change its answer; `_schedule` runs the (pure) policy and hands each planned batch to the
+instance slots.py picks; the worker's completion callback answers the batch's futures and
+calls `_schedule` again; a timer calls it when the policy said to look again later. Input
+checks live in validate.py, batch assembly in batch.py, counters and metrics in stats.py,
+warm-up in warmup.py, sending peer batches in offloading.py.
 """
 
 from __future__ import annotations
@@ -18,9 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..config import ModelConfig
@@ -40,9 +38,11 @@ from ..metrics import Metrics
 from ..types import InferRequest, InferResponse, TensorSpec
 from . import batch as batching
 from . import policy
+from .execute import BatchExecutor, LocalBatch, Outcome
 from .offloading import Offloader, OffloadPort
 from .policy import Dispatch, Reason, Reject, Target
 from .queues import ModelQueue, Pending, QueuedRequest
+from .slots import InstanceSlots
 from .stats import ModelStats, RunnerStats
 from .timing import ExecTimeModel
 from .validate import RequestValidator
@@ -56,7 +56,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-BATCHES_IN_FLIGHT_PER_INSTANCE = 2
 # An engine whose batches take at least this long (measured at warm-up) runs its worker
 # thread on every CPU instead of the event loop's ([server] loop_cpu): the loop then waits on
 # the engine most of the time, and sharing its CPU would only keep the engine's own compute
@@ -64,18 +63,6 @@ BATCHES_IN_FLIGHT_PER_INSTANCE = 2
 # Below it, sharing one CPU wins: the GIL changes hands several times per batch, cheaply on
 # one core. Where the two cross: tools/bench_engine_cost.py, docs/benchmarks.md.
 WORKER_ON_EVERY_CPU_FROM_S = 0.5e-3
-Outcome = tuple[batching.Outputs, float, float]  # what `_execute` returns: outputs, seconds, engine seconds
-
-
-@dataclass(eq=False, slots=True)
-class LocalBatch:
-    """A batch handed to an engine instance's worker."""
-
-    plan: policy.BatchPlan
-    instance: int
-    reserved: int  # admission bytes held until it finishes
-    dispatched: float
-    holds_slot: bool  # False for the parts of a batch split after running out of memory
 
 
 class ModelRunner:
@@ -108,20 +95,16 @@ class ModelRunner:
         self.exec_time = ExecTimeModel()
         self.queue = ModelQueue(capacity=b.queue_capacity, priority_levels=b.priority_levels)
         self.validator = RequestValidator(self.name, self.inputs, self.outputs, config.sequence,
-                                          allow_non_finite=config.allow_non_finite_inputs)
+                                          allow_non_finite=config.allow_non_finite_inputs, batching=b)
         self._stats = RunnerStats(self.name, metrics)
-        self._output_names = [spec.name for spec in self.outputs]
-        self._default_priority = b.default_priority
-        self._priority_levels = b.priority_levels
-        self._default_timeout_s = b.default_timeout_ms / 1000.0
-        self._max_timeout_s = b.max_timeout_ms / 1000.0
         self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
         # One thread per engine instance, from now on: measurement and warm-up run on the
         # thread that serves (worker.py: device libraries keep per-thread memory).
         self._threads = EngineThreads(self.name, self.engines)
-        self._free_slots: list[int] = []  # engine instances with a free batch slot
-        self._busy_until = [0.0] * len(engines)  # when each instance's dispatched work should end
-        self._dispatched: list[deque[float]] = [deque() for _ in engines]  # dispatch times in flight
+        self._execute = BatchExecutor(self.name, self.engines, self.batch_inputs, self.validator.seq_axis,
+                                      config.sequence.pad_value if config.sequence else 0,
+                                      [spec.name for spec in self.outputs])
+        self._slots = InstanceSlots(len(engines))  # which instance takes the next batch (slots.py)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None  # when the policy wants to look again; None: no timer
         self._local_batches = 0  # batches with a worker (queued there or running)
@@ -176,9 +159,7 @@ class ModelRunner:
             log.info("model %s: batches take up to %.2f ms: its engine worker threads run on every CPU, "
                      "not only on the event loop's", self.name, slowest * 1e3)
         self._threads.serve(self._loop, every_cpu=every_cpu)
-        # Two batch slots per instance: the next batch waits in the worker's queue while the
-        # current one runs, so the engine thread never idles through a round trip to the loop.
-        self._free_slots = [i for _ in range(BATCHES_IN_FLIGHT_PER_INSTANCE) for i in range(len(self.engines))]
+        self._slots.open()
 
     async def drain(self, timeout: float) -> None:
         """Stop taking requests, run everything queued now, wait for batches in flight."""
@@ -223,16 +204,7 @@ class ModelRunner:
         if self._prepare is not None:
             inputs, seq_len = self._prepare(inputs)
             validator.check_seq_len(seq_len)
-        priority = self._default_priority if request.priority is None else request.priority
-        if not 0 <= priority < self._priority_levels:
-            raise InvalidInput(
-                f"priority {priority} is out of range: model {self.name!r} has levels 0..{self._priority_levels - 1}"
-            )
-        timeout_s = self._default_timeout_s if request.timeout_s is None else request.timeout_s
-        if timeout_s <= 0:
-            raise DeadlineExceeded(f"request timeout {timeout_s * 1000:.1f} ms has already passed")
-        if timeout_s > self._max_timeout_s:
-            timeout_s = self._max_timeout_s
+        priority, timeout_s = validator.priority(request), validator.timeout_s(request)
         now = loop.time()
         future = loop.create_future()
         pending = Pending(priority, now, now + timeout_s, rows, validator.bucket(seq_len),
@@ -243,7 +215,7 @@ class ModelRunner:
         self.queue.push(pending)
         if policy.decision_may_change(
             pending, self.queue.buckets[pending.bucket].rows, self.settings, self.exec_time,
-            slot_free=bool(self._free_slots), has_peer=self.offload is not None, timer_at=self._timer_at,
+            slot_free=bool(self._slots.free), has_peer=self.offload is not None, timer_at=self._timer_at,
         ):
             self._schedule()
         return future
@@ -340,9 +312,9 @@ class ModelRunner:
                     f"deadline passed after {waited:.1f} ms in the queue of model {self.name!r}, before it could run"))
             offload = self._offload_view()
             state = policy.PlanState(
-                draining=self._draining, busy=self._local_batches > 0, local_free=bool(self._free_slots),
+                draining=self._draining, busy=self._local_batches > 0, local_free=bool(self._slots.free),
                 # only the offload decision reads busy_s: not worth computing without a peer
-                busy_s=self._busy_seconds(now) if offload.peer_available else 0.0, offload=offload,
+                busy_s=self._slots.wait_s(now) if offload.peer_available else 0.0, offload=offload,
             )
             decision = policy.decide(self.queue, now, self.settings, self.exec_time, self.fits, state)
             if isinstance(decision, Reject):
@@ -354,7 +326,7 @@ class ModelRunner:
             self._dispatch(decision.plan, now)
             if wake_at is None or wake_at > now:
                 break  # the policy saw nothing else due now
-            if not self._free_slots and self.offload is None:
+            if not self._slots.free and self.offload is None:
                 # Without a free slot or a peer the policy can plan nothing more: the next
                 # batch to finish plans again (it would only say so, at the cost of a call).
                 wake_at = None
@@ -392,25 +364,8 @@ class ModelRunner:
             assert self._offloads is not None  # the policy plans for a peer only when there is one
             self._offloads.send(plan)
             return
-        instance = min(self._free_slots, key=lambda i: self._busy_until[i])
-        self._free_slots.remove(instance)
-        self._busy_until[instance] = max(now, self._busy_until[instance]) + self.exec_time.estimate(plan.size)
-        self._dispatched[instance].append(now)
+        instance = self._slots.take(now, self.exec_time.estimate(plan.size))
         self._start_batch(plan, instance, now, holds_slot=True)
-
-    def _busy_seconds(self, now: float) -> float:
-        """Estimated wait before a batch dispatched now would start on a local instance.
-
-        From the learned execution times; but when an instance's work has overrun its
-        estimate (a stuck or suddenly slow engine), assume it needs as long again as it has
-        already run, rather than trusting an estimate that has proven wrong."""
-        def wait(i: int) -> float:
-            expected = self._busy_until[i] - now
-            if expected <= 0 and self._dispatched[i]:
-                return now - self._dispatched[i][0]
-            return max(0.0, expected)
-
-        return min(wait(i) for i in (self._free_slots or range(len(self.engines))))
 
     def _reject(self, decision: Reject) -> None:
         reason = decision.reason
@@ -439,14 +394,11 @@ class ModelRunner:
             self.admission.release(batch.reserved)
         instance = batch.instance
         if batch.holds_slot:
-            self._free_slots.append(instance)
-            self._dispatched[instance].popleft()
-            if self._free_slots.count(instance) == BATCHES_IN_FLIGHT_PER_INSTANCE:
-                self._busy_until[instance] = 0.0  # idle: nothing of its estimate is left
+            self._slots.give_back(instance)
         self._local_batches -= 1
         plan = batch.plan
         if error is None:
-            assert outcome is not None  # _execute returned
+            assert outcome is not None  # the executor returned
             try:
                 self._answer(batch, *outcome)
             except Exception as exc:  # a bug here must not leave callers waiting forever
@@ -505,35 +457,6 @@ class ModelRunner:
         for part, rows, size in parts:
             part_plan = policy.BatchPlan(part, rows, size, plan.bucket, reason=Reason.OOM_SPLIT)
             self._start_batch(part_plan, instance, now, holds_slot=False)
-
-    def _execute(self, batch: LocalBatch) -> Outcome:
-        """Worker thread: assemble the padded batch, run it, split the outputs per request.
-
-        A batch may wait here behind the one running, so deadlines are checked again just
-        before the engine runs: expired requests are left out (their slot becomes padding)
-        and get None, which the loop answers with DeadlineExceeded. The clock is the event
-        loop's (time.monotonic), so deadlines compare directly."""
-        t0 = time.perf_counter()
-        plan = batch.plan
-        requests = cast("list[Pending]", plan.requests)  # the queue holds only Pending
-        now = time.monotonic()
-        live = [r for r in requests if r.deadline > now]
-        if not live:
-            return [None] * len(requests), 0.0, 0.0
-        pad = self.config.sequence.pad_value if self.config.sequence else 0
-        seq_axis = self.validator.seq_axis
-        any_length = self.engines[batch.instance].accepts_any_length
-        inputs = {
-            spec.name: batching.stack([r.inputs[spec.name] for r in live], plan.size, seq_axis(spec.name), plan.bucket,
-                                      pad, any_length)
-            for spec in self.batch_inputs
-        }
-        t1 = time.perf_counter()
-        outputs = self.engines[batch.instance].infer(inputs)
-        engine_seconds = time.perf_counter() - t1
-        batching.check_outputs(outputs, self._output_names, sum(r.rows for r in live), self.name)
-        results = batching.split_rows(outputs, [r.rows if r.deadline > now else None for r in requests])
-        return results, time.perf_counter() - t0, engine_seconds
 
     def _record(self, batch: LocalBatch, answered: list[Pending], seconds: float, engine_seconds: float) -> None:
         self.exec_time.observe(batch.plan.size, seconds)

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import SequenceSettings
-from ..errors import InvalidInput
+from ..config import BatchingSettings, SequenceSettings
+from ..errors import DeadlineExceeded, InvalidInput
 from ..types import DATATYPE_TO_NUMPY, InferRequest, TensorSpec
 
 
@@ -31,13 +31,35 @@ class InputCheck:
 
 class RequestValidator:
     def __init__(self, model: str, inputs: list[TensorSpec], outputs: list[TensorSpec],
-                 sequence: SequenceSettings | None, *, allow_non_finite: bool = False) -> None:
+                 sequence: SequenceSettings | None, *, allow_non_finite: bool = False,
+                 batching: BatchingSettings | None = None) -> None:
         self.model = model
         self.sequence = sequence
+        b = batching or BatchingSettings()
+        self._default_priority = b.default_priority
+        self._priority_levels = b.priority_levels
+        self._default_timeout_s = b.default_timeout_ms / 1000.0
+        self._max_timeout_s = b.max_timeout_ms / 1000.0
         self.allow_non_finite = allow_non_finite
         self._input_names = [spec.name for spec in inputs]
         self._output_names = [spec.name for spec in outputs]
         self.checks = [self._check_of(spec) for spec in inputs]
+
+    def priority(self, request: InferRequest) -> int:
+        """The request's priority level, its model's default when it names none."""
+        priority = self._default_priority if request.priority is None else request.priority
+        if not 0 <= priority < self._priority_levels:
+            raise InvalidInput(
+                f"priority {priority} is out of range: model {self.model!r} has levels 0..{self._priority_levels - 1}"
+            )
+        return priority
+
+    def timeout_s(self, request: InferRequest) -> float:
+        """The request's timeout in seconds: its own up to the model's max_timeout_ms, else the default."""
+        timeout_s = self._default_timeout_s if request.timeout_s is None else request.timeout_s
+        if timeout_s <= 0:
+            raise DeadlineExceeded(f"request timeout {timeout_s * 1000:.1f} ms has already passed")
+        return min(timeout_s, self._max_timeout_s)
 
     def seq_axis(self, name: str) -> int | None:
         seq = self.sequence
