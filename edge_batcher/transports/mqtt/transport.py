@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import functools
-import json
 import logging
 import socket
 import time
@@ -27,21 +26,19 @@ from ...protocol.parameters import to_infer_request
 from ...runtime import Runtime
 from ...types import InferRequest
 from ..v2_decode import decode_request
+from . import replies
 from .inbox import MESSAGE_OVERHEAD_BYTES, Held, Inbox
 from .messages import Message, Reply
 from .paho_client import PahoClient
+from .replies import BINARY, JSON, Route
 from .settings import default_client_id, read_password, validate_settings
 from .streams import StreamRoute, compile_stream
+from .undeliverable import ReplyRefused, ThrottledLog, UndeliverableReplies, reply_topic_problem
 
 log = logging.getLogger(__name__)
 
-JSON = v2.JSON_CONTENT_TYPE
-BINARY = v2.BINARY_CONTENT_TYPE
 STOP_GRACE_S = 5.0  # stop(): how long replies in flight may take before their requests are left unacked
 OVERLOAD_RETRY_S = (0.002, 0.05)  # a QoS 1/2 request the model's queue refused: first and longest wait
-
-# Where a message goes: ("infer", model name) or ("stream", StreamRoute).
-Route = tuple[str, Any]
 
 
 class _LeaveUnacked(Exception):
@@ -82,6 +79,8 @@ class MqttTransport:
         self._refetch: asyncio.Task | None = None
         self._accepting = False
         self._stopping = False
+        self._undeliverable = UndeliverableReplies(log, runtime.metrics.mqtt_undeliverable_total)
+        self._throttled = ThrottledLog(log)  # what a client's messages make us say: once per topic per minute
         self._counts = {"requests": 0, "stream_messages": 0, "answered": 0, "errors": 0, "rejected": 0,
                         "redelivered": 0, "unacked": 0, "deferred": 0, "superseded": 0, "refetches": 0,
                         "overload_waits": 0, "expired": 0, "replies_dropped": 0}  # fmt: skip
@@ -96,14 +95,16 @@ class MqttTransport:
     @property
     def stats(self) -> dict[str, int]:
         """Counters: requests and stream_messages taken, answered (status 200), errors (error
-        replies), rejected (QoS 0 answered 429 at the hand-off), redelivered (duplicates flagged by
-        the broker), unacked (left for redelivery), deferred (arrived with the inbox full, left
+        replies), rejected (QoS 0 answered 429 at the hand-off), redelivered (duplicates flagged by the
+        broker), unacked (left for redelivery), deferred (arrived with the inbox full, left
         unacked), superseded (waiting when the connection was lost; the broker sends them again),
         refetches (reconnects made to get deferred messages back), overload_waits (a model's full
         queue made a QoS 1/2 request wait), expired (504 after waiting past their deadline),
-        replies_dropped (429 replies to QoS 0 requests that paho could not queue); plus held and
-        held_bytes: the inbox now."""
-        return {**self._counts, "held": self._inbox.count, "held_bytes": self._inbox.bytes}
+        replies_dropped (429 replies to QoS 0 requests that paho could not queue), undeliverable (acked and
+        dropped: their reply was refused, or its topic takes none); plus held and held_bytes: the
+        inbox now."""
+        return {**self._counts, "undeliverable": self._undeliverable.count, "held": self._inbox.count,
+                "held_bytes": self._inbox.bytes}
 
     @property
     def subscriptions(self) -> list[str]:
@@ -168,7 +169,7 @@ class MqttTransport:
         if client is None:
             return
         await client.close()
-        log.info("MQTT: stopped (%s)", ", ".join(f"{k} {v}" for k, v in self._counts.items()))
+        log.info("MQTT: stopped (%s)", ", ".join(f"{k} {v}" for k, v in self.stats.items() if not k.startswith("held")))
 
     # ------------------------------------------------------------------ inside paho's reads (never block)
 
@@ -206,12 +207,12 @@ class MqttTransport:
             route = self._route(msg.topic)
             if route is None:
                 return  # a stale subscription
-            error = Overloaded(
+            error = replies.bad_response_topic(msg) or Overloaded(
                 f"overloaded: {self.settings.max_pending} QoS 0 messages are already pending on {self.device_id}; "
                 f"retry later, or publish with QoS 1 to be served late instead"
             )
             assert self._client is not None  # set while messages are accepted (stop() pauses first)
-            if not self._client.publish_nowait(self._error_reply(msg, route, error, None)):
+            if not self._client.publish_nowait(replies.error(msg, route, error, None, self.prefix)):
                 self._counts["replies_dropped"] += 1
         except Exception:
             log.exception("MQTT: could not reject a message on %s", msg.topic)
@@ -302,22 +303,34 @@ class MqttTransport:
         if msg.dup:
             self._counts["redelivered"] += 1
         route = self._route(msg.topic)
+        if route is None:
+            # A subscription left in the persistent session by an older configuration.
+            self._throttled.warning(msg.topic, "MQTT: no request route or stream matches %s; dropping the message",
+                                    msg.topic)
+            self._ack(msg)
+            return
+        if self._undeliverable.refused_before(msg):  # sent again after its reply was refused
+            self._ack(msg)
+            return
         try:
-            if route is None:
-                # A subscription left in the persistent session by an older configuration.
-                log.warning("MQTT: no request route or stream matches %s; dropping the message", msg.topic)
-                self._ack(msg)
-                return
             if route[0] == "infer":
                 self._counts["requests"] += 1
                 reply = await self._answer_request(held, route)
             else:
                 self._counts["stream_messages"] += 1
                 reply = await self._answer_stream(held, route)
+            if self._undeliverable.refused_before(msg):  # an earlier copy's reply was refused meanwhile
+                self._ack(msg)
+                return
+            sent = await self._publish(reply)
         except _LeaveUnacked:
             self._counts["unacked"] += 1
             return
-        if await self._publish(reply):
+        except ReplyRefused as exc:  # acked: left unacked, it would come back on every connection
+            self._undeliverable.refused(msg, exc)
+            self._ack(msg)
+            return
+        if sent:
             self._ack(msg)
         else:
             self._counts["unacked"] += 1
@@ -365,11 +378,15 @@ class MqttTransport:
 
     async def _answer_request(self, held: Held, route: Route) -> Reply:
         msg, model = held.msg, route[1]
+        bad_topic = replies.bad_response_topic(msg)
+        if bad_topic is not None:  # answered on the result topic, without decoding the request
+            self._counts["errors"] += 1
+            return replies.error(msg, route, bad_topic, None, self.prefix)
         payload = msg.payload
         header_length = None
         request_id = None
         try:
-            header_length = _header_length(msg)
+            header_length = replies.header_length(msg)
             if not payload:
                 raise InvalidInput("empty payload: expected a KServe v2 inference request (JSON)")
             decoded = await decode_request(payload, header_length)
@@ -382,18 +399,18 @@ class MqttTransport:
             binary = v2.binary_outputs_for(decoded, list(response.outputs))
             body, json_length = v2.encode_response(model, response.id, response.outputs, binary=binary,
                                                    parameters=response.parameters or None)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ReplyRefused):
             raise
         except Exception as exc:
             error = self._error(exc, f"request on {msg.topic}")
             self._counts["errors"] += 1
             if request_id is None:
-                request_id = _peek_id(payload, header_length)
-            return self._error_reply(msg, route, error, request_id)
+                request_id = replies.peek_id(payload, header_length)
+            return replies.error(msg, route, error, request_id, self.prefix)
         self._counts["answered"] += 1
         if json_length is None:
-            return self._reply(msg, self._reply_topic(msg, model), body, 200, JSON)
-        return self._reply(msg, self._reply_topic(msg, model), body, 200, BINARY,
+            return replies.make(msg, replies.topic_for(msg, self.prefix, model), body, 200, JSON)
+        return replies.make(msg, replies.topic_for(msg, self.prefix, model), body, 200, BINARY,
                            ((v2.HEADER_LENGTH, str(json_length)),))
 
     async def _stream_chunks(self, held: Held, model: str, request: InferRequest) -> Any:
@@ -412,7 +429,7 @@ class MqttTransport:
             if previous is not None:
                 body, _ = v2.encode_response(model, previous.id, previous.outputs,
                                              parameters=previous.parameters or None)
-                await self._publish(self._reply(msg, self._reply_topic(msg, model), body, 200, JSON))
+                await self._publish(replies.make(msg, replies.topic_for(msg, self.prefix, model), body, 200, JSON))
             previous = chunk
         if previous is None:
             raise InvalidInput(f"model {model!r} produced no output for this request")
@@ -429,9 +446,9 @@ class MqttTransport:
         except Exception as exc:
             error = self._error(exc, f"stream message on {msg.topic}")
             self._counts["errors"] += 1
-            return self._error_reply(msg, route, error, None)
+            return replies.error(msg, route, error, None, self.prefix)
         self._counts["answered"] += 1
-        return self._reply(msg, stream.output_topic(msg.topic, self.prefix), body, 200, JSON)
+        return replies.make(msg, stream.output_topic(msg.topic, self.prefix), body, 200, JSON)
 
     def _error(self, exc: Exception, what: str) -> EdgeBatcherError:
         if isinstance(exc, Unavailable) and self._stopping:
@@ -441,28 +458,14 @@ class MqttTransport:
         log.exception("MQTT: unhandled error on %s", what)
         return EdgeBatcherError(f"internal error: {type(exc).__name__}: {exc}")
 
-    def _error_reply(self, msg: Message, route: Route, error: EdgeBatcherError, request_id: str | None) -> Reply:
-        """The reply for a failed message: on the request's reply topic, or the stream's output topic."""
-        body: dict[str, Any] = {"error": error.message}
-        if route[0] == "infer":
-            topic = self._reply_topic(msg, route[1])
-            if request_id is not None:
-                body["id"] = request_id
-        else:
-            topic = route[1].output_topic(msg.topic, self.prefix)
-            body = {"topic": msg.topic, **body}
-        return self._reply(msg, topic, json.dumps(body).encode(), error.status, JSON)
-
-    def _reply_topic(self, msg: Message, model: str) -> str:
-        return msg.response_topic or f"{self.prefix}/result/{model}"
-
-    def _reply(self, msg: Message, topic: str, body: bytes, status: int, content_type: str,
-               user_properties: tuple[tuple[str, str], ...] = ()) -> Reply:
-        return Reply(topic, body, status, content_type, msg.correlation_data, user_properties)
-
     async def _publish(self, reply: Reply) -> bool:
         """True once the broker took the reply; False when it could not be queued (not connected
-        with QoS 0, or stopped): its request is then left unacked for redelivery."""
+        with QoS 0, or stopped): its request is then left unacked for redelivery. ReplyRefused
+        when the broker refused it, or its topic is one no broker takes (checked first: mosquitto
+        may drop the connection over such a publish)."""
+        problem = reply_topic_problem(reply.topic)
+        if problem is not None:
+            raise ReplyRefused(reply.topic, f"the topic {problem}")
         client = self._client
         return False if client is None else await client.publish(reply)
 
@@ -470,28 +473,3 @@ class MqttTransport:
         if self._client is not None:
             self._client.ack(msg)
 
-
-def _header_length(msg: Message) -> int | None:
-    """Inference-Header-Content-Length from the user properties; required for a binary request."""
-    value = None
-    for name, val in msg.user_properties:
-        if name.lower() == v2.HEADER_LENGTH.lower():
-            value = val
-    if value is None:
-        if msg.content_type == BINARY:
-            raise InvalidInput(
-                f"binary request (Content Type {BINARY}) without the user property {v2.HEADER_LENGTH} "
-                f"giving the JSON header's length"
-            )
-        return None
-    return v2.parse_header_length(value)
-
-
-def _peek_id(payload: bytes, header_length: int | None) -> str | None:
-    """The v2 id of a request that failed to decode, when its JSON header still parses."""
-    try:
-        header = json.loads(payload[:header_length] if header_length is not None else payload)
-    except Exception:
-        return None
-    value = header.get("id") if isinstance(header, dict) else None
-    return value if isinstance(value, str) else None
