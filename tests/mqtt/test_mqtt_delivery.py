@@ -74,6 +74,38 @@ def test_a_full_inbox_leaves_messages_unacked_and_reconnects_to_fetch_them(start
     assert "reconnecting to receive the messages left unacknowledged" in caplog.text
 
 
+def test_without_a_persistent_session_a_full_inbox_answers_429_instead_of_losing_requests(
+        start_transport, mqtt_client):
+    """session_expiry_s = 0 (issue 31, row 6): a message left unacked would not come back, since the
+    session ends with the connection; so what the inbox cannot hold is answered 429, and acked."""
+    payload = v2_json(signal_rows(1))
+    transport = start_transport(session_expiry_s=0, max_pending=2,
+                                max_held_bytes=4 * (len(payload) + MESSAGE_OVERHEAD_BYTES))
+    client = mqtt_client()
+    replies = client.collect_correlations(publish_burst(client, 300, payload), timeout=90)
+    counts = statuses(replies)
+    if transport.stats["rejected"] == 0:
+        pytest.skip("this broker honoured Receive Maximum: nothing arrived beyond the inbox")
+    assert set(counts) == {"200", "429"}, counts
+    assert counts["429"] == transport.stats["rejected"]
+    assert transport.stats["deferred"] == 0 and transport.stats["refetches"] == 0
+    overloaded = next(c[0] for c in replies.values() if c[0].status == "429")
+    assert "session_expiry_s = 0" in overloaded.json()["error"]
+
+
+def test_without_a_persistent_session_a_stopping_daemon_answers_503(served, start_transport, mqtt_client):
+    """session_expiry_s = 0: what reaches a daemon that drains is answered 503, not left unacked for
+    a session that ends with its connection."""
+    lt, _ = served
+    transport = start_transport(session_expiry_s=0)
+    client = mqtt_client()
+    lt.loop.call_soon_threadsafe(transport.pause)  # what the daemon does when it starts draining
+    wait_until(lambda: transport._stopping, 5, "the transport to pause")
+    replies = client.collect_correlations(publish_burst(client, 15, v2_json(signal_rows(1))), timeout=20)
+    assert statuses(replies) == {"503": 15}
+    assert "stopping" in next(iter(replies.values()))[0].json()["error"]
+
+
 def test_replies_that_paho_cannot_queue_are_retried(start_transport, mqtt_client):
     transport = start_transport(max_pending=16, max_queued=1, max_inflight=1)
     client = mqtt_client()

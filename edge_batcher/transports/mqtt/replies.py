@@ -1,7 +1,8 @@
 """What a message's reply holds and where it goes: the request's Response Topic, or the result
 topic `<prefix>/result/<model>` when it has none or one that no broker takes (then the reply is
 the 400 of `bad_response_topic`, naming it); an error reply is `{"error", "id"}` there, or
-`{"topic", "error"}` on a stream's output topic; the binary request's header length
+`{"topic", "error"}` on a stream's output topic; the answers given at the hand-off without
+parsing the payload (`overloaded`, `stopping`); the binary request's header length
 (`header_length`) and the v2 id of a request that failed to decode (`peek_id`). Every reply
 carries the request's Correlation Data."""
 
@@ -10,7 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from ...errors import EdgeBatcherError, InvalidInput
+from ...config import MqttSettings
+from ...errors import EdgeBatcherError, InvalidInput, Overloaded, Unavailable
 from ...protocol import v2
 from .messages import Message, Reply
 from .undeliverable import reply_topic_problem
@@ -56,6 +58,20 @@ def error(msg: Message, route: Route, exc: EdgeBatcherError, request_id: str | N
         topic = route[1].output_topic(msg.topic, prefix)
         body = {"topic": msg.topic, **body}
     return make(msg, topic, json.dumps(body).encode(), exc.status, JSON)
+
+
+def overloaded(qos: int, settings: MqttSettings, device_id: str) -> Overloaded:
+    """The 429 for a message the inbox cannot take and nothing would send again."""
+    if qos == 0:
+        return Overloaded(f"overloaded: {settings.max_pending} QoS 0 messages are already pending on {device_id}; "
+                          f"retry later, or publish with QoS 1 to be served late instead")
+    return Overloaded(f"overloaded: the inbox on {device_id} is full (max_held_bytes {settings.max_held_bytes}), "
+                      f"and with session_expiry_s = 0 the broker keeps nothing for a later connection; retry later")
+
+
+def stopping(device_id: str) -> Unavailable:
+    """The 503 for a message a stopping daemon will not run and nothing would send again."""
+    return Unavailable(f"unavailable: the daemon on {device_id} is stopping; retry later")
 
 
 def header_length(msg: Message) -> int | None:

@@ -95,12 +95,13 @@ class MqttTransport:
     @property
     def stats(self) -> dict[str, int]:
         """Counters: requests and stream_messages taken, answered (status 200), errors (error
-        replies), rejected (QoS 0 answered 429 at the hand-off), redelivered (duplicates flagged by the
+        replies), rejected (answered at the hand-off without running: 429 for load, 503 while
+        stopping, when nothing would send them again), redelivered (duplicates flagged by the
         broker), unacked (left for redelivery), deferred (arrived with the inbox full, left
         unacked), superseded (waiting when the connection was lost; the broker sends them again),
         refetches (reconnects made to get deferred messages back), overload_waits (a model's full
         queue made a QoS 1/2 request wait), expired (504 after waiting past their deadline),
-        replies_dropped (429 replies to QoS 0 requests that paho could not queue), undeliverable (acked and
+        replies_dropped (hand-off replies that paho could not queue), undeliverable (acked and
         dropped: their reply was refused, or its topic takes none); plus held and held_bytes: the
         inbox now."""
         return {**self._counts, "undeliverable": self._undeliverable.count, "held": self._inbox.count,
@@ -175,13 +176,15 @@ class MqttTransport:
 
     def _on_message(self, msg: Message) -> None:
         if not self._accepting:
-            return  # stopping: left unacked, the broker redelivers it
+            if not self._sent_again_if_unacked(msg):
+                self._refuse_now(msg, replies.stopping(self.device_id))
+            return  # else left unacked: the broker sends it to the next daemon (or to us, restarted)
         cost = len(msg.payload) + MESSAGE_OVERHEAD_BYTES
         if not self._inbox.admit(msg.qos, cost):
-            if msg.qos == 0:
-                self._reject_overloaded(msg)  # nothing will redeliver it: say so at once
-            else:
+            if self._sent_again_if_unacked(msg):
                 self._defer(msg)
+            else:
+                self._refuse_now(msg, replies.overloaded(msg.qos, self.settings, self.device_id))
             return
         if not self._call_on_loop(self._arrive, Held(msg, cost, time.monotonic())):
             self._inbox.release(msg.qos, cost)
@@ -197,25 +200,31 @@ class MqttTransport:
                         "leaving the excess unacknowledged, to be fetched again by a reconnect once the inbox is empty",
                         self.settings.max_held_bytes, self._inbox.count)
 
-    def _reject_overloaded(self, msg: Message) -> None:
-        """A QoS 0 message with max_pending QoS 0 messages already taken: answer 429 now. Runs on
-        paho's read, so it only queues the reply (non-blocking); the payload is not parsed, so the
-        reply carries the Correlation Data but not the v2 id. A reply paho cannot queue is dropped
-        and counted: QoS 0 promises nothing more."""
+    def _sent_again_if_unacked(self, msg: Message) -> bool:
+        """Would the broker send `msg` again if we left it unacked? A QoS 1/2 message with a
+        persistent session: yes. QoS 0, or session_expiry_s = 0 (the session, and what it holds for
+        us, ends with the connection): no, so such a message is answered instead."""
+        return msg.qos > 0 and self.settings.session_expiry_s > 0
+
+    def _refuse_now(self, msg: Message, error: EdgeBatcherError) -> None:
+        """Answer a message that nothing would send again at once (a 429 for load, a 503 while
+        stopping) and ack it. Safe inside paho's read: it only queues the reply and the ack; the
+        payload is not parsed, so the reply carries the Correlation Data but not the v2 id. A reply
+        paho cannot queue is dropped and counted."""
         self._counts["rejected"] += 1
         try:
             route = self._route(msg.topic)
             if route is None:
                 return  # a stale subscription
-            error = replies.bad_response_topic(msg) or Overloaded(
-                f"overloaded: {self.settings.max_pending} QoS 0 messages are already pending on {self.device_id}; "
-                f"retry later, or publish with QoS 1 to be served late instead"
-            )
-            assert self._client is not None  # set while messages are accepted (stop() pauses first)
-            if not self._client.publish_nowait(replies.error(msg, route, error, None, self.prefix)):
+            client = self._client
+            if client is None:  # stopped
+                return
+            error = replies.bad_response_topic(msg) or error
+            if not client.publish_nowait(replies.error(msg, route, error, None, self.prefix)):
                 self._counts["replies_dropped"] += 1
+            self._ack(msg)
         except Exception:
-            log.exception("MQTT: could not reject a message on %s", msg.topic)
+            log.exception("MQTT: could not refuse a message on %s", msg.topic)
 
     def _call_on_loop(self, callback, *args) -> bool:
         """Run callback on the event loop once paho's read in progress is done (paho calls back
@@ -230,8 +239,10 @@ class MqttTransport:
 
     def _arrive(self, held: Held) -> None:
         if not self._accepting:
-            self._inbox.release(held.msg.qos, held.cost)  # left unacked: the next daemon (or we, restarted) answers it
-            return
+            self._inbox.release(held.msg.qos, held.cost)
+            if not self._sent_again_if_unacked(held.msg):
+                self._refuse_now(held.msg, replies.stopping(self.device_id))
+            return  # else left unacked: the next daemon (or we, restarted) answers it
         self._waiting.append(held)
         self._start_waiting()
 
@@ -254,7 +265,8 @@ class MqttTransport:
 
     def _drop_waiting(self, why: str) -> None:
         """Forget the messages not started yet, unacked: on a resumed session ("superseded") the
-        broker sends those of earlier connections again; when "stopping" the next daemon gets them."""
+        broker sends those of earlier connections again; when "stopping" the next daemon gets them,
+        and those that nothing would send again are answered 503."""
         current = self._client.connection if self._client is not None else None
         kept: collections.deque[Held] = collections.deque()
         for held in self._waiting:
@@ -264,6 +276,8 @@ class MqttTransport:
             self._inbox.release(held.msg.qos, held.cost)
             if why == "superseded":
                 self._counts["superseded"] += 1
+            elif not self._sent_again_if_unacked(held.msg):
+                self._refuse_now(held.msg, replies.stopping(self.device_id))
         self._waiting = kept
 
     def _maybe_refetch(self) -> None:
@@ -402,7 +416,7 @@ class MqttTransport:
         except (asyncio.CancelledError, ReplyRefused):
             raise
         except Exception as exc:
-            error = self._error(exc, f"request on {msg.topic}")
+            error = self._error(exc, msg, f"request on {msg.topic}")
             self._counts["errors"] += 1
             if request_id is None:
                 request_id = replies.peek_id(payload, header_length)
@@ -444,14 +458,14 @@ class MqttTransport:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            error = self._error(exc, f"stream message on {msg.topic}")
+            error = self._error(exc, msg, f"stream message on {msg.topic}")
             self._counts["errors"] += 1
             return replies.error(msg, route, error, None, self.prefix)
         self._counts["answered"] += 1
         return replies.make(msg, stream.output_topic(msg.topic, self.prefix), body, 200, JSON)
 
-    def _error(self, exc: Exception, what: str) -> EdgeBatcherError:
-        if isinstance(exc, Unavailable) and self._stopping:
+    def _error(self, exc: Exception, msg: Message, what: str) -> EdgeBatcherError:
+        if isinstance(exc, Unavailable) and self._stopping and self._sent_again_if_unacked(msg):
             raise _LeaveUnacked() from exc  # draining: the next daemon (or we, restarted) answers it
         if isinstance(exc, EdgeBatcherError):
             return exc
