@@ -10,7 +10,6 @@ again by the broker. This is the MQTT edge of the error tree: an EdgeBatcherErro
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import logging
 import socket
@@ -72,7 +71,6 @@ class MqttTransport:
         self._client: PahoClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inbox = Inbox(settings.max_held_bytes, settings.max_pending)
-        self._waiting: collections.deque[Held] = collections.deque()  # in the inbox, not started yet
         self._active = 0  # messages being answered (at most max_pending)
         self._tasks: set[asyncio.Task] = set()
         self._deferred_connection: int | None = None  # a connection on which messages were left for redelivery
@@ -98,7 +96,8 @@ class MqttTransport:
         replies), rejected (answered at the hand-off without running: 429 for load, 503 while
         stopping, when nothing would send them again), redelivered (duplicates flagged by the
         broker), unacked (left for redelivery), deferred (arrived with the inbox full, left
-        unacked), superseded (waiting when the connection was lost; the broker sends them again),
+        unacked), superseded (copies the broker sent again of messages still waiting in the inbox:
+        adopted by those),
         refetches (reconnects made to get deferred messages back), overload_waits (a model's full
         queue made a QoS 1/2 request wait), expired (504 after waiting past their deadline),
         replies_dropped (hand-off replies that paho could not queue), undeliverable (acked and
@@ -135,8 +134,7 @@ class MqttTransport:
         self._routes = [compile_stream(m, self.runtime, f"{self._where} streams[{i}]") for i, m in enumerate(s.streams)]
         self._client = PahoClient(s, client_id=self.client_id, password=self._password, where=self._where,
                                   subscriptions=self.subscriptions, on_message=self._on_message,
-                                  on_session_resumed=functools.partial(self._call_on_loop, self._drop_waiting,
-                                                                       "superseded"))
+                                  on_session_resumed=self._session_resumed)
         self._accepting = True
         self._stopping = False
         log.info("MQTT: connecting to %s:%d as %s (topics under %s/, qos %d%s)", s.host, s.port, self.client_id,
@@ -157,7 +155,7 @@ class MqttTransport:
         Subscriptions are *not* removed: they belong to the persistent session, and removing them
         would make the broker drop the requests published while we restart."""
         self.pause()
-        self._drop_waiting("stopping")
+        self._drop_waiting()
         if self._refetch is not None:
             await asyncio.wait({self._refetch}, timeout=timeout)
         if self._tasks:
@@ -179,6 +177,9 @@ class MqttTransport:
             if not self._sent_again_if_unacked(msg):
                 self._refuse_now(msg, replies.stopping(self.device_id))
             return  # else left unacked: the broker sends it to the next daemon (or to us, restarted)
+        if self._inbox.adopt(msg):  # the broker's copy of a message still waiting
+            self._counts["superseded"] += 1
+            return
         cost = len(msg.payload) + MESSAGE_OVERHEAD_BYTES
         if not self._inbox.admit(msg.qos, cost):
             if self._sent_again_if_unacked(msg):
@@ -188,6 +189,11 @@ class MqttTransport:
             return
         if not self._call_on_loop(self._arrive, Held(msg, cost, time.monotonic())):
             self._inbox.release(msg.qos, cost)
+
+    def _session_resumed(self) -> None:
+        """Called inside paho's read of the CONNACK, before any message of the new connection."""
+        if self._client is not None:
+            self._inbox.session_resumed(self._client.connection)
 
     def _defer(self, msg: Message) -> None:
         """A QoS 1/2 message with the inbox full (a broker sending past Receive Maximum): leave it
@@ -243,13 +249,13 @@ class MqttTransport:
             if not self._sent_again_if_unacked(held.msg):
                 self._refuse_now(held.msg, replies.stopping(self.device_id))
             return  # else left unacked: the next daemon (or we, restarted) answers it
-        self._waiting.append(held)
+        self._inbox.waiting.append(held)
         self._start_waiting()
 
     def _start_waiting(self) -> None:
         assert self._loop is not None  # start() set it; messages arrive only after that
-        while self._waiting and self._active < self.settings.max_pending:
-            held = self._waiting.popleft()
+        while self._inbox.waiting and self._active < self.settings.max_pending:
+            held = self._inbox.next_waiting()
             held.started = time.monotonic()
             self._active += 1
             task = self._loop.create_task(self._handle(held))
@@ -263,22 +269,14 @@ class MqttTransport:
         self._start_waiting()
         self._maybe_refetch()
 
-    def _drop_waiting(self, why: str) -> None:
-        """Forget the messages not started yet, unacked: on a resumed session ("superseded") the
-        broker sends those of earlier connections again; when "stopping" the next daemon gets them,
-        and those that nothing would send again are answered 503."""
-        current = self._client.connection if self._client is not None else None
-        kept: collections.deque[Held] = collections.deque()
-        for held in self._waiting:
-            if why == "superseded" and (held.msg.connection == current or held.msg.qos == 0):
-                kept.append(held)  # QoS 0 is never sent again: answer it still
-                continue
+    def _drop_waiting(self) -> None:
+        """Stopping: forget the messages not started yet, unacked, for the next daemon; those that
+        nothing would send again are answered 503."""
+        while self._inbox.waiting:
+            held = self._inbox.next_waiting()
             self._inbox.release(held.msg.qos, held.cost)
-            if why == "superseded":
-                self._counts["superseded"] += 1
-            elif not self._sent_again_if_unacked(held.msg):
+            if not self._sent_again_if_unacked(held.msg):
                 self._refuse_now(held.msg, replies.stopping(self.device_id))
-        self._waiting = kept
 
     def _maybe_refetch(self) -> None:
         """Messages were deferred on this connection and the inbox is empty now: reconnect, so the

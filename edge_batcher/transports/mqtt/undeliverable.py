@@ -122,11 +122,17 @@ class UndeliverableReplies:
                           refused, msg.topic)
 
 
-def request_key(msg: Message) -> int:
+def request_fields(msg: Message) -> tuple:
     """What identifies a request when the broker sends it again: its topic, Response Topic,
-    Correlation Data and payload. A hash, so that a remembered request costs a few dozen bytes;
-    Python's hash of bytes is keyed per process, so no client can make two collide on purpose."""
-    return hash((msg.topic, msg.response_topic, msg.correlation_data, msg.payload))
+    Correlation Data and payload."""
+    return msg.topic, msg.response_topic, msg.correlation_data, msg.payload
+
+
+def request_key(msg: Message) -> int:
+    """request_fields hashed, so that a remembered request costs a few dozen bytes; Python's hash
+    of bytes is keyed per process (and cached on the payload), so no client can make two collide
+    on purpose."""
+    return hash(request_fields(msg))
 
 
 class ThrottledLog:
