@@ -20,7 +20,8 @@ MESSAGE_OVERHEAD_BYTES = 2048  # a held message's Python objects, properties, bo
 
 class Inbox:
     """Bookkeeping of the messages taken from the broker and not answered yet: their bytes (each
-    counted as its payload plus MESSAGE_OVERHEAD_BYTES of Python objects) and how many are QoS 0."""
+    counted as its payload plus MESSAGE_OVERHEAD_BYTES of Python objects), how many are QoS 0,
+    and those not started yet (`waiting`), in arrival order."""
 
     def __init__(self, max_bytes: int, max_qos0: int):
         self.max_bytes = max_bytes

@@ -96,13 +96,12 @@ class MqttTransport:
         replies), rejected (answered at the hand-off without running: 429 for load, 503 while
         stopping, when nothing would send them again), redelivered (duplicates flagged by the
         broker), unacked (left for redelivery), deferred (arrived with the inbox full, left
-        unacked), superseded (copies the broker sent again of messages still waiting in the inbox:
-        adopted by those),
-        refetches (reconnects made to get deferred messages back), overload_waits (a model's full
-        queue made a QoS 1/2 request wait), expired (504 after waiting past their deadline),
-        replies_dropped (hand-off replies that paho could not queue), undeliverable (acked and
-        dropped: their reply was refused, or its topic takes none); plus held and held_bytes: the
-        inbox now."""
+        unacked), superseded (copies the broker sent again of messages still waiting in the
+        inbox, adopted by those), refetches (reconnects made to get deferred messages back),
+        overload_waits (a model's full queue made a QoS 1/2 request wait), expired (504 after
+        waiting past their deadline), replies_dropped (hand-off replies that paho could not
+        queue), undeliverable (acked and dropped: their reply was refused, or its topic takes
+        none); plus held and held_bytes: the inbox now."""
         return {**self._counts, "undeliverable": self._undeliverable.count, "held": self._inbox.count,
                 "held_bytes": self._inbox.bytes}
 
