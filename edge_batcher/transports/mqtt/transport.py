@@ -19,7 +19,7 @@ from typing import Any
 from paho.mqtt.client import topic_matches_sub
 
 from ...config import MqttSettings
-from ...errors import DeadlineExceeded, EdgeBatcherError, InvalidInput, Overloaded, Unavailable
+from ...errors import DeadlineExceeded, EdgeBatcherError, InvalidInput, Overloaded, PayloadTooLarge, Unavailable
 from ...protocol import v2
 from ...protocol.parameters import to_infer_request
 from ...runtime import Runtime
@@ -67,6 +67,7 @@ class MqttTransport:
         self._infer_topics = f"{self.prefix}/infer/"  # and one level more: what _infer_filter matches
         self._infer_filter = self._infer_topics + "+"
         self._password = read_password(settings, where)
+        self._max_payload = runtime.config.server.max_body_bytes  # the limit of every transport's edge
         self._routes: list[StreamRoute] = []
         self._client: PahoClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -93,8 +94,8 @@ class MqttTransport:
     @property
     def stats(self) -> dict[str, int]:
         """Counters: requests and stream_messages taken, answered (status 200), errors (error
-        replies), rejected (answered at the hand-off without running: 429 for load, 503 while
-        stopping, when nothing would send them again), redelivered (duplicates flagged by the
+        replies), rejected (answered at the hand-off without running: 413 too large; 429 for load,
+        503 while stopping, when nothing would send them again), redelivered (duplicates flagged by the
         broker), unacked (left for redelivery), deferred (arrived with the inbox full, left
         unacked), superseded (copies the broker sent again of messages still waiting in the
         inbox, adopted by those), refetches (reconnects made to get deferred messages back),
@@ -179,6 +180,10 @@ class MqttTransport:
         if self._inbox.adopt(msg):  # the broker's copy of a message still waiting
             self._counts["superseded"] += 1
             return
+        if len(msg.payload) > self._max_payload:  # answered unparsed; acked, since a redelivery would not fit either
+            self._refuse_now(msg, PayloadTooLarge(f"payload too large: {len(msg.payload)} bytes, limit is "
+                                                  f"{self._max_payload} bytes ([server] max_body_bytes)"))
+            return
         cost = len(msg.payload) + MESSAGE_OVERHEAD_BYTES
         if not self._inbox.admit(msg.qos, cost):
             if self._sent_again_if_unacked(msg):
@@ -212,10 +217,10 @@ class MqttTransport:
         return msg.qos > 0 and self.settings.session_expiry_s > 0
 
     def _refuse_now(self, msg: Message, error: EdgeBatcherError) -> None:
-        """Answer a message that nothing would send again at once (a 429 for load, a 503 while
-        stopping) and ack it. Safe inside paho's read: it only queues the reply and the ack; the
-        payload is not parsed, so the reply carries the Correlation Data but not the v2 id. A reply
-        paho cannot queue is dropped and counted."""
+        """Answer a message at once without running it (a 413 too large; a 429 for load or a 503
+        while stopping when nothing would send it again) and ack it. Safe inside paho's read: it
+        only queues the reply and the ack; the payload is not parsed, so the reply carries the
+        Correlation Data but not the v2 id. A reply paho cannot queue is dropped and counted."""
         self._counts["rejected"] += 1
         try:
             route = self._route(msg.topic)
