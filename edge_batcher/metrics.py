@@ -233,6 +233,10 @@ class Metrics:
         )
         # Set by watch_transports() when the daemon has an MQTT transport / offload peers.
         self.mqtt_connected = Gauge("mqtt_connected", "1 while connected and subscribed to the MQTT broker, else 0.")
+        self.mqtt_undeliverable_total = Counter(
+            "mqtt_undeliverable_total",
+            "MQTT messages acknowledged and dropped because their reply cannot be delivered, by reason.", ("reason",),
+        )
         self.offload_breaker_open = Gauge(
             "offload_breaker_open", "1 while a peer's circuit breaker is open (no requests sent to it), else 0.",
             ("peer",),

@@ -4,9 +4,12 @@
 Starts a private mosquitto (persistence on) and an `edge-batcher serve` subprocess on the demo
 vibration model, publishes N QoS 1 v2 requests with unique Correlation Data at a given rate, and
 injects one fault mid-burst: none, `kill9` (the daemon is SIGKILLed and restarted after
-`--restart-after` seconds, like systemd's RestartSec), `sigterm` (graceful stop, then restart) or
-`broker` (mosquitto stopped and started again on the same port). It then waits until every
-request has a reply (or `--timeout` passes) and reports unanswered requests, duplicates, the
+`--restart-after` seconds, like systemd's RestartSec), `sigterm` (graceful stop, then restart),
+`broker` (mosquitto stopped and started again on the same port) or `broker-kill9` (mosquitto
+SIGKILLed, a crash: what it had not saved yet is gone; `--autosave-interval` and
+`--autosave-on-changes` set how often it saves). It then waits until every
+request has a reply (or `--timeout` passes, or no reply came for `--idle-timeout` seconds: the
+rest are lost) and reports unanswered requests, duplicates, the
 reply statuses, the daemon's peak RSS and its MQTT counters.
 
 The broker is configured with `max_queued_messages` (default 100000): mosquitto's own default,
@@ -17,6 +20,7 @@ Usage::
 
     python tools/mqtt_faults.py --requests 10000 --rate 6000 --fault kill9
     python tools/mqtt_faults.py --requests 10000 --rate 6000 --fault none --json
+    python tools/mqtt_faults.py --fault broker-kill9 --autosave-interval 1
 
 `run()` is the same as a function; the test suite calls it with a few thousand requests.
 """
@@ -47,7 +51,7 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion  # noqa: E40
 from paho.mqtt.packettypes import PacketTypes  # noqa: E402
 from paho.mqtt.properties import Properties  # noqa: E402
 
-FAULTS = ("none", "kill9", "sigterm", "broker")
+FAULTS = ("none", "kill9", "sigterm", "broker", "broker-kill9")
 PREFIX = "edge-batcher/faults"
 
 
@@ -67,11 +71,15 @@ def _wait(predicate, timeout: float, what: str) -> None:
 
 
 class _Broker:
-    def __init__(self, home: Path, queue: int):
+    def __init__(self, home: Path, queue: int, autosave_interval: int | None = None, autosave_on_changes: bool = False):
         self.home, self.port = home, _free_port()
         self.log = home / "mosquitto.log"
         lines = [f"listener {self.port} 127.0.0.1", "allow_anonymous true", "persistence true",
                  f"persistence_location {home}/", f"max_queued_messages {queue}", "set_tcp_nodelay true"]
+        if autosave_interval is not None:  # mosquitto's default: 1800 (seconds)
+            lines.append(f"autosave_interval {autosave_interval}")
+        if autosave_on_changes:  # autosave_interval counts changes (messages, subscriptions), not seconds
+            lines.append("autosave_on_changes true")
         if os.geteuid() == 0:
             lines.append("user root")
         (home / "mosquitto.conf").write_text("\n".join(lines) + "\n")
@@ -92,9 +100,9 @@ class _Broker:
 
         _wait(accepting, 10, "mosquitto")
 
-    def stop(self) -> None:
+    def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc and self.proc.poll() is None:
-            self.proc.terminate()  # SIGTERM: mosquitto saves its persistence file
+            self.proc.send_signal(sig)  # SIGTERM: mosquitto saves its persistence file; SIGKILL: it cannot
             self.proc.wait(10)
 
 
@@ -166,7 +174,9 @@ def build_models(out: Path) -> Path:
 
 
 def run(*, requests: int = 10_000, rate: float = 6000.0, fault: str = "none", fault_at: float = 0.3,
-        restart_after_s: float = 2.0, timeout_s: float = 180.0, broker_queue: int = 100_000,
+        restart_after_s: float = 2.0, timeout_s: float = 180.0, idle_timeout_s: float = 60.0,
+        broker_queue: int = 100_000,
+        autosave_interval: int | None = None, autosave_on_changes: bool = False,
         models: Path | None = None, workdir: Path | None = None, mqtt: dict | None = None) -> dict:
     """Publish `requests` QoS 1 requests at `rate` per second, inject `fault` once `fault_at` of
     them are published, and wait for every reply. Returns the figures (see format_report)."""
@@ -176,10 +186,11 @@ def run(*, requests: int = 10_000, rate: float = 6000.0, fault: str = "none", fa
     (work / "broker").mkdir(parents=True, exist_ok=True)
     (work / "daemon").mkdir(parents=True, exist_ok=True)
     repo = models or build_models(work / "models")
-    broker = _Broker(work / "broker", broker_queue)
+    broker = _Broker(work / "broker", broker_queue, autosave_interval, autosave_on_changes)
     broker.start()
     daemon = _Daemon(work / "daemon", repo, broker.port, mqtt or {})
     replies: dict[bytes, list[str]] = {}
+    last_reply = [0.0]  # when the last reply came (time.monotonic())
     lock = threading.Lock()
     stop_sampling = threading.Event()
     collector = publisher = None
@@ -192,9 +203,12 @@ def run(*, requests: int = 10_000, rate: float = 6000.0, fault: str = "none", fa
             status = dict(getattr(msg.properties, "UserProperty", None) or []).get("status", "?")
             with lock:
                 replies.setdefault(getattr(msg.properties, "CorrelationData", b""), []).append(status)
+                last_reply[0] = time.monotonic()
 
         collector = _mqtt_client(broker.port, "faults-collector", persistent=True)
         collector.on_message = on_message
+        # Again on every connection: a broker that crashed before saving has lost the session.
+        collector.on_connect = lambda client, userdata, flags, rc, properties: client.subscribe(response_topic, qos=1)
         collector.subscribe(response_topic, qos=1)
         publisher = _mqtt_client(broker.port, "faults-publisher", persistent=True)
         time.sleep(0.3)
@@ -227,9 +241,10 @@ def run(*, requests: int = 10_000, rate: float = 6000.0, fault: str = "none", fa
             fault_thread.join()
         wanted = {i.to_bytes(4, "big") for i in range(requests)}
         deadline = time.monotonic() + timeout_s
+        last_reply[0] = time.monotonic()
         while time.monotonic() < deadline:
             with lock:
-                if wanted <= replies.keys():
+                if wanted <= replies.keys() or time.monotonic() - last_reply[0] > idle_timeout_s:
                     break
             time.sleep(0.1)
         elapsed = time.monotonic() - started
@@ -260,8 +275,8 @@ def _inject(fault: str, daemon: _Daemon, broker: _Broker, restart_after_s: float
         daemon.stop(signal.SIGKILL if fault == "kill9" else signal.SIGTERM)
         time.sleep(restart_after_s)
         daemon.start()
-    elif fault == "broker":
-        broker.stop()
+    elif fault in ("broker", "broker-kill9"):
+        broker.stop(signal.SIGKILL if fault == "broker-kill9" else signal.SIGTERM)
         time.sleep(restart_after_s)
         broker.start()
 
@@ -283,7 +298,12 @@ def main() -> int:
     p.add_argument("--fault-at", type=float, default=0.3, help="fraction of the burst published before the fault")
     p.add_argument("--restart-after", type=float, default=2.0, help="seconds between the fault and the restart")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for the last reply")
+    p.add_argument("--idle-timeout", type=float, default=60.0,
+                   help="stop waiting once no reply came for this long (what is missing then is lost)")
     p.add_argument("--broker-queue", type=int, default=100_000, help="mosquitto max_queued_messages")
+    p.add_argument("--autosave-interval", type=int, help="mosquitto autosave_interval (its default: 1800 s)")
+    p.add_argument("--autosave-on-changes", action="store_true",
+                   help="mosquitto autosave_on_changes: --autosave-interval counts changes, not seconds")
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
@@ -292,7 +312,9 @@ def main() -> int:
         worst = 0
         for _ in range(a.runs):
             r = run(requests=a.requests, rate=a.rate, fault=a.fault, fault_at=a.fault_at,
-                    restart_after_s=a.restart_after, timeout_s=a.timeout, broker_queue=a.broker_queue, models=repo)
+                    restart_after_s=a.restart_after, timeout_s=a.timeout, idle_timeout_s=a.idle_timeout,
+                    broker_queue=a.broker_queue,
+                    autosave_interval=a.autosave_interval, autosave_on_changes=a.autosave_on_changes, models=repo)
             print(json.dumps(r) if a.json else format_report(r), flush=True)
             worst = max(worst, r["unanswered"])
     return 1 if worst else 0

@@ -5,8 +5,10 @@ packets queued in one loop turn with one send instead of one each; the syscalls 
 the MQTT path's event-loop CPU. And it hands a request's PUBLISH to the transport undecoded
 (messages.decode_publish, ~4 us against paho's ~40 us), and reads a plain two-byte PUBACK
 without paho's Properties (~11 us). paho's framing, its MQTT state and every other packet are
-its own. It relies on paho 2.x internals (`_sock_recv`, `_handle_publish`,
-`_handle_pubackcomp`, `_out_packet`'s entries), which pyproject bounds to paho-mqtt < 3 and
+its own; `drop_queued` takes replies the broker refuses out of paho's queue, and
+`set_in_flight_window` resends one at a time after a suspicious connection loss (issue 31). It
+relies on paho 2.x internals (`_sock_recv`, `_handle_publish`, `_handle_pubackcomp`,
+`_out_packet`'s entries, `_out_messages`), which pyproject bounds to paho-mqtt < 3 and
 tests/mqtt/test_batched_io.py checks against the installed paho.
 """
 
@@ -17,7 +19,19 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from paho.mqtt.client import DISCONNECT, MQTT_LOG_ERR, PUBLISH, Client, MQTTErrorCode
+from paho.mqtt.client import (
+    DISCONNECT,
+    MQTT_LOG_ERR,
+    PUBLISH,
+    Client,
+    MQTTErrorCode,
+    mqtt_ms_publish,
+    mqtt_ms_queued,
+    mqtt_ms_resend_pubrel,
+    mqtt_ms_wait_for_puback,
+    mqtt_ms_wait_for_pubcomp,
+    mqtt_ms_wait_for_pubrec,
+)
 from paho.mqtt.enums import MQTTProtocolVersion
 from paho.mqtt.exception import MalformedPacket
 from paho.mqtt.packettypes import PacketTypes
@@ -27,6 +41,7 @@ from paho.mqtt.reasoncodes import ReasonCode
 RECV_CHUNK = 256 * 1024  # what one readable event takes from the socket at most
 JOIN_MAX = 64 * 1024  # a larger packet is written on its own: copying it would cost more than a send
 COALESCE_MAX = 256 * 1024  # how much of the queue one write's joining looks at
+SENT_STATES = (mqtt_ms_wait_for_puback, mqtt_ms_wait_for_pubrec, mqtt_ms_wait_for_pubcomp)  # counted in flight
 # What a two-byte PUBACK means (MQTT 5 3.4.2.1: no reason code is Success, no properties), shared
 # by every on_publish call for one; on_publish callbacks only read them.
 PUBACK_SUCCESS = ReasonCode(PacketTypes.PUBACK)
@@ -90,6 +105,50 @@ class BatchedClient(Client):
             if mid in self._out_messages:  # else a duplicate: reported once already
                 return self._do_on_publish(mid, PUBACK_SUCCESS, NO_PROPERTIES)
         return MQTTErrorCode.MQTT_ERR_SUCCESS
+
+    def queued_topic(self, mid: int) -> str:
+        """The topic of the publish `mid` that paho still holds (as it does during its on_publish)."""
+        message = self._out_messages.get(mid)
+        return message.topic if message is not None else ""
+
+    def queued_to(self, topic: str) -> list[int]:
+        """The mids of the QoS 1/2 publishes to `topic` that paho holds."""
+        with self._out_message_mutex:  # a reconnect on the executor's thread may reset them meanwhile
+            return [mid for mid, m in self._out_messages.items() if m.topic == topic and m.qos]
+
+    def oldest_in_flight(self) -> int | None:
+        """The mid of the oldest QoS 1/2 publish sent and not acknowledged yet, if any."""
+        with self._out_message_mutex:
+            return next((mid for mid, m in self._out_messages.items() if m.state in SENT_STATES), None)
+
+    def drop_queued(self, mids: list[int]) -> None:
+        """Take these publishes out of paho's queue, sent or not: paho neither sends them again
+        after a reconnect nor reports a late acknowledgement of one."""
+        with self._out_message_mutex:
+            for mid in mids:
+                message = self._out_messages.pop(mid, None)
+                if message is not None and message.state in SENT_STATES:
+                    self._inflight_messages -= 1
+
+    def set_in_flight_window(self, size: int) -> None:
+        """How many QoS 1/2 publishes may await their acknowledgement at once; also while connected,
+        which paho's setter refuses (a wider window fills at the next acknowledgement)."""
+        self._max_inflight_messages = size
+
+    def _messages_reconnect_reset_out(self) -> None:
+        # paho 2.2 marks every held QoS 1/2 publish to be sent again at the CONNACK, whatever the
+        # window (it never counts them there): keep the window, so that the rest follow as the
+        # broker acknowledges, and one at a time after a suspicious loss (set_in_flight_window).
+        super()._messages_reconnect_reset_out()
+        with self._out_message_mutex:
+            window, resent = self._max_inflight_messages, 0
+            for message in self._out_messages.values():
+                if not message.qos or message.state not in (mqtt_ms_publish, mqtt_ms_resend_pubrel):
+                    continue
+                if window and resent >= window and message.state == mqtt_ms_publish:
+                    message.state = mqtt_ms_queued
+                else:
+                    resent += 1
 
     def _sock_close(self) -> None:
         # What was read ahead belongs to this connection: never parse it as the next one's.

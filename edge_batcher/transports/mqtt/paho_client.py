@@ -6,10 +6,10 @@ publish or an ack is a write on the loop (issue 20: a paho thread cost the loop 
 reply and per ack). Only connecting (DNS, TCP, TLS: blocking) runs in the loop's executor, and
 paho opens the socket there. An incoming PUBLISH becomes the package's own immutable Message at
 this edge (messages.py), stamped with the connection it arrived on. A publish is tracked until
-paho reports it sent (publish_tracker.py; QoS 1: the broker's PUBACK), retried while paho's
-outgoing queue is full, and an ack goes back only on the connection its message came from. A
-lost connection is retried with backoff (reconnect_min_s..reconnect_max_s). docs/mqtt.md
-describes the whole flow.
+paho reports it sent (publish_tracker.py; QoS 1: the broker's PUBACK) or the broker refuses it
+(refusals.py), retried while paho's outgoing queue is full, and an ack goes back only on the
+connection its message came from. A lost connection is retried with backoff
+(reconnect_min_s..reconnect_max_s). docs/mqtt.md describes the whole flow.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from ...errors import ConfigError
 from .batched_io import BatchedClient
 from .messages import Message, Reply, decode_publish, message_from_paho, publish_properties
 from .publish_tracker import PublishTracker, resolve
+from .refusals import BrokerRefusals
+from .undeliverable import ReplyRefused
 
 log = logging.getLogger(__name__)
 
@@ -91,11 +93,13 @@ class PahoClient:
         self.stopping = False  # set when the daemon drains: a disconnect is then expected, not a warning
         self._reconnecting = False
         self._closed = False
+        self._loss_reported = False  # this connection's loss was handled (paho may report it twice)
         self._subscribe_mid: int | None = None
         self._connect_failures = 0
         self._last_queue_warning = 0.0
         self._last_takeover_log = -LOG_INTERVAL_S
         self._client = self._make_client(password)
+        self._refusals = BrokerRefusals(self._client, self._tracker, settings.max_inflight)
 
     # ------------------------------------------------------------------ connection
 
@@ -280,17 +284,21 @@ class PahoClient:
 
     async def publish(self, reply: Reply) -> bool:
         """Publish and wait until paho reports it sent (QoS 1: the broker's PUBACK). False when
-        the reply could not be queued: its request is then left unacked for redelivery."""
+        the reply could not be queued: its request is then left unacked for redelivery.
+        ReplyRefused when the broker refused it, refused its topic within TOPICS_REMEMBERED_S, or
+        paho cannot send it at all."""
         qos = self.settings.qos
         properties = publish_properties(reply)
         while True:
             if self._closed:
                 return False
+            refused = self._refusals.of_topic(reply.topic)
+            if refused is not None:
+                raise refused
             try:
                 info: MQTTMessageInfo = self._client.publish(reply.topic, reply.payload, qos=qos, properties=properties)
-            except ValueError as exc:  # e.g. a response topic with wildcards: resending will not help
-                log.warning("MQTT: cannot publish the reply to %r: %s; dropping it", reply.topic, exc)
-                return True
+            except ValueError as exc:  # a topic or payload paho refuses: resending will not help
+                raise ReplyRefused(reply.topic, f"paho cannot publish it: {exc}") from None
             if info.rc != MQTTErrorCode.MQTT_ERR_QUEUE_SIZE:
                 break
             # paho holds max_queued replies already: wait for the broker to take some, then retry.
@@ -306,7 +314,7 @@ class PahoClient:
             return False  # QoS 0 is not kept across a reconnect
         # Success, or NO_CONN with QoS > 0: paho keeps it and sends it after the reconnect.
         loop = asyncio.get_running_loop()
-        sent = self._tracker.wait(loop, info.mid)
+        sent = self._tracker.wait(loop, info.mid, (reply.topic, reply.correlation_data))
 
         def recheck() -> None:
             # Slow (a reconnect), or a missed on_publish for a reused mid: paho's own flag says.
@@ -329,9 +337,15 @@ class PahoClient:
             timer[0].cancel()
 
     def publish_nowait(self, reply: Reply) -> bool:
-        """Queue a reply without waiting (safe inside paho's callbacks); False when paho refused it."""
+        """Queue a reply without waiting (safe inside paho's callbacks); False when paho refused
+        it, or the broker refused its topic lately."""
         qos = self.settings.qos
-        info = self._client.publish(reply.topic, reply.payload, qos=qos, properties=publish_properties(reply))
+        if self._refusals.of_topic(reply.topic) is not None:
+            return False
+        try:
+            info = self._client.publish(reply.topic, reply.payload, qos=qos, properties=publish_properties(reply))
+        except ValueError:  # a topic or payload paho refuses
+            return False
         # Not waited for; on_publish is still coming unless the publish was refused outright.
         pending = info.rc == MQTTErrorCode.MQTT_ERR_SUCCESS or (info.rc == MQTTErrorCode.MQTT_ERR_NO_CONN and qos > 0)
         self._tracker.forget(info.mid, pending)
@@ -394,6 +408,7 @@ class PahoClient:
             return
         self.connection += 1
         self._connect_failures = 0
+        self._loss_reported = False
         log.info("MQTT: connected to %s:%d (%s session)", s.host, s.port,
                  "resumed" if flags.session_present else "new")
         if flags.session_present:  # what waits from the last connection is on its way again
@@ -423,6 +438,10 @@ class PahoClient:
         was = self.state
         self.state = "disconnected"
         self._signal(False)
+        self._on_loop(self._reconnect_later)
+        if self._loss_reported:  # paho reports a loss twice when a write and the read around it both fail
+            return
+        self._loss_reported = True
         if self.stopping or self._reconnecting:
             log.info("MQTT: disconnected (%s)", reason_code)
         elif reason_code.value == SESSION_TAKEN_OVER:
@@ -436,7 +455,8 @@ class PahoClient:
             log.warning("MQTT: connection to %s:%d lost: %s (reason code %d, client id %r); reconnecting with "
                         "backoff. If this repeats every second or so, another client uses the same client id",
                         self.settings.host, self.settings.port, reason_code, reason_code.value, self.client_id)
-        self._on_loop(self._reconnect_later)
+        if not (self.stopping or self._reconnecting or self._closed):
+            self._refusals.connection_lost()
 
     def _on_message(self, client: Client, userdata: Any, msg: MQTTMessage) -> None:
         self._deliver(message_from_paho(msg, self.connection))
@@ -445,9 +465,11 @@ class PahoClient:
         self._deliver(decode_publish(command, packet, self.connection))
 
     def _on_publish(self, client: Client, userdata: Any, mid: int, reason_code: Any, properties: Any) -> None:
-        if reason_code.is_failure:
-            log.warning("MQTT: the broker refused a reply (mid %d): %s", mid, reason_code)
-        self._tracker.done(mid, True)
+        if reason_code.is_failure:  # its waiter logs it, throttled
+            self._refusals.refused(mid, reason_code.getName(), reason_code.value)
+        else:
+            self._refusals.accepted()
+            self._tracker.done(mid)
 
     def _signal(self, connected: bool) -> None:
         event, loop = self._connected, self._loop

@@ -10,9 +10,7 @@ again by the broker. This is the MQTT edge of the error tree: an EdgeBatcherErro
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
-import json
 import logging
 import socket
 import time
@@ -21,27 +19,25 @@ from typing import Any
 from paho.mqtt.client import topic_matches_sub
 
 from ...config import MqttSettings
-from ...errors import DeadlineExceeded, EdgeBatcherError, InvalidInput, Overloaded, Unavailable
+from ...errors import DeadlineExceeded, EdgeBatcherError, InvalidInput, Overloaded, PayloadTooLarge, Unavailable
 from ...protocol import v2
 from ...protocol.parameters import to_infer_request
 from ...runtime import Runtime
 from ...types import InferRequest
 from ..v2_decode import decode_request
+from . import replies
 from .inbox import MESSAGE_OVERHEAD_BYTES, Held, Inbox
 from .messages import Message, Reply
 from .paho_client import PahoClient
+from .replies import BINARY, JSON, Route
 from .settings import default_client_id, read_password, validate_settings
 from .streams import StreamRoute, compile_stream
+from .undeliverable import ReplyRefused, ThrottledLog, UndeliverableReplies, reply_topic_problem
 
 log = logging.getLogger(__name__)
 
-JSON = v2.JSON_CONTENT_TYPE
-BINARY = v2.BINARY_CONTENT_TYPE
 STOP_GRACE_S = 5.0  # stop(): how long replies in flight may take before their requests are left unacked
 OVERLOAD_RETRY_S = (0.002, 0.05)  # a QoS 1/2 request the model's queue refused: first and longest wait
-
-# Where a message goes: ("infer", model name) or ("stream", StreamRoute).
-Route = tuple[str, Any]
 
 
 class _LeaveUnacked(Exception):
@@ -71,17 +67,19 @@ class MqttTransport:
         self._infer_topics = f"{self.prefix}/infer/"  # and one level more: what _infer_filter matches
         self._infer_filter = self._infer_topics + "+"
         self._password = read_password(settings, where)
+        self._max_payload = runtime.config.server.max_body_bytes  # the limit of every transport's edge
         self._routes: list[StreamRoute] = []
         self._client: PahoClient | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._inbox = Inbox(settings.max_held_bytes, settings.max_pending)
-        self._waiting: collections.deque[Held] = collections.deque()  # in the inbox, not started yet
         self._active = 0  # messages being answered (at most max_pending)
         self._tasks: set[asyncio.Task] = set()
         self._deferred_connection: int | None = None  # a connection on which messages were left for redelivery
         self._refetch: asyncio.Task | None = None
         self._accepting = False
         self._stopping = False
+        self._undeliverable = UndeliverableReplies(log, runtime.metrics.mqtt_undeliverable_total)
+        self._throttled = ThrottledLog(log)  # what a client's messages make us say: once per topic per minute
         self._counts = {"requests": 0, "stream_messages": 0, "answered": 0, "errors": 0, "rejected": 0,
                         "redelivered": 0, "unacked": 0, "deferred": 0, "superseded": 0, "refetches": 0,
                         "overload_waits": 0, "expired": 0, "replies_dropped": 0}  # fmt: skip
@@ -96,14 +94,17 @@ class MqttTransport:
     @property
     def stats(self) -> dict[str, int]:
         """Counters: requests and stream_messages taken, answered (status 200), errors (error
-        replies), rejected (QoS 0 answered 429 at the hand-off), redelivered (duplicates flagged by
-        the broker), unacked (left for redelivery), deferred (arrived with the inbox full, left
-        unacked), superseded (waiting when the connection was lost; the broker sends them again),
-        refetches (reconnects made to get deferred messages back), overload_waits (a model's full
-        queue made a QoS 1/2 request wait), expired (504 after waiting past their deadline),
-        replies_dropped (429 replies to QoS 0 requests that paho could not queue); plus held and
-        held_bytes: the inbox now."""
-        return {**self._counts, "held": self._inbox.count, "held_bytes": self._inbox.bytes}
+        replies), rejected (answered at the hand-off without running: 413 too large; 429 for load,
+        503 while stopping, when nothing would send them again), redelivered (duplicates flagged by the
+        broker), unacked (left for redelivery), deferred (arrived with the inbox full, left
+        unacked), superseded (copies the broker sent again of messages still waiting in the
+        inbox, adopted by those), refetches (reconnects made to get deferred messages back),
+        overload_waits (a model's full queue made a QoS 1/2 request wait), expired (504 after
+        waiting past their deadline), replies_dropped (hand-off replies that paho could not
+        queue), undeliverable (acked and dropped: their reply was refused, or its topic takes
+        none); plus held and held_bytes: the inbox now."""
+        return {**self._counts, "undeliverable": self._undeliverable.count, "held": self._inbox.count,
+                "held_bytes": self._inbox.bytes}
 
     @property
     def subscriptions(self) -> list[str]:
@@ -133,8 +134,7 @@ class MqttTransport:
         self._routes = [compile_stream(m, self.runtime, f"{self._where} streams[{i}]") for i, m in enumerate(s.streams)]
         self._client = PahoClient(s, client_id=self.client_id, password=self._password, where=self._where,
                                   subscriptions=self.subscriptions, on_message=self._on_message,
-                                  on_session_resumed=functools.partial(self._call_on_loop, self._drop_waiting,
-                                                                       "superseded"))
+                                  on_session_resumed=self._session_resumed)
         self._accepting = True
         self._stopping = False
         log.info("MQTT: connecting to %s:%d as %s (topics under %s/, qos %d%s)", s.host, s.port, self.client_id,
@@ -155,7 +155,7 @@ class MqttTransport:
         Subscriptions are *not* removed: they belong to the persistent session, and removing them
         would make the broker drop the requests published while we restart."""
         self.pause()
-        self._drop_waiting("stopping")
+        self._drop_waiting()
         if self._refetch is not None:
             await asyncio.wait({self._refetch}, timeout=timeout)
         if self._tasks:
@@ -168,22 +168,36 @@ class MqttTransport:
         if client is None:
             return
         await client.close()
-        log.info("MQTT: stopped (%s)", ", ".join(f"{k} {v}" for k, v in self._counts.items()))
+        log.info("MQTT: stopped (%s)", ", ".join(f"{k} {v}" for k, v in self.stats.items() if not k.startswith("held")))
 
     # ------------------------------------------------------------------ inside paho's reads (never block)
 
     def _on_message(self, msg: Message) -> None:
         if not self._accepting:
-            return  # stopping: left unacked, the broker redelivers it
+            if not self._sent_again_if_unacked(msg):
+                self._refuse_now(msg, replies.stopping(self.device_id))
+            return  # else left unacked: the broker sends it to the next daemon (or to us, restarted)
+        if self._inbox.adopt(msg):  # the broker's copy of a message still waiting
+            self._counts["superseded"] += 1
+            return
+        if len(msg.payload) > self._max_payload:  # answered unparsed; acked, since a redelivery would not fit either
+            self._refuse_now(msg, PayloadTooLarge(f"payload too large: {len(msg.payload)} bytes, limit is "
+                                                  f"{self._max_payload} bytes ([server] max_body_bytes)"))
+            return
         cost = len(msg.payload) + MESSAGE_OVERHEAD_BYTES
         if not self._inbox.admit(msg.qos, cost):
-            if msg.qos == 0:
-                self._reject_overloaded(msg)  # nothing will redeliver it: say so at once
-            else:
+            if self._sent_again_if_unacked(msg):
                 self._defer(msg)
+            else:
+                self._refuse_now(msg, replies.overloaded(msg.qos, self.settings, self.device_id))
             return
         if not self._call_on_loop(self._arrive, Held(msg, cost, time.monotonic())):
             self._inbox.release(msg.qos, cost)
+
+    def _session_resumed(self) -> None:
+        """Called inside paho's read of the CONNACK, before any message of the new connection."""
+        if self._client is not None:
+            self._inbox.session_resumed(self._client.connection)
 
     def _defer(self, msg: Message) -> None:
         """A QoS 1/2 message with the inbox full (a broker sending past Receive Maximum): leave it
@@ -196,25 +210,31 @@ class MqttTransport:
                         "leaving the excess unacknowledged, to be fetched again by a reconnect once the inbox is empty",
                         self.settings.max_held_bytes, self._inbox.count)
 
-    def _reject_overloaded(self, msg: Message) -> None:
-        """A QoS 0 message with max_pending QoS 0 messages already taken: answer 429 now. Runs on
-        paho's read, so it only queues the reply (non-blocking); the payload is not parsed, so the
-        reply carries the Correlation Data but not the v2 id. A reply paho cannot queue is dropped
-        and counted: QoS 0 promises nothing more."""
+    def _sent_again_if_unacked(self, msg: Message) -> bool:
+        """Would the broker send `msg` again if we left it unacked? A QoS 1/2 message with a
+        persistent session: yes. QoS 0, or session_expiry_s = 0 (the session, and what it holds for
+        us, ends with the connection): no, so such a message is answered instead."""
+        return msg.qos > 0 and self.settings.session_expiry_s > 0
+
+    def _refuse_now(self, msg: Message, error: EdgeBatcherError) -> None:
+        """Answer a message at once without running it (a 413 too large; a 429 for load or a 503
+        while stopping when nothing would send it again) and ack it. Safe inside paho's read: it
+        only queues the reply and the ack; the payload is not parsed, so the reply carries the
+        Correlation Data but not the v2 id. A reply paho cannot queue is dropped and counted."""
         self._counts["rejected"] += 1
         try:
             route = self._route(msg.topic)
             if route is None:
                 return  # a stale subscription
-            error = Overloaded(
-                f"overloaded: {self.settings.max_pending} QoS 0 messages are already pending on {self.device_id}; "
-                f"retry later, or publish with QoS 1 to be served late instead"
-            )
-            assert self._client is not None  # set while messages are accepted (stop() pauses first)
-            if not self._client.publish_nowait(self._error_reply(msg, route, error, None)):
+            client = self._client
+            if client is None:  # stopped
+                return
+            error = replies.bad_response_topic(msg) or error
+            if not client.publish_nowait(replies.error(msg, route, error, None, self.prefix)):
                 self._counts["replies_dropped"] += 1
+            self._ack(msg)
         except Exception:
-            log.exception("MQTT: could not reject a message on %s", msg.topic)
+            log.exception("MQTT: could not refuse a message on %s", msg.topic)
 
     def _call_on_loop(self, callback, *args) -> bool:
         """Run callback on the event loop once paho's read in progress is done (paho calls back
@@ -229,15 +249,17 @@ class MqttTransport:
 
     def _arrive(self, held: Held) -> None:
         if not self._accepting:
-            self._inbox.release(held.msg.qos, held.cost)  # left unacked: the next daemon (or we, restarted) answers it
-            return
-        self._waiting.append(held)
+            self._inbox.release(held.msg.qos, held.cost)
+            if not self._sent_again_if_unacked(held.msg):
+                self._refuse_now(held.msg, replies.stopping(self.device_id))
+            return  # else left unacked: the next daemon (or we, restarted) answers it
+        self._inbox.waiting.append(held)
         self._start_waiting()
 
     def _start_waiting(self) -> None:
         assert self._loop is not None  # start() set it; messages arrive only after that
-        while self._waiting and self._active < self.settings.max_pending:
-            held = self._waiting.popleft()
+        while self._inbox.waiting and self._active < self.settings.max_pending:
+            held = self._inbox.next_waiting()
             held.started = time.monotonic()
             self._active += 1
             task = self._loop.create_task(self._handle(held))
@@ -251,19 +273,14 @@ class MqttTransport:
         self._start_waiting()
         self._maybe_refetch()
 
-    def _drop_waiting(self, why: str) -> None:
-        """Forget the messages not started yet, unacked: on a resumed session ("superseded") the
-        broker sends those of earlier connections again; when "stopping" the next daemon gets them."""
-        current = self._client.connection if self._client is not None else None
-        kept: collections.deque[Held] = collections.deque()
-        for held in self._waiting:
-            if why == "superseded" and (held.msg.connection == current or held.msg.qos == 0):
-                kept.append(held)  # QoS 0 is never sent again: answer it still
-                continue
+    def _drop_waiting(self) -> None:
+        """Stopping: forget the messages not started yet, unacked, for the next daemon; those that
+        nothing would send again are answered 503."""
+        while self._inbox.waiting:
+            held = self._inbox.next_waiting()
             self._inbox.release(held.msg.qos, held.cost)
-            if why == "superseded":
-                self._counts["superseded"] += 1
-        self._waiting = kept
+            if not self._sent_again_if_unacked(held.msg):
+                self._refuse_now(held.msg, replies.stopping(self.device_id))
 
     def _maybe_refetch(self) -> None:
         """Messages were deferred on this connection and the inbox is empty now: reconnect, so the
@@ -302,22 +319,34 @@ class MqttTransport:
         if msg.dup:
             self._counts["redelivered"] += 1
         route = self._route(msg.topic)
+        if route is None:
+            # A subscription left in the persistent session by an older configuration.
+            self._throttled.warning(msg.topic, "MQTT: no request route or stream matches %s; dropping the message",
+                                    msg.topic)
+            self._ack(msg)
+            return
+        if self._undeliverable.refused_before(msg):  # sent again after its reply was refused
+            self._ack(msg)
+            return
         try:
-            if route is None:
-                # A subscription left in the persistent session by an older configuration.
-                log.warning("MQTT: no request route or stream matches %s; dropping the message", msg.topic)
-                self._ack(msg)
-                return
             if route[0] == "infer":
                 self._counts["requests"] += 1
                 reply = await self._answer_request(held, route)
             else:
                 self._counts["stream_messages"] += 1
                 reply = await self._answer_stream(held, route)
+            if self._undeliverable.refused_before(msg):  # an earlier copy's reply was refused meanwhile
+                self._ack(msg)
+                return
+            sent = await self._publish(reply)
         except _LeaveUnacked:
             self._counts["unacked"] += 1
             return
-        if await self._publish(reply):
+        except ReplyRefused as exc:  # acked: left unacked, it would come back on every connection
+            self._undeliverable.refused(msg, exc)
+            self._ack(msg)
+            return
+        if sent:
             self._ack(msg)
         else:
             self._counts["unacked"] += 1
@@ -365,11 +394,15 @@ class MqttTransport:
 
     async def _answer_request(self, held: Held, route: Route) -> Reply:
         msg, model = held.msg, route[1]
+        bad_topic = replies.bad_response_topic(msg)
+        if bad_topic is not None:  # answered on the result topic, without decoding the request
+            self._counts["errors"] += 1
+            return replies.error(msg, route, bad_topic, None, self.prefix)
         payload = msg.payload
         header_length = None
         request_id = None
         try:
-            header_length = _header_length(msg)
+            header_length = replies.header_length(msg)
             if not payload:
                 raise InvalidInput("empty payload: expected a KServe v2 inference request (JSON)")
             decoded = await decode_request(payload, header_length)
@@ -382,18 +415,18 @@ class MqttTransport:
             binary = v2.binary_outputs_for(decoded, list(response.outputs))
             body, json_length = v2.encode_response(model, response.id, response.outputs, binary=binary,
                                                    parameters=response.parameters or None)
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, ReplyRefused):
             raise
         except Exception as exc:
-            error = self._error(exc, f"request on {msg.topic}")
+            error = self._error(exc, msg, f"request on {msg.topic}")
             self._counts["errors"] += 1
             if request_id is None:
-                request_id = _peek_id(payload, header_length)
-            return self._error_reply(msg, route, error, request_id)
+                request_id = replies.peek_id(payload, header_length)
+            return replies.error(msg, route, error, request_id, self.prefix)
         self._counts["answered"] += 1
         if json_length is None:
-            return self._reply(msg, self._reply_topic(msg, model), body, 200, JSON)
-        return self._reply(msg, self._reply_topic(msg, model), body, 200, BINARY,
+            return replies.make(msg, replies.topic_for(msg, self.prefix, model), body, 200, JSON)
+        return replies.make(msg, replies.topic_for(msg, self.prefix, model), body, 200, BINARY,
                            ((v2.HEADER_LENGTH, str(json_length)),))
 
     async def _stream_chunks(self, held: Held, model: str, request: InferRequest) -> Any:
@@ -412,7 +445,7 @@ class MqttTransport:
             if previous is not None:
                 body, _ = v2.encode_response(model, previous.id, previous.outputs,
                                              parameters=previous.parameters or None)
-                await self._publish(self._reply(msg, self._reply_topic(msg, model), body, 200, JSON))
+                await self._publish(replies.make(msg, replies.topic_for(msg, self.prefix, model), body, 200, JSON))
             previous = chunk
         if previous is None:
             raise InvalidInput(f"model {model!r} produced no output for this request")
@@ -427,42 +460,28 @@ class MqttTransport:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            error = self._error(exc, f"stream message on {msg.topic}")
+            error = self._error(exc, msg, f"stream message on {msg.topic}")
             self._counts["errors"] += 1
-            return self._error_reply(msg, route, error, None)
+            return replies.error(msg, route, error, None, self.prefix)
         self._counts["answered"] += 1
-        return self._reply(msg, stream.output_topic(msg.topic, self.prefix), body, 200, JSON)
+        return replies.make(msg, stream.output_topic(msg.topic, self.prefix), body, 200, JSON)
 
-    def _error(self, exc: Exception, what: str) -> EdgeBatcherError:
-        if isinstance(exc, Unavailable) and self._stopping:
+    def _error(self, exc: Exception, msg: Message, what: str) -> EdgeBatcherError:
+        if isinstance(exc, Unavailable) and self._stopping and self._sent_again_if_unacked(msg):
             raise _LeaveUnacked() from exc  # draining: the next daemon (or we, restarted) answers it
         if isinstance(exc, EdgeBatcherError):
             return exc
         log.exception("MQTT: unhandled error on %s", what)
         return EdgeBatcherError(f"internal error: {type(exc).__name__}: {exc}")
 
-    def _error_reply(self, msg: Message, route: Route, error: EdgeBatcherError, request_id: str | None) -> Reply:
-        """The reply for a failed message: on the request's reply topic, or the stream's output topic."""
-        body: dict[str, Any] = {"error": error.message}
-        if route[0] == "infer":
-            topic = self._reply_topic(msg, route[1])
-            if request_id is not None:
-                body["id"] = request_id
-        else:
-            topic = route[1].output_topic(msg.topic, self.prefix)
-            body = {"topic": msg.topic, **body}
-        return self._reply(msg, topic, json.dumps(body).encode(), error.status, JSON)
-
-    def _reply_topic(self, msg: Message, model: str) -> str:
-        return msg.response_topic or f"{self.prefix}/result/{model}"
-
-    def _reply(self, msg: Message, topic: str, body: bytes, status: int, content_type: str,
-               user_properties: tuple[tuple[str, str], ...] = ()) -> Reply:
-        return Reply(topic, body, status, content_type, msg.correlation_data, user_properties)
-
     async def _publish(self, reply: Reply) -> bool:
         """True once the broker took the reply; False when it could not be queued (not connected
-        with QoS 0, or stopped): its request is then left unacked for redelivery."""
+        with QoS 0, or stopped): its request is then left unacked for redelivery. ReplyRefused
+        when the broker refused it, or its topic is one no broker takes (checked first: mosquitto
+        may drop the connection over such a publish)."""
+        problem = reply_topic_problem(reply.topic)
+        if problem is not None:
+            raise ReplyRefused(reply.topic, f"the topic {problem}")
         client = self._client
         return False if client is None else await client.publish(reply)
 
@@ -470,28 +489,3 @@ class MqttTransport:
         if self._client is not None:
             self._client.ack(msg)
 
-
-def _header_length(msg: Message) -> int | None:
-    """Inference-Header-Content-Length from the user properties; required for a binary request."""
-    value = None
-    for name, val in msg.user_properties:
-        if name.lower() == v2.HEADER_LENGTH.lower():
-            value = val
-    if value is None:
-        if msg.content_type == BINARY:
-            raise InvalidInput(
-                f"binary request (Content Type {BINARY}) without the user property {v2.HEADER_LENGTH} "
-                f"giving the JSON header's length"
-            )
-        return None
-    return v2.parse_header_length(value)
-
-
-def _peek_id(payload: bytes, header_length: int | None) -> str | None:
-    """The v2 id of a request that failed to decode, when its JSON header still parses."""
-    try:
-        header = json.loads(payload[:header_length] if header_length is not None else payload)
-    except Exception:
-        return None
-    value = header.get("id") if isinstance(header, dict) else None
-    return value if isinstance(value, str) else None
