@@ -233,11 +233,11 @@ class Daemon:
         app = create_app(self.runtime, max_body_bytes=s.max_body_bytes, health_checks=self.health_checks,
                          middlewares=middlewares, body_budget=self.edge.budget)
         # Handlers still running at cleanup were already answered by the drain; don't wait long.
-        # keepalive_timeout also bounds the time to send a request header (aiohttp arms it on
-        # connect); lingering_time: how long a body we answered without reading is drained.
+        # idle_timeout_s bounds the time to send a request header, after connecting or an answer
+        # (http_connections.py); lingering_time: how long a body we answered without reading is drained.
         self._web = GuardedAppRunner(app, max_connections=self.edge.http_connections, handle_signals=False,
                                      access_log=None, shutdown_timeout=5.0,
-                                     keepalive_timeout=s.idle_timeout_s, lingering_time=2.0)
+                                     idle_timeout_s=s.idle_timeout_s, lingering_time=2.0)
         await self._web.setup()
         for sock, where in listeners:
             if self._tls is not None and sock.family != socket.AF_UNIX:

@@ -185,8 +185,12 @@ def test_messages_in_flight_are_bounded_by_the_shared_body_budget(grpc_daemon):
     baseline = g.rss()
     with PeakRss(g) as rss, ThreadPoolExecutor(24) as pool:
         answers = list(pool.map(lambda _: g.call("ModelInfer", big), range(24)))
-    assert {code for code, _ in answers} == {grpc.StatusCode.INVALID_ARGUMENT}, Counter(answers)
-    assert "max_batch_size" in answers[0][1] or "rows" in answers[0][1], answers[0]
+    # Each is read and refused for its rows (400), or, on a machine too busy to read them all
+    # within body_timeout_s two at a time, told to retry (503) without being read.
+    read = [details for code, details in answers if code == grpc.StatusCode.INVALID_ARGUMENT]
+    waited = [details for code, details in answers if code == grpc.StatusCode.UNAVAILABLE]
+    assert len(read) + len(waited) == 24 and read, Counter(answers)
+    assert all("rows" in d for d in read) and all("max_inflight_body_bytes" in d for d in waited), Counter(answers)
     time.sleep(1.0)
     # Measured here: peak +110 MB, +20 MB after; before the fix all 24 were read at once: +700 MB, all kept.
     assert rss.peak - baseline < 300e6, f"peak RSS {(rss.peak - baseline) / 1e6:.0f} MB above the baseline"

@@ -207,6 +207,38 @@ def test_idle_half_sent_header_and_half_sent_body_connections_time_out(start_dae
 # --------------------------------------------------------------------------- framing, disconnects
 
 
+def test_the_header_deadline_is_kept_whatever_aiohttp_s_keepalive_does(tmp_path):
+    """aiohttp before 3.14 leaves a connection open that sends nothing or half a header
+    (its keepalive_timeout runs only after an answer): the guard keeps idle_timeout_s itself.
+    Here aiohttp's own is an hour, so only the guard's can close them."""
+    import asyncio
+
+    from aiohttp import web
+
+    from edge_batcher.transports.http_connections import GuardedAppRunner
+
+    async def run() -> list[bool]:
+        async def hello(request: web.Request) -> web.Response:
+            return web.json_response({})
+
+        app = web.Application()
+        app.router.add_get("/", hello)
+        runner = GuardedAppRunner(app, max_connections=8, idle_timeout_s=0.5, keepalive_timeout=3600)
+        await runner.setup()
+        path = str(tmp_path / "s.sock")
+        await web.UnixSite(runner, path).start()
+        loop = asyncio.get_running_loop()
+        try:
+            silent = await loop.run_in_executor(None, connect, path)
+            half = await loop.run_in_executor(None, connect, path)
+            half.sendall(b"GET / HTTP/1.1\r\nHost: lo")
+            return [await loop.run_in_executor(None, closed_by_peer, s, 5) for s in (silent, half)]
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(run()) == [True, True]
+
+
 def test_malformed_framing_gets_the_json_error_shape(daemon):
     cases = {
         "bad request line": b"HELLO\r\n\r\n",

@@ -42,7 +42,10 @@ def daemon(tmp_path, model_repo):
     (tmp_path / "token").chmod(0o600)
     http, grpc_address = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
     d = DaemonProcess(tmp_path / "d", f'[server]\nhttp = "{http}"\ntoken_file = "{tmp_path / "token"}"\n'
-                                      f'grpc = ["{grpc_address}"]\n[models]\nload = ["vibration"]\n', repo=repo)
+                                      f'grpc = ["{grpc_address}"]\n[models]\nload = ["vibration"]\n'
+                                      # the process meter on any machine: on one with a GPU "auto" is
+                                      # the GPU's probe, which measures only models on the GPU
+                                      '[memory]\nprobe = "cpu"\n', repo=repo)
     d.http, d.grpc, d.repo = http, grpc_address, repo
     d.start().wait_ready()
     yield d

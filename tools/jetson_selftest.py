@@ -13,7 +13,7 @@ What it does, with the demo model (engines/vibration/model.onnx, from tools/buil
      throughput).
 
     python tools/jetson_selftest.py [--fp16] [--dla-core 0] [--sizes 1,2,4,8] [--out report.md]
-                                    [--soak SECONDS [--models engines] [--soak-clients 32]]
+                                    [--soak SECONDS [--models engines] [--soak-clients 32] [--soak-meter auto]]
 
 With --soak it then soaks a real daemon on the model repository (`make run`'s by default:
 every model, services included) with mixed traffic (tools/memory_soak.py): the Jetson's shared
@@ -361,6 +361,8 @@ def main(argv: list[str] | None = None, trt_module: Any = None, cuda_module: Any
     p.add_argument("--soak", type=float, metavar="SECONDS", help="then soak a real daemon with mixed traffic")
     p.add_argument("--models", type=Path, default=ROOT / "engines", help="the soak's model repository")
     p.add_argument("--soak-clients", type=int, default=32, help="the soak's concurrent connections (default 32)")
+    p.add_argument("--soak-meter", choices=("auto", "device", "process"), default="auto",
+                   help="the soak's meter (tools/memory_soak.py --meter; default auto: the Jetson's or GPU's)")
     p.add_argument("--root", type=Path, default=Path("/"), help=argparse.SUPPRESS)  # tests: a fake Jetson root
     args = p.parse_args(argv)
 
@@ -428,7 +430,8 @@ def memory_soak_section(args: argparse.Namespace) -> tuple[str, bool]:
     import memory_soak  # noqa: PLC0415
 
     try:
-        result = memory_soak.run_soak(models=str(args.models), seconds=args.soak, clients=args.soak_clients)
+        result = memory_soak.run_soak(models=str(args.models), seconds=args.soak, clients=args.soak_clients,
+                                      meter=args.soak_meter)
     except RuntimeError as exc:
         return f"\n## Memory under traffic\n\n**FAIL**: {exc}\n", False
     return f"\n## Memory under traffic (tools/memory_soak.py)\n\n```\n{result.report()}\n```\n", not result.failures()

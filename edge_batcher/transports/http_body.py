@@ -43,7 +43,11 @@ async def read_body(budget: BodyBudget, request: web.Request) -> AsyncIterator[b
             charge.add(declared, f"this request's {declared} bytes")
         body: bytes | bytearray
         try:
-            if declared is not None and request.content.is_eof():
+            if declared and not request.can_read_body:
+                # Read before us (a middleware's request.read(), in an app embedding these
+                # routes): aiohttp keeps what it read.
+                body = _checked(await request.read(), declared)
+            elif declared is not None and request.content.is_eof():
                 body = _already_received(request, declared)  # the common small body: no wait, no copy
             else:
                 body = await asyncio.wait_for(_receive(budget, request, declared, charge), budget.timeout_s)
@@ -89,6 +93,10 @@ def _already_received(request: web.Request, declared: int) -> bytes:
         body = request.content.read_nowait(-1)
     except (RequestPayloadError, HttpProcessingError) as exc:
         raise InvalidInput(f"malformed request body: {exc}") from None
+    return _checked(body, declared)
+
+
+def _checked(body: bytes, declared: int) -> bytes:
     if len(body) != declared:
         raise InvalidInput(f"request body shorter than its Content-Length: {len(body)} of {declared} bytes")
     return body

@@ -10,9 +10,10 @@ reset. TLS is started by each admitted connection itself (`TlsListener`), so a c
 counted during its handshake too, which must end within idle_timeout_s; one beyond the limit is
 closed at once. Reaching the limit is logged once, then summarised per interval, never a line per
 connection. Malformed framing is answered like other bad input, 400 with `{"error": ...}` at
-DEBUG, not aiohttp's plain-text page and a traceback. aiohttp's `keepalive_timeout`
-(idle_timeout_s) closes a connection that does not complete a request header in time after it
-connects or after a response; a request *body* has its own deadline (`http_body.py`).
+DEBUG, not aiohttp's plain-text page and a traceback. A connection that does not complete a
+request header within idle_timeout_s of connecting or of its last answer is closed (here, since
+aiohttp's `keepalive_timeout` covers the time after connecting only from 3.14 on); a request
+*body* has its own deadline (`http_body.py`).
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ class TlsListener:
 class ConnectionGuard:
     """The open connections, oldest first, and the limit on how many may be open at once."""
 
-    def __init__(self, limit: int, log_interval_s: float = LIMIT_LOG_INTERVAL_S):
+    def __init__(self, limit: int, idle_timeout_s: float, log_interval_s: float = LIMIT_LOG_INTERVAL_S):
         self.limit = limit
+        self.idle_timeout_s = idle_timeout_s  # to complete a request header after connecting or an answer
         self.tls: TlsListener | None = None
         self.log_interval_s = log_interval_s
         self._open: dict[GuardedRequestHandler, None] = {}  # insertion order = age
@@ -162,6 +164,8 @@ class GuardedRequestHandler(RequestHandler):
     def __init__(self, manager: Server, *, guard: ConnectionGuard, **kwargs):
         super().__init__(manager, **kwargs)
         self.guard = guard
+        self.idle_timeout_s = guard.idle_timeout_s
+        self._idle_check: asyncio.TimerHandle | None = None
         self.requests_running = 0  # kept by connection_state_middleware
         self.requests_waiting = 0  # parsed, not yet taken by a handler
         self.idle_since = self._loop.time()  # connected, or the last answer given
@@ -188,6 +192,7 @@ class GuardedRequestHandler(RequestHandler):
             self._handshake = asyncio.ensure_future(self._start_tls(transport, tls))
             return
         super().connection_made(transport)
+        self._check_idle_later(self.idle_timeout_s)
 
     def _tls_for(self, transport: asyncio.BaseTransport) -> TlsListener | None:
         tls = self.guard.tls
@@ -212,6 +217,30 @@ class GuardedRequestHandler(RequestHandler):
             self.guard.closed(self)
             return
         super().connection_made(transport)
+        self.idle_since = self._loop.time()
+        self._check_idle_later(self.idle_timeout_s)
+
+    def _check_idle_later(self, seconds: float) -> None:
+        self._idle_check = self._loop.call_later(seconds, self._close_if_idle)
+
+    def _close_if_idle(self) -> None:
+        """Close a connection that has not completed a request header within idle_timeout_s of
+        connecting or of its last answer. aiohttp's keepalive_timeout does so only after an
+        answer before 3.14 (a connection that sends nothing, or half a header, stayed open), so
+        the deadline is kept here, the same on every version."""
+        self._idle_check = None
+        if self.transport is None:
+            return
+        if self.requests_running or self.requests_waiting:
+            self._check_idle_later(self.idle_timeout_s)  # busy: the body has its own deadline
+            return
+        idle_for = self._loop.time() - self.idle_since
+        if idle_for >= self.idle_timeout_s:
+            log.debug("closing a connection idle for %.1f s without a complete request header (idle_timeout_s)",
+                      idle_for)
+            self.force_close()
+        else:
+            self._check_idle_later(self.idle_timeout_s - idle_for)
 
     def force_close(self) -> None:
         if self._handshake is not None:  # evicted during its handshake
@@ -245,6 +274,9 @@ class GuardedRequestHandler(RequestHandler):
                 self.guard.refusals_answering -= 1
             return
         self.guard.closed(self)
+        if self._idle_check is not None:
+            self._idle_check.cancel()
+            self._idle_check = None
         super().connection_lost(exc)
 
     def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
@@ -277,9 +309,10 @@ class GuardedServer(Server):
 class GuardedAppRunner(web.AppRunner):
     """web.AppRunner whose connections are GuardedRequestHandlers sharing one ConnectionGuard."""
 
-    def __init__(self, app: web.Application, *, max_connections: int, **kwargs):
+    def __init__(self, app: web.Application, *, max_connections: int, idle_timeout_s: float, **kwargs):
+        kwargs.setdefault("keepalive_timeout", idle_timeout_s)  # aiohttp's own, after an answer
         super().__init__(app, **kwargs)
-        self.guard = ConnectionGuard(max_connections)
+        self.guard = ConnectionGuard(max_connections, idle_timeout_s)
 
     def serve_tls(self, port: int, context: ssl.SSLContext, handshake_timeout_s: float) -> None:
         """TLS for connections to this TCP port (its site is added without an ssl_context)."""

@@ -2,6 +2,9 @@
 
 Skipped where onnxruntime has no CUDA provider or no GPU answers (this file is what the suite
 adds on a GPU machine; tests/memory/test_memory_device.py plays the same with a fake device).
+The cuda probe reads the whole GPU, so these need it to themselves: run this file alone (as
+the device runs did: `pytest tests/memory/test_memory_cuda.py`, then the rest in parallel);
+beside parallel workers, each daemon's CUDA context (~500 MiB) moves the figures compared.
 """
 
 from __future__ import annotations

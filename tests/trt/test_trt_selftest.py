@@ -179,7 +179,8 @@ def test_missing_demo_model_and_dla_without_fp16_exit_2(st, tmp_path, capsys):
 
 def test_soak_adds_the_memory_under_traffic_section(st, model_repo, tmp_path, capsys):
     """--soak: a real daemon on the repository after the TensorRT checks (here the fakes), its
-    figures in the report; on this machine the daemon's resident memory is the meter."""
+    figures in the report, read by the process meter (on a machine with a GPU "auto" would read the
+    whole GPU, which the suite's other workers share)."""
     import shutil
 
     repo = tmp_path / "engines"
@@ -188,7 +189,7 @@ def test_soak_adds_the_memory_under_traffic_section(st, model_repo, tmp_path, ca
     out = tmp_path / "report.md"
     rc = st.main(["--onnx", str(model_repo / "vibration" / "model.onnx"), "--iterations", "2",
                   "--root", str(tmp_path / "no-jetson"), "--out", str(out),
-                  "--soak", "2", "--soak-clients", "4", "--models", str(repo)],
+                  "--soak", "2", "--soak-clients", "4", "--soak-meter", "process", "--models", str(repo)],
                  FakeTensorRT(cuda), fake_cuda_module("cuda-python", cuda))
     text = out.read_text()
     assert rc == 0, text
