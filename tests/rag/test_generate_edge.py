@@ -111,20 +111,17 @@ def test_a_full_generator_answers_429_before_the_body(start_daemon, tiny_repo, t
         while b"data: " not in first:  # its first event: it is generating
             first += running.recv(65536)
         waiting.sendall(head(PATHS[1], len(long)) + long)
-        answers = []
-        for _ in range(20):  # until the waiting one is queued (it is, within a loop turn or two)
-            with connect(daemon.socket) as s:
-                s.settimeout(0.5)
-                s.sendall(head(PATHS[0], 1000))  # the header only: a body that would take its time
-                try:
-                    answers.append(read_status(s))
-                except TimeoutError:
-                    answers.append(None)  # waited for the body: not refused
-                    continue
-            if answers[-1][0] == 429:
-                break
-        assert answers[-1] is not None and answers[-1][0] == 429, answers
-        assert "queue_capacity 1" in answers[-1][1]["error"]
+        # Once it waits (its prompt read and tokenized off the loop), and while the first still
+        # generates (its 1000 tokens take seconds; a client reading nothing does not slow them):
+        deadline = time.monotonic() + 30
+        while rawhttp.request(daemon.socket, "GET", "/v2/models/tinylm/stats")[1]["model_stats"][0]["queue_depth"] < 1:
+            assert time.monotonic() < deadline, "the second request never waited"
+            time.sleep(0.005)
+        with connect(daemon.socket) as s:
+            s.settimeout(5)
+            s.sendall(head(PATHS[0], 1000))  # the header only: a body that would take its time
+            status, body = read_status(s)  # before the fix: a timeout, waiting for the body
+        assert status == 429 and "queue_capacity 1" in body["error"], (status, body)
     finally:
         running.close()
         waiting.close()

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from tests.support.mqtt import Broker, TestClient
+from tests.support.mqtt import Broker, TestClient, wait_mqtt
 
 
 @pytest.fixture
@@ -26,8 +26,9 @@ def question(text: str, **parameters) -> bytes:
 
 def test_generated_answer_streams_as_mqtt_messages_with_one_correlation(start_daemon, broker):
     prefix = "edge-batcher/stream-test"
-    start_daemon(f'[models]\nload = ["minilm", "tinylm", "raggen"]\n[mqtt]\nenabled = true\nhost = "127.0.0.1"\n'
-                 f'port = {broker.port}\ntopic_prefix = "{prefix}"\n')
+    daemon = start_daemon(f'[models]\nload = ["minilm", "tinylm", "raggen"]\n[mqtt]\nenabled = true\n'
+                          f'host = "127.0.0.1"\nport = {broker.port}\ntopic_prefix = "{prefix}"\n')
+    wait_mqtt(daemon)  # ready means serving; MQTT subscribes on its own time (a request before is not seen)
     client = TestClient(broker.port)
     try:
         client.subscribe(client.response_topic)
@@ -53,8 +54,9 @@ def test_generated_answer_streams_as_mqtt_messages_with_one_correlation(start_da
 
 def test_streaming_a_model_that_does_not_stream_is_a_clear_error(start_daemon, broker):
     prefix = "edge-batcher/stream-test"
-    start_daemon(f'[models]\nload = ["minilm"]\n[mqtt]\nenabled = true\nhost = "127.0.0.1"\n'
-                 f'port = {broker.port}\ntopic_prefix = "{prefix}"\n')
+    daemon = start_daemon(f'[models]\nload = ["minilm"]\n[mqtt]\nenabled = true\nhost = "127.0.0.1"\n'
+                          f'port = {broker.port}\ntopic_prefix = "{prefix}"\n')
+    wait_mqtt(daemon)
     client = TestClient(broker.port)
     try:
         client.subscribe(client.response_topic)
