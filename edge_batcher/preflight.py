@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import DaemonConfig
+from .daemon import Daemon
 from .engines.registry import REMOTE, create_engine, is_service
 from .errors import ConfigError
 from .memory.device import load_need
@@ -29,13 +30,11 @@ class Finding:
 
 def preflight(config: DaemonConfig) -> list[Finding]:
     """Every check of `serve --check`, in the order the start meets them."""
-    from .daemon import Daemon
-
     findings = [Finding("config", False, str(config.source))]
     try:
         daemon = Daemon(config)  # token file, TLS settings, [mqtt]: what the start reads first
     except ConfigError as exc:
-        return findings + [Finding("daemon", True, exc.message)]
+        return findings + [Finding("settings", True, exc.message)]
     try:
         bound = asyncio.run(daemon.check_listeners())
         findings.append(Finding("listeners", False, "can bind " + ", ".join(bound)))
