@@ -131,11 +131,24 @@ def load_model_config(model_dir: Path) -> ModelConfig:
     return config
 
 
+def repository_models(repository: Path) -> dict[str, Path]:
+    """A repository's model directories by name: each subdirectory holding a model.toml (none
+    when the repository is not a directory)."""
+    if not repository.is_dir():
+        return {}
+    return {d.name: d for d in sorted(repository.iterdir()) if (d / "model.toml").is_file()}
+
+
+def models_used_by(config: ModelConfig) -> set[str]:
+    """The models a service's config names ([rag] embedding_model and generator)."""
+    return {v for v in (config.rag.get("embedding_model"), config.rag.get("generator")) if isinstance(v, str) and v}
+
+
 def discover_models(repository: Path, only: list[str] | None = None) -> list[ModelConfig]:
     """Every <repository>/<name>/model.toml, validated (only the named ones when `only` is set)."""
     if not repository.is_dir():
         raise ConfigError(f"model repository {repository} is not a directory")
-    found = {d.name: d for d in sorted(repository.iterdir()) if (d / "model.toml").is_file()}
+    found = repository_models(repository)
     if only:
         missing = [n for n in only if n not in found]
         if missing:

@@ -12,13 +12,14 @@ import asyncio
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import DaemonConfig
+from .config import DaemonConfig, OffloadSettings
 from .daemon import Daemon
 from .engines.registry import REMOTE, create_engine, is_service
 from .errors import ConfigError
 from .memory.device import load_need
 from .memory.wiring import MiB, build_budget
-from .model_config import ModelConfig, discover_models
+from .model_config import ModelConfig, discover_models, models_used_by
+from .runtime import served_by_peers
 
 
 @dataclass
@@ -49,27 +50,27 @@ def preflight(config: DaemonConfig) -> list[Finding]:
     names = {c.name for c in configs}
     local = []
     for mc in configs:
-        finding = _check_model(mc, names, remote_only=_served_by_peers(mc, config))
+        finding = _check_model(mc, names, config.offload)
         findings.append(finding)
-        if not finding.problem and not is_service(mc.backend) and not _served_by_peers(mc, config):
+        if not finding.problem and not is_service(mc.backend) and not served_by_peers(mc, config.offload):
             local.append(mc)
     findings.append(_check_memory(config, local))
     return findings
 
 
-def _served_by_peers(mc: ModelConfig, config: DaemonConfig) -> bool:
-    return mc.backend == REMOTE or (config.offload.enabled and mc.name in config.offload.remote_only)
-
-
-def _check_model(mc: ModelConfig, names: set[str], remote_only: bool) -> Finding:
+def _check_model(mc: ModelConfig, names: set[str], offload: OffloadSettings) -> Finding:
     what = f"model {mc.name}"
     if is_service(mc.backend):
-        used = {v for v in (mc.rag.get("embedding_model"), mc.rag.get("generator")) if isinstance(v, str) and v}
+        used = models_used_by(mc)
         missing = sorted(used - names)
         if missing:
             return Finding(what, True, f"{mc.backend} service: uses {', '.join(map(repr, missing))}, "
                                        "which this daemon does not load")
         return Finding(what, False, f"{mc.backend} service" + (f" over {', '.join(sorted(used))}" if used else ""))
+    try:
+        remote_only = served_by_peers(mc, offload)
+    except ConfigError as exc:  # backend "remote" without [offload]
+        return Finding(what, True, exc.message)
     if mc.backend == REMOTE:
         return Finding(what, False, "runs on offload peers only")
     try:

@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
-from .config import DaemonConfig, ModelConfig, discover_models, load_model_config
+from .config import DaemonConfig, ModelConfig, OffloadSettings, discover_models, load_model_config
 from .cpu_affinity import full_affinity
 from .engines.registry import REMOTE, create_engine, is_service, service_class
 from .errors import ConfigError, InvalidInput, ModelNotFound
@@ -23,6 +23,7 @@ from .memory.device import DeviceLoad, ModelDoesNotFit
 from .memory.wiring import MiB, build_budget, model_admission, release_resident
 from .memory_watch import MemoryWatch
 from .metrics import Metrics
+from .model_config import models_used_by, repository_models
 from .offload.remote_model import RemoteModel, declared_specs
 from .scheduler.runner import ModelRunner
 from .servable import Servable
@@ -227,7 +228,7 @@ class Runtime:
         placement = f"{mc.instances} instance(s)"
         if is_service(mc.backend):
             runner = service_class(mc.backend)(mc, self)
-        elif self._served_by_peers(mc):
+        elif served_by_peers(mc, self.config.offload):
             runner = await self._remote_model(mc)
             placement = "runs on offload peers only (nothing to warm up here)"
         else:
@@ -247,17 +248,6 @@ class Runtime:
         )
         return runner
 
-    def _served_by_peers(self, mc: ModelConfig) -> bool:
-        """Backend "remote", or listed in [offload] remote_only while offloading is on."""
-        if mc.backend == REMOTE:
-            if self.offload is None:
-                raise ConfigError(
-                    f"model {mc.name!r} has backend {mc.backend!r}: it runs on offload peers only, "
-                    f"so [offload] must be enabled with at least one [[offload.peers]]"
-                )
-            return True
-        return self.offload is not None and mc.name in self.config.offload.remote_only
-
     async def _remote_model(self, mc: ModelConfig) -> RemoteModel:
         """A model served by peers only, its specs declared in model.toml (backend "remote") or
         read from its model file (an engine loaded once for them, then closed), and compared
@@ -266,7 +256,7 @@ class Runtime:
             inputs, outputs = declared_specs(mc)
         else:
             inputs, outputs = await asyncio.get_running_loop().run_in_executor(None, _model_file_specs, mc)
-        assert self.offload is not None  # _served_by_peers() checked
+        assert self.offload is not None  # served_by_peers() checked: [offload] is enabled
         self.offload.add_remote_model(mc.name, inputs, outputs)
         return RemoteModel(mc, inputs, outputs, self.offload, self.metrics)
 
@@ -322,13 +312,11 @@ class Runtime:
         Returns "loaded" or "reloaded"."""
         async with self._reload_lock:
             repository = Path(self.config.models.repository)
-            directory = repository / name
-            if "/" in name or name.startswith(".") or not (directory / "model.toml").is_file():
-                found = sorted(d.name for d in repository.iterdir() if (d / "model.toml").is_file()) \
-                    if repository.is_dir() else []
+            found = repository_models(repository)
+            if name not in found:
                 raise ModelNotFound(f"no model {name!r} in the repository {repository} (it has "
                                     f"{', '.join(found) or 'none'})")
-            mc = await asyncio.get_running_loop().run_in_executor(None, load_model_config, directory)
+            mc = await asyncio.get_running_loop().run_in_executor(None, load_model_config, found[name])
             new = await self._load(mc)
             old = self.runners.get(name)
             self.runners[name] = new
@@ -344,7 +332,7 @@ class Runtime:
         async with self._reload_lock:
             runner = self.runner(name)  # ModelNotFound
             users = [other for other, servable in sorted(self.runners.items())
-                     if other != name and name in _models_used_by(servable.config)]
+                     if other != name and name in models_used_by(servable.config)]
             if users:
                 raise InvalidInput(f"model {name!r} is used by {', '.join(users)}: unload "
                                    f"{'it' if len(users) == 1 else 'them'} first")
@@ -394,9 +382,16 @@ def _model_file_specs(config: ModelConfig) -> tuple[list, list]:
         engine.close()
 
 
-def _models_used_by(config: ModelConfig) -> set[str]:
-    """The models a service's config names ([rag] embedding_model and generator)."""
-    return {v for v in (config.rag.get("embedding_model"), config.rag.get("generator")) if isinstance(v, str) and v}
+def served_by_peers(mc: ModelConfig, offload: OffloadSettings) -> bool:
+    """Backend "remote", or listed in [offload] remote_only while offloading is on."""
+    if mc.backend == REMOTE:
+        if not offload.enabled:
+            raise ConfigError(
+                f"model {mc.name!r} has backend {mc.backend!r}: it runs on offload peers only, "
+                f"so [offload] must be enabled with at least one [[offload.peers]]"
+            )
+        return True
+    return offload.enabled and mc.name in offload.remote_only
 
 
 def _services_last(configs: list[ModelConfig]) -> list[ModelConfig]:

@@ -105,3 +105,13 @@ def test_a_live_socket_at_a_grpc_unix_address_is_not_replaced(model_repo, tmp_pa
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"grpc unix:{path}" in proc.stdout
     assert not path.exists()
+
+
+def test_a_remote_model_without_offload_is_reported(model_repo, tmp_path):
+    repo = vibration_only(model_repo, tmp_path)
+    shutil.copytree(repo / "vibration", repo / "far")
+    toml = repo / "far" / "model.toml"
+    toml.write_text('backend = "remote"\n' + toml.read_text().replace('backend = "onnxruntime"\n', ""))
+    proc = check(tmp_path, repo)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "FAIL  model far" in proc.stdout and "[offload] must be enabled" in proc.stdout
