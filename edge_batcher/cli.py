@@ -15,8 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import load_config, parse_host_port, read_secret
+from .config import every_setting, load_config, parse_host_port, read_secret
 from .errors import ConfigError, EdgeBatcherError
+from .model_config import repository_models
 
 log = logging.getLogger("edge_batcher")
 
@@ -224,7 +225,7 @@ def cmd_config(args: argparse.Namespace) -> int:
         return 0
     s, m, mq, o = config.server, config.models, config.mqtt, config.offload
     repo = config.repository_path()
-    found = sorted(d.name for d in repo.iterdir() if (d / "model.toml").is_file()) if repo.is_dir() else []
+    found = list(repository_models(repo))
     settings = {
         "version": package_version(),
         "config": config.source,
@@ -262,34 +263,6 @@ def cmd_config(args: argparse.Namespace) -> int:
     for key, (value, origin) in every.items():
         print(f"  {key:<{width}}  {json.dumps(value, default=str)}  ({origin})")
     return 0
-
-
-SECRET_KEYS = ("token", "password")  # printed as set or not, never as their value
-
-
-def every_setting(config) -> dict[str, tuple[object, str]]:
-    """"section.key" -> (effective value, where it came from) for every daemon setting."""
-    import dataclasses
-
-    out: dict[str, tuple[object, str]] = {}
-    for section in ("server", "models", "memory", "mqtt", "offload"):
-        for f in dataclasses.fields(getattr(config, section)):
-            key = f"{section}.{f.name}"
-            value = getattr(getattr(config, section), f.name)
-            shown = ("(set)" if value else "") if f.name in SECRET_KEYS else _plain(value)
-            out[key] = (shown, config.origins.get(key, "default"))
-    return out
-
-
-def _plain(value: object) -> object:
-    """Settings tables ([[mqtt.streams]], [[offload.peers]]) as dicts, for printing."""
-    import dataclasses
-
-    if isinstance(value, list):
-        return [_plain(v) for v in value]
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return dataclasses.asdict(value)
-    return value
 
 
 def _client(args: argparse.Namespace):

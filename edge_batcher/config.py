@@ -41,7 +41,7 @@ from .toml_settings import build_dataclass, check_positive, read_toml
 __all__ = [
     "ENV_PREFIX", "LOG_LEVELS", "DAEMON_SECTIONS", "ServerSettings", "ModelsSettings", "MemorySettings",
     "StreamMapping", "MqttSettings", "PeerSettings", "OffloadSettings", "DaemonConfig", "resolve_socket_path",
-    "load_config", "read_secret", "parse_host_port",
+    "load_config", "read_secret", "parse_host_port", "every_setting",
     # re-exported from model_config.py and toml_settings.py
     "MODEL_KEYS", "ExecutionProvider", "OnnxRuntimeSettings", "SequenceSettings", "BatchingSettings",
     "TensorOverride", "ModelConfig", "backend_settings", "load_model_config", "discover_models",
@@ -203,6 +203,30 @@ DAEMON_SECTIONS = {
     "server": ServerSettings, "models": ModelsSettings, "memory": MemorySettings, "mqtt": MqttSettings,
     "offload": OffloadSettings,
 }  # fmt: skip
+SECRET_KEYS = ("token", "password")  # printed as set or not, never as their value
+
+
+def every_setting(config: DaemonConfig) -> dict[str, tuple[object, str]]:
+    """"section.key" -> (effective value, where it came from) for every daemon setting
+    (`edge-batcher config`)."""
+    out: dict[str, tuple[object, str]] = {}
+    for section in DAEMON_SECTIONS:
+        table = getattr(config, section)
+        for f in dataclasses.fields(table):
+            key = f"{section}.{f.name}"
+            value = getattr(table, f.name)
+            shown = ("(set)" if value else "") if f.name in SECRET_KEYS else _plain(value)
+            out[key] = (shown, config.origins.get(key, "default"))
+    return out
+
+
+def _plain(value: object) -> object:
+    """Settings tables ([[mqtt.streams]], [[offload.peers]]) as dicts, for printing."""
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    return value
 
 
 def resolve_socket_path(value: str, environ: dict[str, str] | None = None) -> Path:
