@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 
 import numpy as np
 
@@ -12,6 +13,11 @@ def percentiles(latencies: list[float]) -> dict:
         return {"p50_ms": None, "p95_ms": None, "p99_ms": None}
     a = np.array(latencies) * 1e3
     return {f"p{q}_ms": float(np.percentile(a, q)) for q in (50, 95, 99)}
+
+
+def by_status(statuses: Counter) -> dict[str, int]:
+    """Answers counted by status, as JSON keys in status order."""
+    return {str(status): statuses[status] for status in sorted(statuses)}
 
 
 def median_run(runs: list[dict]) -> dict:

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
 
 from .. import placement
 from ..errors import EdgeBatcherError
 from ..metrics import Metrics
 from ..runtime import load_runner
 from ..types import InferRequest
-from .figures import percentiles
+from .closed_loop import closed_loop
+from .figures import by_status, percentiles
 from .open_loop import generator_cost_us, poisson_arrivals
 
 
@@ -63,30 +63,17 @@ async def in_process(model_config, sample, args, *, closed: bool, rate: float = 
 
 async def _closed_loop(runner, model: str, sample, args) -> dict:
     """`args.concurrency` callers, each sending its next request when its last is answered."""
-    loop = asyncio.get_running_loop()
-    latencies: list[float] = []
-    statuses: Counter = Counter()
-    errors: Counter = Counter()
-    stop_at = loop.time() + args.duration
+    async def send() -> tuple[int, str | None]:
+        try:
+            await runner.infer(InferRequest(model, sample))
+        except EdgeBatcherError as exc:  # counted, as a client would see it
+            await asyncio.sleep(0)  # a refusal raises at once: let the loop run before the next
+            return exc.status, type(exc).__name__
+        return 200, None
 
-    async def caller() -> None:
-        while loop.time() < stop_at:
-            t0 = loop.time()
-            try:
-                await runner.infer(InferRequest(model, sample))
-            except EdgeBatcherError as exc:  # counted, as a client would see it
-                statuses[exc.status] += 1
-                errors[type(exc).__name__] += 1
-                await asyncio.sleep(0)  # a refusal raises at once: let the loop run before the next
-                continue
-            latencies.append(loop.time() - t0)
-            statuses[200] += 1
-
-    t0 = loop.time()
-    await asyncio.gather(*(caller() for _ in range(args.concurrency)))
-    wall = loop.time() - t0
-    return {"requests": len(latencies), "throughput_rps": len(latencies) / wall, "offered_rps": None,
-            "statuses": _by_status(statuses), "errors": dict(errors), **percentiles(latencies)}
+    run = await closed_loop(send, args.concurrency, args.duration)
+    return {"requests": len(run.latencies), "throughput_rps": run.throughput_rps, "offered_rps": None,
+            "statuses": by_status(run.statuses), "errors": dict(run.errors), **percentiles(run.latencies)}
 
 
 async def _open_loop(runner, model: str, sample, rate: float, duration: float) -> dict:
@@ -96,12 +83,8 @@ async def _open_loop(runner, model: str, sample, rate: float, duration: float) -
     lag = percentiles(run.lags)
     return {"requests": len(run.latencies), "throughput_rps": run.served_in_window / run.window_s,
             "rate": rate, "offered_rps": run.offered / run.window_s,
-            "statuses": _by_status(run.statuses), "errors": dict(run.errors), **percentiles(run.latencies),
+            "statuses": by_status(run.statuses), "errors": dict(run.errors), **percentiles(run.latencies),
             "lag_p50_ms": lag["p50_ms"], "lag_p99_ms": lag["p99_ms"]}
-
-
-def _by_status(statuses: Counter) -> dict[str, int]:
-    return {str(status): statuses[status] for status in sorted(statuses)}
 
 
 async def closed_generator_cost_us(model: str, sample) -> float:

@@ -7,10 +7,10 @@ daemon that served traffic before is measured on the bench's requests alone."""
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 
 from ..client import AsyncClient, ClientError, DaemonUnreachable
-from .figures import median_run, percentiles
+from .closed_loop import closed_loop
+from .figures import by_status, median_run, percentiles
 
 MQTT_WARMUP_S = 0.5  # the MQTT phase's unmeasured start of each run
 
@@ -29,29 +29,18 @@ async def closed_loop_over(url: str, token: str | None, model: str, sample, args
 
 
 async def _closed_loop_run(client: AsyncClient, model: str, sample, args) -> dict:
-    loop = asyncio.get_running_loop()
-    latencies: list[float] = []
-    statuses: Counter = Counter()
-    stop_at = loop.time() + args.duration
+    async def send() -> tuple[int, str | None]:
+        try:
+            await client.infer(model, sample)
+        except DaemonUnreachable:
+            raise  # no daemon is no answer to count
+        except ClientError as exc:
+            return exc.status, None
+        return 200, None
 
-    async def caller() -> None:
-        while loop.time() < stop_at:
-            t0 = loop.time()
-            try:
-                await client.infer(model, sample)
-            except DaemonUnreachable:
-                raise  # no daemon is no answer to count
-            except ClientError as exc:
-                statuses[exc.status] += 1
-                continue
-            latencies.append(loop.time() - t0)
-            statuses[200] += 1
-
-    t0 = loop.time()
-    await asyncio.gather(*(caller() for _ in range(args.concurrency)))
-    wall = loop.time() - t0
-    return {"requests": len(latencies), "throughput_rps": len(latencies) / wall,
-            "statuses": {str(s): statuses[s] for s in sorted(statuses)}, **percentiles(latencies)}
+    run = await closed_loop(send, args.concurrency, args.duration)
+    return {"requests": len(run.latencies), "throughput_rps": run.throughput_rps,
+            "statuses": by_status(run.statuses), **percentiles(run.latencies)}
 
 
 async def _batch_counts(client: AsyncClient, model: str) -> tuple[dict, dict] | None:
