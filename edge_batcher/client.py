@@ -120,6 +120,11 @@ def unreachable_message(address: str, reason: BaseException) -> str:
 # --------------------------------------------------------------------------- shared helpers
 
 
+def _repository_path(model: str, action: str) -> str:
+    """Triton's repository extension: /v2/repository/models/{model}/load or unload."""
+    return f"/v2/repository/models/{quote(model, safe='')}/{action}"
+
+
 def _model_path(model: str, suffix: str = "") -> str:
     return f"/v2/models/{quote(model, safe='')}{suffix}"
 
@@ -280,10 +285,10 @@ class Client:
 
     def load_model(self, model: str) -> None:
         """Load (or load again) a model of the daemon's repository (Triton's repository extension)."""
-        _json(*self._request_json("POST", f"/v2/repository/models/{quote(model, safe='')}/load", b"{}"))
+        _json(*self._request_json("POST", _repository_path(model, "load"), b"{}"))
 
     def unload_model(self, model: str) -> None:
-        _json(*self._request_json("POST", f"/v2/repository/models/{quote(model, safe='')}/unload", b"{}"))
+        _json(*self._request_json("POST", _repository_path(model, "unload"), b"{}"))
 
     def live(self) -> bool:
         return self._health("/v2/health/live")
@@ -469,8 +474,8 @@ class AsyncClient:
         await self._repository("unload", model)
 
     async def _repository(self, action: str, model: str) -> None:
-        path = f"/v2/repository/models/{quote(model, safe='')}/{action}"
-        status, _, data = await self._request("POST", path, b"{}", {"Content-Type": JSON_CONTENT_TYPE})
+        status, _, data = await self._request("POST", _repository_path(model, action), b"{}",
+                                              {"Content-Type": JSON_CONTENT_TYPE})
         _json(status, data)
 
     async def live(self) -> bool:
