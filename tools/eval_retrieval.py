@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT))
 from edge_batcher.config import load_model_config  # noqa: E402
 from edge_batcher.rag.embed import TextEmbeddingEngine  # noqa: E402
 from edge_batcher.rag.fusion import Fusion  # noqa: E402
-from edge_batcher.rag.index import Index, embed_passages, split_file  # noqa: E402
+from edge_batcher.rag.index import Index, embed_passages  # noqa: E402
+from edge_batcher.rag.passages import split_file  # noqa: E402
 
 CORPUS = ROOT / "docs" / "corpus"
 QUESTION_FILES = ("questions.json", "questions-technician.json")

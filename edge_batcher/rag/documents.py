@@ -20,8 +20,9 @@ import numpy as np
 
 from ..errors import InvalidInput, Unavailable
 from ..scheduler.runner import ModelRunner
-from .index import DEFAULT_MAX_CHARS, read_meta
+from .index import read_meta
 from .index_update import Document, add_documents, remove_documents
+from .passages import DEFAULT_MAX_CHARS
 
 log = logging.getLogger(__name__)
 

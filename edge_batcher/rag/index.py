@@ -1,5 +1,5 @@
-"""The document index: passages split from text and markdown files, their embeddings on disk,
-and cosine top-k search with numpy.
+"""The document index: passages (split from text and markdown files by passages.py), their
+embeddings on disk, and cosine top-k search with numpy.
 
 On disk, in the index directory::
 
@@ -20,13 +20,6 @@ next query); it never serves embeddings of one build with passages of another.
 The RAG service notices a rebuilt index by the (inode, size, mtime) of meta.json, one stat()
 per query, and reloads it off the event loop.
 
-Splitting: markdown is cut at headings (each passage's title is its heading path, e.g.
-"Manual > Bearing faults"); a section's paragraphs are grouped into passages of at most
-max_chars characters (a longer paragraph is cut at sentence ends, a longer sentence at spaces,
-and text without spaces at max_chars itself: no passage is ever longer). Plain text is cut into
-paragraph groups the same way; a heading is cut to max_chars too. The text that is embedded
-(and analysed for BM25) is the passage's own heading plus the passage.
-
 Search ranks by the passage cosine and the best sentence's cosine (dense), by BM25 (lexical)
 or by all three fused (fusion.py). An index written before lexical.json existed gets its BM25
 statistics computed when it is loaded; one written before sentences.npz ranks by the passage
@@ -38,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -46,9 +38,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import ConfigError, Unavailable
+from ..errors import Unavailable
 from .fusion import Fusion, fused_scores
 from .lexical import ANALYZER, Bm25
+from .passages import Passage
 from .sentences import embed_text, split_sentences
 
 FORMAT = 1
@@ -57,10 +50,6 @@ PASSAGES = "passages.jsonl"
 LEXICAL = "lexical.json"
 SENTENCES = "sentences.npz"
 META = "meta.json"
-DEFAULT_MAX_CHARS = 600  # ~130 tokens: about what a 128-token embedding model reads of a passage
-
-_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
-_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
 def default_index_dir(environ: dict[str, str] | None = None) -> Path:
@@ -68,155 +57,6 @@ def default_index_dir(environ: dict[str, str] | None = None) -> Path:
     env = os.environ if environ is None else environ
     state = env.get("STATE_DIRECTORY", "").split(":")[0]
     return Path(state) / "index" if state else Path("state") / "index"
-
-
-# --------------------------------------------------------------------------- passages
-
-
-@dataclass
-class Passage:
-    id: str
-    title: str
-    text: str
-    source: str = ""
-
-    def embed_text(self) -> str:
-        """What is embedded: the passage under its own heading (the document's title and the
-        parent headings are the same for many passages and would only blur them)."""
-        heading = self.title.rsplit(" > ", 1)[-1]
-        return f"{heading}\n{self.text}" if heading else self.text
-
-
-def slug(text: str) -> str:
-    s = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
-    return s or "section"
-
-
-def split_file(path: Path, max_chars: int = DEFAULT_MAX_CHARS) -> list[Passage]:
-    """Passages of one .md/.markdown/.txt file (ids '<stem>#<heading-slug>', unique in the file)."""
-    if max_chars < 1:
-        raise ConfigError(f"the longest passage must be at least 1 character, got {max_chars}")
-    suffix = path.suffix.lower()
-    if suffix not in (".md", ".markdown", ".txt", ".text"):
-        raise ConfigError(f"{path}: only text (.txt) and markdown (.md) files can be indexed")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"{path}: cannot read it as UTF-8 text: {exc}") from None
-    source = str(path.resolve())
-    if suffix in (".md", ".markdown"):
-        return split_markdown(text, path.stem, max_chars, source)
-    return split_text(text, path.stem, max_chars, source)
-
-
-def split_markdown(text: str, stem: str, max_chars: int = DEFAULT_MAX_CHARS, source: str = "") -> list[Passage]:
-    sections: list[tuple[list[str], list[str]]] = []  # (heading path, paragraphs)
-    path: list[str] = []
-    paragraphs: list[str] = []
-    lines: list[str] = []
-    in_code = False
-
-    def end_paragraph() -> None:
-        if lines:
-            paragraphs.append("\n".join(lines).strip())
-            lines.clear()
-
-    def end_section() -> None:
-        end_paragraph()
-        if any(paragraphs):
-            sections.append((list(path), [p for p in paragraphs if p]))
-        paragraphs.clear()
-
-    for line in text.splitlines():
-        if line.lstrip().startswith(("```", "~~~")):
-            in_code = not in_code
-            lines.append(line)
-            continue
-        heading = None if in_code else _HEADING.match(line)
-        if heading:
-            end_section()
-            level = len(heading.group(1))
-            title = heading.group(2).strip()[:max_chars]
-            path = path[: level - 1] + [""] * max(0, level - 1 - len(path)) + [title]
-        elif not line.strip() and not in_code:
-            end_paragraph()
-        else:
-            lines.append(line.rstrip())
-    end_section()
-
-    passages: list[Passage] = []
-    used: set[str] = set()
-    for heading_path, paras in sections:
-        names = [h for h in heading_path if h]
-        title = " > ".join(names) if names else stem
-        base = f"{stem}#{slug(names[-1]) if names else 'preamble'}"
-        for n, chunk in enumerate(_group(paras, max_chars)):
-            pid = base if n == 0 else f"{base}/{n + 1}"
-            pid = _unique(pid, used)
-            passages.append(Passage(pid, title, chunk, source))
-    return passages
-
-
-def split_text(text: str, stem: str, max_chars: int = DEFAULT_MAX_CHARS, source: str = "") -> list[Passage]:
-    paras = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
-    return [Passage(f"{stem}#p{n + 1}", stem, chunk, source) for n, chunk in enumerate(_group(paras, max_chars))]
-
-
-def _group(paragraphs: list[str], max_chars: int) -> list[str]:
-    """Consecutive paragraphs joined while they fit in max_chars; long ones cut at sentences,
-    long sentences at spaces (_cut)."""
-    pieces: list[str] = []
-    for p in paragraphs:
-        if len(p) <= max_chars:
-            pieces.append(p)
-        else:
-            sentences = [piece for sentence in _SENTENCE_END.split(p) for piece in _cut(sentence, max_chars)]
-            pieces.extend(_pack(sentences, " ", max_chars))
-    return _pack(pieces, "\n\n", max_chars)
-
-
-def _cut(text: str, max_chars: int) -> list[str]:
-    """`text` in pieces of at most max_chars characters, each ending at the last whitespace
-    before the limit when there is one in the piece's second half, else at the limit. Offsets
-    into the text, never copies of its rest: a 2 MB line costs one pass."""
-    pieces: list[str] = []
-    start = 0
-    while len(text) - start > max_chars:
-        end = start + max_chars
-        space = max(text.rfind(c, start + max_chars // 2, end + 1) for c in " \n\t")
-        if space > start:
-            pieces.append(text[start:space])
-            start = space + 1
-        else:
-            pieces.append(text[start:end])
-            start = end
-    pieces.append(text[start:])
-    return [piece.strip() for piece in pieces if piece.strip()]
-
-
-def _pack(parts: list[str], separator: str, max_chars: int) -> list[str]:
-    """Consecutive parts (each at most max_chars long) joined by separator while the result
-    fits in max_chars."""
-    packed: list[str] = []
-    current = ""
-    for part in parts:
-        if current and len(current) + len(separator) + len(part) > max_chars:
-            packed.append(current)
-            current = part
-        else:
-            current = f"{current}{separator}{part}" if current else part
-    if current:
-        packed.append(current)
-    return packed
-
-
-def _unique(pid: str, used: set[str]) -> str:
-    candidate, n = pid, 2
-    while candidate in used:
-        candidate = f"{pid}~{n}"
-        n += 1
-    used.add(candidate)
-    return candidate
 
 
 @dataclass

@@ -27,8 +27,9 @@ from pathlib import Path
 from ..config import load_config, load_model_config
 from ..errors import ConfigError, EdgeBatcherError
 from ..progress import Progress
-from .index import DEFAULT_MAX_CHARS, default_index_dir, load_index, read_meta
+from .index import default_index_dir, load_index, read_meta
 from .index_update import Document, add_documents, remove_documents
+from .passages import DEFAULT_MAX_CHARS
 
 PROGRESS_STEPS = 20  # embedding runs ~20 texts a second on the 2-core VM: a line every 5 % of it
 

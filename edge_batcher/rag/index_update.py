@@ -20,15 +20,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from .index import (
-    Passage,
-    SentenceVectors,
-    embed_passages,
-    load_index,
-    split_markdown,
-    split_text,
-    write_index,
-)
+from .index import SentenceVectors, embed_passages, load_index, write_index
+from .passages import Passage, split_markdown, split_text
 
 Embed = Callable[[list[str]], np.ndarray]
 MARKDOWN_SUFFIXES = (".md", ".markdown")

@@ -9,7 +9,7 @@ import json
 import re
 
 from edge_batcher.rag import index_cli
-from edge_batcher.rag.index import DEFAULT_MAX_CHARS, split_markdown, split_text
+from edge_batcher.rag.passages import DEFAULT_MAX_CHARS, split_markdown, split_text
 
 
 def test_no_passage_is_longer_than_max_chars_whatever_the_text():

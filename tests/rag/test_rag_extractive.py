@@ -11,7 +11,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from edge_batcher.config import DaemonConfig, MemorySettings, ModelsSettings
 from edge_batcher.rag.extract import answer_text, choose, sentences
-from edge_batcher.rag.index import Hit, Passage
+from edge_batcher.rag.index import Hit
+from edge_batcher.rag.passages import Passage
 from edge_batcher.runtime import Runtime
 from edge_batcher.transports.http import create_app
 from edge_batcher.transports.http_generate import add_generate_routes

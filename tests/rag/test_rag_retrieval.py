@@ -11,16 +11,8 @@ from edge_batcher.config import load_model_config
 from edge_batcher.errors import Unavailable
 from edge_batcher.rag import index_cli
 from edge_batcher.rag.embed import TextEmbeddingEngine
-from edge_batcher.rag.index import (
-    Index,
-    IndexWatcher,
-    Passage,
-    load_index,
-    read_meta,
-    split_file,
-    split_markdown,
-    write_index,
-)  # fmt: skip
+from edge_batcher.rag.index import Index, IndexWatcher, load_index, read_meta, write_index
+from edge_batcher.rag.passages import Passage, split_file, split_markdown
 from tests.support.models import ROOT
 
 CORPUS = ROOT / "docs" / "corpus"

@@ -20,16 +20,9 @@ from edge_batcher.config import load_model_config
 from edge_batcher.rag import index_cli
 from edge_batcher.rag.embed import TextEmbeddingEngine
 from edge_batcher.rag.fusion import DEFAULT_FUSION, Fusion, fused_scores, ranks
-from edge_batcher.rag.index import (
-    Index,
-    Passage,
-    embed_passages,
-    load_index,
-    read_meta,
-    split_file,
-    write_index,
-)
+from edge_batcher.rag.index import Index, embed_passages, load_index, read_meta, write_index
 from edge_batcher.rag.lexical import Bm25, analyze
+from edge_batcher.rag.passages import Passage, split_file
 from tests.rag.conftest import CORPUS, _tool
 
 
