@@ -1,4 +1,4 @@
-"""Shared fixtures: model repositories built once per session, and real daemon processes."""
+"""Shared fixtures: model repositories built once per session, real daemon processes, a broker."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 
 from tests.support.daemon import DaemonProcess
 from tests.support.models import build_demo_repository, build_minilm, build_repository
+from tests.support.mqtt import MOSQUITTO, Broker
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +49,14 @@ def start_daemon(tmp_path, model_repo):
 @pytest.fixture
 def daemon(start_daemon) -> DaemonProcess:
     return start_daemon("[server]\nmax_body_bytes = 1048576\n")
+
+
+@pytest.fixture
+def broker(tmp_path):
+    """A private mosquitto for one test (tests/mqtt/ has its own, with that directory's skip)."""
+    if MOSQUITTO is None:
+        pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
+    b = Broker(tmp_path / "broker").start()
+    yield b
+    b.stop()
+

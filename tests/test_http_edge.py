@@ -22,39 +22,10 @@ import pytest
 from edge_batcher.transports.http_connections import EVICT_AFTER_IDLE_S
 from tests.support import rawhttp
 from tests.support.daemon import DaemonProcess
+from tests.support.rawhttp import connect, read_response
 from tests.support.signals import windows
 
 INFER = "/v2/models/vibration/infer"
-
-
-def connect(path) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(10)
-    s.connect(str(path))
-    return s
-
-
-def read_response(s: socket.socket) -> tuple[int, dict | str]:
-    """Status and parsed body of one response on a raw socket (it must close or give a length)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = s.recv(65536)
-        if not chunk:
-            raise ConnectionError(f"closed before a response header: {data!r}")
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    status = int(head.split(b" ", 2)[1])
-    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                   if line.lower().startswith(b"content-length:")), None)
-    while length is None or len(body) < length:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        body += chunk
-    try:
-        return status, json.loads(body)
-    except ValueError:
-        return status, body.decode(errors="replace")
 
 
 def raw(path, data: bytes) -> tuple[int, dict | str]:
@@ -262,11 +233,8 @@ def test_a_client_that_disconnects_mid_body_is_one_info_line(daemon):
     with connect(daemon.socket) as s:
         s.sendall(post_head(length=100_000) + b'{"inputs": [' + b" " * 5000)
         time.sleep(0.3)
-    deadline = time.monotonic() + 5
-    while "closed the connection after" not in daemon.log_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    lines = daemon.log_lines_with("closed the connection after", within_s=5)
     log = daemon.log_text()
-    lines = [line for line in log.splitlines() if "closed the connection after" in line]
     assert len(lines) == 1 and "INFO" in lines[0], log[-3000:]
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
     assert rawhttp.request(daemon.socket, "GET", "/v2/health/live") == (200, {"live": True})

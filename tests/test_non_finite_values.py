@@ -16,7 +16,7 @@ import pytest
 
 from edge_batcher.protocol import v2
 from tests.support import rawhttp
-from tests.support.mqtt import MOSQUITTO, Broker, TestClient, signal_rows, wait_mqtt
+from tests.support.mqtt import TestClient, signal_rows, wait_mqtt
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is in the dev extra")
 pytest.importorskip("edge_batcher.transports.grpc_v2.server", reason="the grpc extra is not installed")
@@ -56,15 +56,6 @@ def repo(model_repo, tmp_path):
     toml = out / "vibration_nan" / "model.toml"
     toml.write_text("allow_non_finite_inputs = true\n" + toml.read_text())
     return out
-
-
-@pytest.fixture
-def broker(tmp_path):
-    if MOSQUITTO is None:
-        pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
-    b = Broker(tmp_path / "broker").start()
-    yield b
-    b.stop()
 
 
 def test_nan_and_infinity_are_refused_on_every_door_and_replies_stay_strict_json(start_daemon, repo, broker,

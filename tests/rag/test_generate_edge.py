@@ -6,40 +6,18 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import time
 
 from tests.support import rawhttp
+from tests.support.rawhttp import connect, read_response
 
 MiB = 1 << 20
 PATHS = ("/v2/models/tinylm/generate", "/v2/models/tinylm/generate_stream")
 
 
-def connect(path) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(10)
-    s.connect(str(path))
-    return s
-
-
 def head(path: str, length: int) -> bytes:
     return (f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
             f"Content-Length: {length}\r\n\r\n").encode()
-
-
-def read_status(s: socket.socket) -> tuple[int, dict]:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = s.recv(65536)
-        if not chunk:
-            raise ConnectionError(f"closed before a response header: {data!r}")
-        data += chunk
-    header, _, body = data.partition(b"\r\n\r\n")
-    length = next(int(line.split(b":", 1)[1]) for line in header.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
-    while len(body) < length:
-        body += s.recv(65536)
-    return int(header.split(b" ", 2)[1]), json.loads(body)
 
 
 def generate(daemon, **parameters) -> tuple[int, dict]:
@@ -53,7 +31,7 @@ def test_generate_bodies_meet_the_body_budget_and_timeout_before_they_are_read(s
     for path in PATHS:
         with connect(daemon.socket) as s:  # too large: answered from the header alone
             s.sendall(head(path, MiB + 1))
-            status, body = read_status(s)
+            status, body = read_response(s)
         assert status == 413 and str(MiB) in body["error"], body
         slow = [connect(daemon.socket) for _ in range(2)]  # two bodies in progress hold the whole budget
         try:
@@ -62,11 +40,11 @@ def test_generate_bodies_meet_the_body_budget_and_timeout_before_they_are_read(s
             time.sleep(0.3)
             with connect(daemon.socket) as s:
                 s.sendall(head(path, MiB))
-                status, body = read_status(s)
+                status, body = read_response(s)
             assert status == 503 and "max_inflight_body_bytes" in body["error"], body
             started = time.monotonic()
             for s in slow:  # and the slow ones are answered 408 once body_timeout_s has passed
-                status, body = read_status(s)
+                status, body = read_response(s)
                 assert status == 408 and "body_timeout_s" in body["error"], body
             assert time.monotonic() - started < 8
         finally:
@@ -83,11 +61,8 @@ def test_a_generate_client_gone_mid_body_is_one_info_line(start_daemon, tiny_rep
     with connect(daemon.socket) as s:
         s.sendall(head(PATHS[0], 100_000) + b'{"text_input": "' + b"x" * 5000)
         time.sleep(0.3)
-    deadline = time.monotonic() + 10
-    while "closed the connection after" not in daemon.log_text() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    lines = daemon.log_lines_with("closed the connection after", within_s=10)
     log = daemon.log_text()
-    lines = [line for line in log.splitlines() if "closed the connection after" in line]
     assert len(lines) == 1 and "INFO" in lines[0], log[-3000:]
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
     assert generate(daemon)[0] == 200
@@ -120,7 +95,7 @@ def test_a_full_generator_answers_429_before_the_body(start_daemon, tiny_repo, t
         with connect(daemon.socket) as s:
             s.settimeout(5)
             s.sendall(head(PATHS[0], 1000))  # the header only: a body that would take its time
-            status, body = read_status(s)  # before the fix: a timeout, waiting for the body
+            status, body = read_response(s)  # before the fix: a timeout, waiting for the body
         assert status == 429 and "queue_capacity 1" in body["error"], (status, body)
     finally:
         running.close()

@@ -3,20 +3,8 @@
 from __future__ import annotations
 
 import json
-import shutil
 
-import pytest
-
-from tests.support.mqtt import Broker, TestClient, wait_mqtt
-
-
-@pytest.fixture
-def broker(tmp_path):
-    if shutil.which("mosquitto") is None:
-        pytest.skip("mosquitto is not installed (apt-get install -y mosquitto)")
-    b = Broker(tmp_path / "broker").start()
-    yield b
-    b.stop()
+from tests.support.mqtt import TestClient, wait_mqtt
 
 
 def question(text: str, **parameters) -> bytes:

@@ -21,7 +21,7 @@ import pytest
 from edge_batcher.client import Client
 from edge_batcher.protocol import v2
 from tests.support import rawhttp
-from tests.support.mqtt import MOSQUITTO, Broker, TestClient, wait_mqtt
+from tests.support.mqtt import TestClient, wait_mqtt
 
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is in the dev extra")
 pytest.importorskip("edge_batcher.transports.grpc_v2.server", reason="the grpc extra is not installed")
@@ -74,15 +74,6 @@ class HealthProbe(threading.Thread):
 def v2_text(name: str, texts: list[str]) -> bytes:
     return json.dumps({"inputs": [{"name": name, "shape": [len(texts)], "datatype": "BYTES",
                                    "data": texts}]}).encode()
-
-
-@pytest.fixture
-def broker(tmp_path):
-    if MOSQUITTO is None:
-        pytest.skip("mosquitto is not installed (apt-get install mosquitto)")
-    b = Broker(tmp_path / "broker").start()
-    yield b
-    b.stop()
 
 
 def test_the_largest_texts_on_every_door_leave_health_answered_within_100_ms(start_daemon, broker, tmp_path):

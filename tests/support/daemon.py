@@ -94,6 +94,13 @@ class DaemonProcess:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log.exists() else ""
 
+    def log_lines_with(self, text: str, within_s: float) -> list[str]:
+        """The log's lines holding `text`, once there is one (or `within_s` has passed: none)."""
+        deadline = time.monotonic() + within_s
+        while text not in self.log_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return [line for line in self.log_text().splitlines() if text in line]
+
     def _check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
             raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.log_text()}")

@@ -34,3 +34,33 @@ def request(path, method: str, url: str, body: bytes | str | None = None, header
             return resp.status, data.decode(errors="replace")
     finally:
         conn.close()
+
+
+def connect(path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(str(path))
+    return s
+
+
+def read_response(s: socket.socket) -> tuple[int, dict | str]:
+    """Status and parsed body of one response on a raw socket (it must close or give a length)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"closed before a response header: {data!r}")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ", 2)[1])
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), None)
+    while length is None or len(body) < length:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        body += chunk
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, body.decode(errors="replace")
