@@ -251,7 +251,7 @@ class Daemon:
         s = self.config.server
         if not s.grpc:
             return
-        try:  # only now: a daemon without [server] grpc never loads grpcio
+        try:  # only now: a daemon without [server] grpc never loads protobuf
             from .transports.grpc_v2.server import GrpcServer
         except ImportError as exc:
             raise ConfigError(f"[server] grpc needs the grpc extra: pip install 'edge-batcher[grpc]' ({exc})") from None

@@ -34,7 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from edge_batcher.client import AsyncClient  # noqa: E402
+from edge_batcher.client import AsyncClient, Client, ClientError  # noqa: E402
 
 TOKEN = "bench-token"
 
@@ -116,11 +116,19 @@ def start_daemon(home: Path, repo: Path, model: str) -> tuple[subprocess.Popen, 
                             env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=open(home / "daemon.log", "wb"),
                             stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
-    while not (home / "grpc.sock").exists():
+    while not _ready(home / "eb.sock"):  # the sockets are bound before the models load: wait for ready
         if proc.poll() is not None or time.monotonic() > deadline:
             raise SystemExit(f"daemon did not start:\n{(home / 'daemon.log').read_text()}")
         time.sleep(0.1)
     return proc, targets
+
+
+def _ready(socket_path: Path) -> bool:
+    try:
+        with Client(f"unix://{socket_path}", timeout=2) as client:
+            return client.ready()
+    except ClientError:
+        return False
 
 
 def cpu_seconds(process) -> float:

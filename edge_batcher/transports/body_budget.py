@@ -1,13 +1,14 @@
-"""The bytes of request bodies and messages held at once, one budget for every transport: HTTP
-bodies (`http_body.py`) and gRPC messages (`grpc_v2/edge.py`) each hold a `Charge` of their
-bytes from the moment their number is known until the handler is done with them (decoded
-tensors may be views of them), and a charge that would take the total over `max_inflight_bytes`
-is refused with 503 naming the setting. A gRPC message's size is known only once grpcio has
-received all of it, so at most `receive_slots` of them (max_inflight_bytes // max_body_bytes,
-at least one) are received at once, a call waiting its turn within its body deadline: such
-messages and the charged bytes together stay under 2 x max_inflight_bytes. After a large body
-is released, glibc's `malloc_trim` runs on a thread: decoding a JSON body of megabytes allocates
-several times its size in short-lived objects, whose pages glibc would otherwise keep for good.
+"""The bytes of request bodies and messages held at once, one budget for every transport: HTTP bodies
+(`http_body.py`) and gRPC messages (`grpc_v2/edge.py`) each hold a `Charge` of their bytes from the
+moment their number is known until the handler is done with them (decoded tensors may be views of
+them), and a charge that would take the total over `max_inflight_bytes` is refused with 503 naming
+the setting. A large gRPC message is charged once all of it has arrived (its window is opened only
+when the call's turn comes), so at most `receive_slots` of them (max_inflight_bytes //
+max_body_bytes, at least one) are received at once, a call waiting its turn within its body
+deadline: such messages and the charged bytes together stay under 2 x max_inflight_bytes. After a
+large body is released, glibc's `malloc_trim` runs on a thread: decoding a JSON body of megabytes
+allocates several times its size in short-lived objects, whose pages glibc would otherwise keep for
+good.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
-"""One edge for every listener: the limits HTTP (Unix socket and TCP) and gRPC (TCP and Unix)
-share, built once from `[server]` and handed to each transport, so that a new listener gets them
-by taking an `EdgeLimits` instead of remembering each setting. Connections: `max_connections`
-counts every listener against the descriptor budget (`descriptors.py`); with gRPC on, HTTP has
-half and each gRPC address an equal share of the other half (grpcio counts each listener on its
-own). Bytes in flight: one `BodyBudget` for HTTP bodies and gRPC messages. Time: `idle_timeout_s`
-to start a request (HTTP header, gRPC handshake) or stay idle, `body_timeout_s` for a body or
-message to arrive. Authentication: one token, read once and checked before any payload is read;
-Unix sockets are guarded by their file mode instead, with a warning when it admits every user.
+"""One edge for every listener: the limits HTTP (Unix socket and TCP) and gRPC (TCP and Unix) share,
+built once from `[server]` and handed to each transport, so that a new listener gets them by taking
+an `EdgeLimits` instead of remembering each setting. Connections: `max_connections` counts every
+listener against the descriptor budget (`descriptors.py`); with gRPC on, HTTP has half and each
+gRPC address an equal share of the other half (each gRPC listener counts its own). Bytes in flight:
+one `BodyBudget` for HTTP bodies and gRPC messages. Time: `idle_timeout_s` to start a request (HTTP
+header, gRPC handshake) or stay idle, `body_timeout_s` for a body or message to arrive.
+Authentication: one token, read once and checked before any payload is read; Unix sockets are
+guarded by their file mode instead, with a warning when it admits every user.
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """The gRPC edge: the limits an HTTP request meets (transports/edge.py), in the order that keeps a
-refused call cheap. grpcio itself gets them as options (`server_options`): the largest message,
-connections per listener (a new one beyond is closed at once: UNAVAILABLE), idle_timeout_s to
-finish the HTTP/2 handshake and to stay idle, no read-ahead past HTTP/2's 64 KiB window into a
-message nobody reads yet (BDP probing grew it to 3.5 MB per unread call), and a backlog of calls
-not yet handed over large enough that grpcio does not shed a burst itself (with CANCELLED and no
-details). Every method is registered request-streaming so that `GrpcEdge` reads the message
-itself, after the checks that need none of it: the calls in progress (RESOURCE_EXHAUSTED) and
-the token on TCP (UNAUTHENTICATED); then a receive slot and body_timeout_s (UNAVAILABLE,
-DEADLINE_EXCEEDED), the parse (INVALID_ARGUMENT, where grpcio said UNKNOWN and logged a
-traceback) and the bytes charged to the shared budget until the method returns. An
+refused call cheap. A call is checked before its message is read (http2.py lets a client send at
+most one 64 KiB stream window of it before): the method (UNIMPLEMENTED), the calls in progress
+(RESOURCE_EXHAUSTED) and the token on TCP (UNAUTHENTICATED); then a receive slot and
+body_timeout_s (UNAVAILABLE, DEADLINE_EXCEEDED), the message's size (RESOURCE_EXHAUSTED), the
+parse (INVALID_ARGUMENT) and the bytes charged to the shared budget until the method returns. An
 EdgeBatcherError becomes the gRPC status of its HTTP status with the same message; anything else
-is logged and answered INTERNAL; a call is aborted only once nothing references its message, so
-a refused 15 MiB message is freed at once, not by some later garbage collection.
+is logged and answered INTERNAL. Connections are counted per listener (`ConnectionCount`): one
+beyond the listener's share of max_connections is closed at once.
 """
 
 from __future__ import annotations
@@ -20,136 +15,143 @@ import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
-import grpc
 from google.protobuf.message import DecodeError
 
 from ...errors import EdgeBatcherError, InvalidInput, Overloaded, RequestTimeout, Unauthorized
 from ..edge import EdgeLimits
 from ..v2_decode import DECODE_OFF_LOOP_BYTES
+from .http2 import Call, CallError, GrpcConnection, Status, StreamReset
 
 log = logging.getLogger(__name__)
 
 # The error tree's HTTP statuses as gRPC status codes (as Triton and KServe map them).
 GRPC_CODES = {
-    400: grpc.StatusCode.INVALID_ARGUMENT,
-    401: grpc.StatusCode.UNAUTHENTICATED,
-    404: grpc.StatusCode.NOT_FOUND,
-    408: grpc.StatusCode.DEADLINE_EXCEEDED,
-    413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    503: grpc.StatusCode.UNAVAILABLE,
-    504: grpc.StatusCode.DEADLINE_EXCEEDED,
+    400: Status.INVALID_ARGUMENT,
+    401: Status.UNAUTHENTICATED,
+    404: Status.NOT_FOUND,
+    408: Status.DEADLINE_EXCEEDED,
+    413: Status.RESOURCE_EXHAUSTED,
+    429: Status.RESOURCE_EXHAUSTED,
+    503: Status.UNAVAILABLE,
+    504: Status.DEADLINE_EXCEEDED,
 }
 OPEN_METHODS = frozenset({"ServerLive"})  # liveness without a secret, as HTTP's /v2/health/live
 UNIX_PREFIX = "unix:"
-# Calls grpcio may hold before the daemon has seen them: a burst this large is still answered
-# by the daemon (RESOURCE_EXHAUSTED), each holding at most its 64 KiB window meanwhile. grpcio's
-# defaults shed calls at random from 1000 on, and all from 3000, with CANCELLED and no details.
-MIN_BACKLOG = 3000
-BACKLOG_PER_CALL = 4
+LIMIT_LOG_INTERVAL_S = 60.0
 
-Method = Callable[[Any, grpc.aio.ServicerContext], Awaitable[Any]]
+Method = Callable[[Any, Call], Awaitable[Any]]
 
 
-def grpc_code(status: int) -> grpc.StatusCode:
-    return GRPC_CODES.get(status, grpc.StatusCode.INTERNAL)
+def grpc_code(status: int) -> Status:
+    return GRPC_CODES.get(status, Status.INTERNAL)
 
 
-def server_options(limits: EdgeLimits) -> list[tuple[str, int]]:
-    idle_ms = max(1, int(limits.idle_timeout_s * 1000))
-    backlog = max(MIN_BACKLOG, BACKLOG_PER_CALL * limits.max_calls)
-    return [
-        ("grpc.max_receive_message_length", limits.max_body_bytes),
-        ("grpc.max_send_message_length", -1),
-        ("grpc.max_allowed_incoming_connections", limits.grpc_connections),
-        ("grpc.server_handshake_timeout_ms", idle_ms),
-        ("grpc.max_connection_idle_ms", idle_ms),
-        ("grpc.http2.bdp_probe", 0),
-        ("grpc.server.max_pending_requests", backlog),
-        ("grpc.server.max_pending_requests_hard_limit", backlog),
-    ]
+class ConnectionCount:
+    """One listener's open connections and its share of max_connections."""
 
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.open: set[GrpcConnection] = set()
+        self.refused_total = 0
+        self._logged_at = -LIMIT_LOG_INTERVAL_S
 
-@dataclass(frozen=True)
-class _Refusal:
-    code: grpc.StatusCode
-    message: str
+    def admit(self, conn: GrpcConnection) -> bool:
+        if len(self.open) >= self.limit:
+            self.refused_total += 1
+            now = asyncio.get_running_loop().time()
+            if now - self._logged_at >= LIMIT_LOG_INTERVAL_S:  # once a minute, never a line per connection
+                self._logged_at = now
+                log.warning("gRPC connection limit reached: %d open ([server] max_connections); new ones are "
+                            "closed at once (%d so far)", self.limit, self.refused_total)
+            return False
+        self.open.add(conn)
+        return True
+
+    def closed(self, conn: GrpcConnection) -> None:
+        self.open.discard(conn)
 
 
 class GrpcEdge:
-    """Wraps each RPC method in the edge's checks (one instance per server: it counts its calls)."""
+    """Serves each call through the edge's checks to its method (one per server: it counts calls)."""
 
-    def __init__(self, limits: EdgeLimits):
+    def __init__(self, limits: EdgeLimits, service: str, methods: dict[str, tuple[Method, Any]]):
         self.limits = limits
         self._token = limits.token.encode()
+        self._methods = {f"/{service}/{name}": (name, method, request_type)
+                         for name, (method, request_type) in methods.items()}
         self.calls = 0
 
-    def method_handler(self, name: str, method: Method, request_type: Any) -> grpc.RpcMethodHandler:
-        async def call(unread_messages: Any, context: grpc.aio.ServicerContext) -> Any:
-            self.calls += 1
+    def dispatch(self, call: Call) -> None:
+        call.task = asyncio.get_running_loop().create_task(self._handle(call))
+
+    async def _handle(self, call: Call) -> None:
+        self.calls += 1
+        try:
             try:
-                outcome = await self._serve(name, method, request_type, context)
-            finally:
-                self.calls -= 1
-            if isinstance(outcome, _Refusal):
-                await context.abort(outcome.code, outcome.message)
-            return outcome
+                reply = await self._serve(call)
+            except CallError as exc:
+                call.conn.respond(call, exc.status, exc.message)
+                return
+            await call.conn.respond_with(call, reply)
+        except (StreamReset, asyncio.CancelledError):
+            pass  # the client reset the stream or left: no one to answer
+        finally:
+            self.calls -= 1
 
-        return grpc.stream_unary_rpc_method_handler(call, response_serializer=_serialize)
-
-    async def _serve(self, name: str, method: Method, request_type: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def _serve(self, call: Call) -> bytes:
+        """The serialized response message; CallError for any other answer."""
+        entry = self._methods.get(call.path)
+        if entry is None:
+            raise CallError(Status.UNIMPLEMENTED, f"Method not found: {call.path}")
+        name, method, request_type = entry
         try:
             if self.calls > self.limits.max_calls:
                 raise Overloaded(f"too many calls in progress: the daemon's limit of {self.limits.max_calls} "
                                  "([server] max_connections) is reached; retry later")
             if name not in OPEN_METHODS:
-                self._authorize(context)
-            raw = await self._receive(context)
+                self._authorize(call)
+            raw = await self._receive(call)
             with self.limits.budget.holding(len(raw), f"this message's {len(raw)} bytes"):
                 request = await _parse(raw, request_type)
                 del raw
-                return await method(request, context)
+                return (await method(request, call)).SerializeToString()
         except EdgeBatcherError as exc:
-            return _Refusal(grpc_code(exc.status), exc.message)
-        except grpc.aio.AbortError:  # a method's own context.abort
+            raise CallError(grpc_code(exc.status), exc.message) from None
+        except (CallError, StreamReset, asyncio.CancelledError):
             raise
         except Exception as exc:  # a bug, not bad input: keep serving, say what happened
             log.exception("unhandled error in gRPC %s", name)
-            return _Refusal(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+            raise CallError(Status.INTERNAL, f"internal error: {type(exc).__name__}: {exc}") from None
 
-    def _authorize(self, context: grpc.aio.ServicerContext) -> None:
-        if context.peer().startswith(UNIX_PREFIX):
+    def _authorize(self, call: Call) -> None:
+        if call.unix:
             return
-        for key, value in context.invocation_metadata() or ():
+        for key, value in call.metadata:
             if key == "authorization":
                 # stripped first: perf_analyzer's -H "authorization: Bearer ..." sends " Bearer ..."
-                scheme, _, given = (value if isinstance(value, str) else value.decode()).strip().partition(" ")
+                scheme, _, given = value.strip().partition(" ")
                 if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._token):
                     return
         raise Unauthorized("missing or invalid bearer token (gRPC metadata 'authorization: Bearer <token>')")
 
-    async def _receive(self, context: grpc.aio.ServicerContext) -> bytes:
+    async def _receive(self, call: Call) -> bytes:
         """The call's one message, within body_timeout_s of asking for a receive slot."""
+        message = call.complete_message(self.limits.max_body_bytes)
+        if message is not None:
+            return message  # all of it came within the first window: nothing left to wait for
         budget = self.limits.budget
         loop = asyncio.get_running_loop()
         deadline = loop.time() + budget.timeout_s
         async with budget.receive_slot(budget.timeout_s):
             try:
-                raw = await asyncio.wait_for(context.read(), max(deadline - loop.time(), 0.0))
+                return await asyncio.wait_for(call.read_message(self.limits.max_body_bytes),
+                                              max(deadline - loop.time(), 0.0))
             except asyncio.TimeoutError:
                 raise RequestTimeout(
                     f"request message not received within body_timeout_s {budget.timeout_s:g} s"
                 ) from None
-        if raw is grpc.aio.EOF:
-            raise InvalidInput("the call carried no request message")
-        return raw
-
-
-def _serialize(message: Any) -> bytes:
-    return message.SerializeToString()
 
 
 async def _parse(raw: bytes, request_type: Any) -> Any:

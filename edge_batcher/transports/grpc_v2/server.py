@@ -1,23 +1,25 @@
 """The gRPC server: KServe v2's `inference.GRPCInferenceService` on TCP and Unix sockets.
 
 Serves ServerLive/Ready, ServerMetadata, ModelMetadata/Ready, ModelConfig, ModelStatistics,
-RepositoryIndex, RepositoryModelLoad/Unload and ModelInfer on the event loop (grpc.aio), through
-the same Runtime, model lookup, parameters mapping and codec checks as HTTP; the RPCs it does not
-serve (shared memory, tracing, streaming) answer UNIMPLEMENTED. Every call passes the gRPC edge
-(edge.py) with the limits every listener shares (transports/edge.py): the call limit and, over
-TCP, the bearer token (`authorization: Bearer ...` metadata, every method but ServerLive)
-before its message is read, then the body budget and the error tree's translation. Calls on a
-Unix socket are guarded by its file mode.
+RepositoryIndex, RepositoryModelLoad/Unload and ModelInfer on the event loop, over the daemon's
+own HTTP/2 (http2.py: unary calls, no grpcio), through the same Runtime, model lookup, parameters
+mapping and codec checks as HTTP; the RPCs it does not serve (shared memory, tracing, streaming)
+answer UNIMPLEMENTED. Every call passes the gRPC edge (edge.py) with the limits every listener
+shares (transports/edge.py): the call limit and, over TCP, the bearer token (`authorization:
+Bearer ...` metadata, every method but ServerLive) before its message is read, then the body
+budget and the error tree's translation. Calls on a Unix socket are guarded by its file mode.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import socket
+import ssl
 from pathlib import Path
 from typing import Any
 
-import grpc
 from google.protobuf import json_format
 
 from ... import __version__
@@ -31,12 +33,14 @@ from ..triton_config import MODEL_VERSION, PLATFORMS, model_config, servable_for
 from . import grpc_service_pb2 as pb
 from . import model_config_pb2
 from .codec import decode_infer_request, encode_infer_response
-from .edge import UNIX_PREFIX, GrpcEdge, Method, server_options
+from .edge import UNIX_PREFIX, ConnectionCount, GrpcEdge, Method
+from .http2 import GrpcConnection
 
 log = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
 EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository", "model_configuration"]
+BACKLOG = 1024  # connections the kernel queues before accept(); each is then admitted or closed at once
 
 
 def unix_socket_path(address: str) -> Path | None:
@@ -48,18 +52,19 @@ def unix_socket_path(address: str) -> Path | None:
 
 
 class GrpcServer:
-    """One grpc.aio server listening on every address of `[server] grpc`."""
+    """The listening sockets of `[server] grpc`, each serving HTTP/2 connections to one GrpcEdge."""
 
     def __init__(self, runtime: Runtime, addresses: list[str], *, limits: EdgeLimits, tls: tuple[str, str] | None):
         self.runtime = runtime
         self.addresses = addresses
-        self._tls = tls
-        self._socket_mode = limits.socket_mode
+        self.limits = limits
+        self._tls = _tls_context(tls) if tls else None
         self._socket_files: list[Path] = []
+        self._sockets: list[tuple[socket.socket, bool]] = []  # (listening socket, is Unix)
+        self._servers: list[asyncio.Server] = []
+        self._counts: list[ConnectionCount] = []
         self.bound: list[str] = []  # the addresses as bound (a TCP port 0 becomes the real one)
-        self.edge = GrpcEdge(limits)
-        self._server = grpc.aio.server(options=server_options(limits))
-        self._server.add_generic_rpc_handlers((self._handlers(),))
+        self.edge = GrpcEdge(limits, SERVICE, self._handlers())
 
     def bind(self) -> None:
         """Bind every address now (before the models load: a port in use fails the start at once)."""
@@ -72,18 +77,45 @@ class GrpcServer:
 
     async def start(self) -> None:
         """Serve on the addresses bound (bind() first)."""
-        await self._server.start()
+        loop = asyncio.get_running_loop()
+        for sock, unix in self._sockets:
+            count = ConnectionCount(self.limits.grpc_connections)
+            self._counts.append(count)
+
+            def connection(unix: bool = unix, count: ConnectionCount = count) -> GrpcConnection:
+                return GrpcConnection(self.edge.dispatch, idle_timeout_s=self.limits.idle_timeout_s, unix=unix,
+                                      admit=count.admit, closed=count.closed)
+
+            if unix:
+                server = await loop.create_unix_server(connection, sock=sock, backlog=BACKLOG)
+            else:
+                handshake_s = self.limits.idle_timeout_s if self._tls else None
+                server = await loop.create_server(connection, sock=sock, backlog=BACKLOG, ssl=self._tls,
+                                                  ssl_handshake_timeout=handshake_s)
+            self._servers.append(server)
         for path in self._socket_files:
-            os.chmod(path, self._socket_mode)
+            os.chmod(path, self.limits.socket_mode)
         for address in self.bound:
             log.info("serving the v2 gRPC API on %s%s", address,
                      "" if address.startswith(UNIX_PREFIX) else " (bearer token required)")
 
     async def stop(self, grace: float | None) -> None:
         """Take no new calls; let those in progress finish within `grace` seconds."""
-        await self._server.stop(grace)
+        for server in self._servers:
+            server.close()
+        connections = [conn for count in self._counts for conn in count.open]
+        for conn in connections:
+            conn.go_away()
+        if connections and grace:
+            await asyncio.wait([conn.gone for conn in connections], timeout=grace)
+        for conn in connections:
+            conn.abort()
+        self._servers.clear()
+        for sock, _ in self._sockets:
+            sock.close()
         for path in self._socket_files:
             path.unlink(missing_ok=True)
+        self._socket_files.clear()
 
     def _bind_unix(self, path: Path) -> None:
         check_unix_socket_path(path, "[server] grpc")
@@ -91,30 +123,35 @@ class GrpcServer:
             remove_stale_socket(path, "choose another [server] grpc address")
         except ConfigError as exc:
             raise ConfigError(f"[server] grpc: {exc}") from None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
-            self._server.add_insecure_port(f"{UNIX_PREFIX}{path}")
-        except RuntimeError as exc:
+            sock.bind(str(path))
+        except OSError as exc:
+            sock.close()
             raise ConfigError(f"[server] grpc: cannot listen on unix:{path}: {exc}") from None
+        self._sockets.append((sock, True))
         self._socket_files.append(path)
         self.bound.append(f"{UNIX_PREFIX}{path}")
 
     def _bind_tcp(self, address: str) -> None:
         host, port = parse_host_port(address, "[server] grpc")
-        target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            if self._tls:
-                cert, key = (Path(p).read_bytes() for p in self._tls)
-                bound = self._server.add_secure_port(target, grpc.ssl_server_credentials([(key, cert)]))
-            else:
-                bound = self._server.add_insecure_port(target)
-        except (OSError, RuntimeError) as exc:  # grpcio raises RuntimeError when the bind fails
+            family, kind, proto, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                               flags=socket.AI_PASSIVE)[0]
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:
             raise ConfigError(f"[server] grpc: cannot listen on {address}: {exc}") from None
-        if not bound:
-            raise ConfigError(f"[server] grpc: cannot listen on {address}")
-        self.bound.append(f"{host}:{bound}")
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(where)
+        except OSError as exc:
+            sock.close()
+            raise ConfigError(f"[server] grpc: cannot listen on {address}: {exc}") from None
+        self._sockets.append((sock, False))
+        self.bound.append(f"{host}:{sock.getsockname()[1]}")
 
-    def _handlers(self) -> grpc.GenericRpcHandler:
-        rpcs: dict[str, tuple[Method, Any]] = {
+    def _handlers(self) -> dict[str, tuple[Method, Any]]:
+        return {
             "ServerLive": (self.server_live, pb.ServerLiveRequest),
             "ServerReady": (self.server_ready, pb.ServerReadyRequest),
             "ModelReady": (self.model_ready, pb.ModelReadyRequest),
@@ -127,9 +164,6 @@ class GrpcServer:
             "RepositoryModelUnload": (self.repository_model_unload, pb.RepositoryModelUnloadRequest),
             "ModelInfer": (self.model_infer, pb.ModelInferRequest),
         }
-        return grpc.method_handlers_generic_handler(SERVICE, {
-            name: self.edge.method_handler(name, method, request_type) for name, (method, request_type) in rpcs.items()
-        })
 
     # ------------------------------------------------------------------ the RPCs
 
@@ -209,3 +243,15 @@ class GrpcServer:
             infer_request.timeout_s = max(remaining, 0.0)  # the call's gRPC deadline, when no parameter set one
         response = await self.runtime.infer(infer_request)
         return encode_infer_response(model, response.id, response.outputs, response.parameters or None)
+
+
+def _tls_context(tls: tuple[str, str]) -> ssl.SSLContext:
+    """TLS for the TCP listeners, offering HTTP/2 by ALPN as gRPC clients require."""
+    cert, key = tls
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(cert, key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ConfigError(f"[server] tls_cert/tls_key: {exc}") from None
+    context.set_alpn_protocols(["h2"])
+    return context

@@ -1,0 +1,556 @@
+"""HTTP/2 for gRPC's unary calls, on asyncio: the framing, header compression (the `hpack`
+package), flow control both ways and the connection's lifecycle, with nothing of grpcio. Each
+HEADERS frame that opens a stream becomes a `Call` handed to `dispatch`; the call's message is
+read only when its handler asks for it (`Call.read_message`), so a client may have at most one
+64 KiB stream window of a message sent before the edge has checked the call. Responses are written
+with static header blocks (no dynamic table), the message split to the peer's frame size and
+windows. Why this and not grpc.aio: docs/benchmarks.md, "gRPC against HTTP".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import struct
+from collections.abc import Callable
+from enum import IntEnum
+
+from hpack import Decoder, HPACKError
+
+log = logging.getLogger(__name__)
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE, CONTINUATION = range(10)
+END_STREAM, ACK, END_HEADERS, PADDED, PRIORITY_FLAG = 0x1, 0x1, 0x4, 0x8, 0x20
+NO_ERROR, PROTOCOL_ERROR, FLOW_CONTROL_ERROR, STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL = (
+    0x0, 0x1, 0x3, 0x5, 0x6, 0x7, 0x8)
+COMPRESSION_ERROR, ENHANCE_YOUR_CALM = 0x9, 0xB
+SETTINGS_HEADER_TABLE_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_INITIAL_WINDOW_SIZE = 0x1, 0x3, 0x4
+SETTINGS_MAX_FRAME_SIZE, SETTINGS_MAX_HEADER_LIST_SIZE = 0x5, 0x6
+
+DEFAULT_WINDOW = 65535  # HTTP/2's initial window: what a client may send before a call is read
+MAX_FRAME = 16384  # the frames we accept (HTTP/2's default, advertised)
+MAX_HEADER_LIST = 16384  # decoded request headers per call
+MAX_STREAMS = 1000  # per connection; a client queues beyond it (the edge refuses by its own count)
+CONNECTION_WINDOW = 1 << 24  # the connection-level window, refilled as DATA arrives
+GRPC_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+
+
+class Status(IntEnum):
+    """gRPC's status codes (the ones this server answers with)."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    RESOURCE_EXHAUSTED = 8
+    UNIMPLEMENTED = 12
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    UNAUTHENTICATED = 16
+
+
+class CallError(Exception):
+    """A call answered with a non-OK status (raised by a handler or the framing)."""
+
+    def __init__(self, status: Status, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class StreamReset(Exception):
+    """The client reset the stream, or the connection closed, while the call was in progress."""
+
+
+def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    n = len(payload)
+    return struct.pack(">BHBBI", n >> 16, n & 0xFFFF, kind, flags, stream_id) + payload
+
+
+def _hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes([first | value])
+    out = bytearray([first | limit])
+    value -= limit
+    while value >= 128:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def literal(name: bytes, value: bytes) -> bytes:
+    """A header field as HPACK's literal without indexing, new name, no Huffman: stateless."""
+    return b"\x00" + _hpack_int(len(name), 7) + name + _hpack_int(len(value), 7) + value
+
+
+def grpc_message(text: str) -> bytes:
+    """gRPC's percent-encoding of grpc-message (UTF-8, printable ASCII but '%' kept as is)."""
+    return b"".join(bytes([b]) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b for b in text.encode())
+
+
+RESPONSE_HEADERS = b"\x88" + literal(b"content-type", b"application/grpc")  # 0x88: :status 200
+TRAILERS_OK = literal(b"grpc-status", b"0")
+
+
+def trailers(status: Status, message: str) -> bytes:
+    block = literal(b"grpc-status", str(int(status)).encode())
+    return block + literal(b"grpc-message", grpc_message(message)) if message else block
+
+
+def parse_grpc_timeout(value: str) -> float | None:
+    """Seconds of a grpc-timeout header ("100m", "5S"); None when malformed."""
+    unit = GRPC_TIMEOUT_UNITS.get(value[-1:])
+    digits = value[:-1]
+    if unit is None or not digits.isdigit() or len(digits) > 8:
+        return None
+    return int(digits) * unit
+
+
+class Call:
+    """One gRPC call: its method, metadata and deadline, and its message as the client sends it."""
+
+    def __init__(self, conn: GrpcConnection, stream_id: int, path: str, metadata: list[tuple[str, str]],
+                 timeout_s: float | None):
+        self.conn = conn
+        self.stream_id = stream_id
+        self.path = path
+        self.metadata = metadata
+        loop = asyncio.get_running_loop()
+        self.deadline = None if timeout_s is None else loop.time() + timeout_s
+        self.body = bytearray()
+        self.ended = False  # the client half-closed the stream
+        self.reset = False  # the client reset it, or the connection closed
+        self.reading = False  # the handler asked for the message: its window is open
+        self.recv_window = conn.stream_window
+        self.send_window = conn.peer_initial_window
+        self._arrived: asyncio.Future | None = None  # wakes read_message
+        self.task: asyncio.Task | None = None
+
+    @property
+    def unix(self) -> bool:
+        return self.conn.unix
+
+    def peer(self) -> str:
+        return self.conn.peer
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self.metadata
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else self.deadline - asyncio.get_running_loop().time()
+
+    def complete_message(self, max_bytes: int) -> bytes | None:
+        """The call's one message (its 5-byte prefix removed) if all of it has arrived, else None."""
+        body = self.body
+        if len(body) >= 5:
+            if body[0] != 0:
+                raise CallError(Status.UNIMPLEMENTED, "compressed messages are not supported "
+                                                      "(grpc-encoding identity only)")
+            length = int.from_bytes(body[1:5], "big")
+            if length > max_bytes:
+                raise CallError(Status.RESOURCE_EXHAUSTED,
+                                f"Received message larger than max ({length} vs. {max_bytes})")
+            if len(body) >= 5 + length:
+                return bytes(memoryview(body)[5:5 + length])
+        if self.ended:
+            if not body:
+                raise CallError(Status.INVALID_ARGUMENT, "the call carried no request message")
+            raise CallError(Status.INVALID_ARGUMENT, "the stream ended inside the request message")
+        return None
+
+    async def read_message(self, max_bytes: int) -> bytes:
+        """The call's one message, opening the stream's window for it and waiting for the rest."""
+        self.reading = True
+        if self.recv_window < self.conn.stream_window and not self.ended:
+            self.conn.open_window(self, self.conn.stream_window - self.recv_window)  # what came before
+        while True:
+            if self.reset:
+                raise StreamReset()
+            message = self.complete_message(max_bytes)
+            if message is not None:
+                return message
+            self._arrived = asyncio.get_running_loop().create_future()
+            await self._arrived
+
+    def _wake(self) -> None:
+        if self._arrived is not None and not self._arrived.done():
+            self._arrived.set_result(None)
+
+
+Dispatch = Callable[[Call], None]
+
+
+class GrpcConnection(asyncio.Protocol):
+    """One client connection: HTTP/2 frames in, calls to `dispatch`, responses out."""
+
+    def __init__(self, dispatch: Dispatch, *, idle_timeout_s: float, unix: bool,
+                 admit: Callable[[GrpcConnection], bool], closed: Callable[[GrpcConnection], None]):
+        self.dispatch = dispatch
+        self.idle_timeout_s = idle_timeout_s
+        self.unix = unix
+        self._admit, self._closed = admit, closed
+        self.peer = "unix:"
+        self.transport: asyncio.Transport | None = None
+        self.streams: dict[int, Call] = {}
+        self.stream_window = DEFAULT_WINDOW
+        self.peer_initial_window = DEFAULT_WINDOW
+        self.peer_max_frame = MAX_FRAME
+        self.send_window = DEFAULT_WINDOW  # the connection-level window the peer grants us
+        self._window_grown: asyncio.Future | None = None
+        self._drained: asyncio.Future | None = None  # set while the transport's buffer is full
+        self._buf = bytearray()
+        self._preface = False
+        self._headers: tuple[int, int, bytearray] | None = None  # (stream, flags, block) awaiting CONTINUATION
+        self._decoder = Decoder(max_header_list_size=MAX_HEADER_LIST)
+        self._last_stream = 0
+        self._unacked = 0  # DATA bytes received since the last connection WINDOW_UPDATE
+        self._idle_since = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self.going_away = False
+        self.gone = asyncio.get_running_loop().create_future()  # done when the connection is closed
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        if not self._admit(self):
+            transport.abort()
+            return
+        if not self.unix:
+            host, port = transport.get_extra_info("peername")[:2]
+            self.peer = f"ipv6:[{host}]:{port}" if ":" in host else f"ipv4:{host}:{port}"
+        settings = struct.pack(">HIHIHIHI", SETTINGS_MAX_CONCURRENT_STREAMS, MAX_STREAMS,
+                               SETTINGS_INITIAL_WINDOW_SIZE, DEFAULT_WINDOW, SETTINGS_MAX_FRAME_SIZE, MAX_FRAME,
+                               SETTINGS_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST)
+        transport.write(frame(SETTINGS, 0, 0, settings)
+                        + frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", CONNECTION_WINDOW - DEFAULT_WINDOW)))
+        self._idle_since = asyncio.get_running_loop().time()
+        self._check_idle_later(self.idle_timeout_s)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._closed(self)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        for call in list(self.streams.values()):
+            self._abandon(call)
+        self.streams.clear()
+        for waiter in (self._window_grown, self._drained):
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+        if not self.gone.done():
+            self.gone.set_result(None)
+
+    def pause_writing(self) -> None:
+        self._drained = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._drained is not None and not self._drained.done():
+            self._drained.set_result(None)
+        self._drained = None
+
+    def go_away(self) -> None:
+        """Take no new calls (those open are answered); close once none is left."""
+        if self.going_away or self.transport is None or self.transport.is_closing():
+            return
+        self.going_away = True
+        self.transport.write(frame(GOAWAY, 0, 0, struct.pack(">II", self._last_stream, NO_ERROR)))
+        if not self.streams:
+            self.transport.close()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+    def _check_idle_later(self, delay: float) -> None:
+        self._idle_timer = asyncio.get_running_loop().call_later(max(delay, 0.01), self._check_idle)
+
+    def _check_idle(self) -> None:
+        """Closed after idle_timeout_s with no call open (or no HTTP/2 preface at all)."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        idle_for = asyncio.get_running_loop().time() - self._idle_since
+        if not self.streams and idle_for >= self.idle_timeout_s:
+            if self._preface:
+                self.transport.write(frame(GOAWAY, 0, 0, struct.pack(">II", self._last_stream, NO_ERROR)))
+            self.transport.close()
+            return
+        self._check_idle_later(self.idle_timeout_s - idle_for if not self.streams else self.idle_timeout_s)
+
+    def _fail(self, code: int, why: str) -> None:
+        """A connection error: GOAWAY with `code`, then closed (the client broke HTTP/2 itself)."""
+        log.debug("gRPC connection from %s closed: %s", self.peer, why)
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(frame(GOAWAY, 0, 0, struct.pack(">II", self._last_stream, code) + why.encode()))
+            self.transport.close()
+
+    # ------------------------------------------------------------------ frames in
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        if not self._preface:
+            if len(buf) < len(PREFACE):
+                if not PREFACE.startswith(bytes(buf)):
+                    self._fail(PROTOCOL_ERROR, "not HTTP/2 (gRPC needs HTTP/2 with prior knowledge)")
+                return
+            if bytes(buf[:len(PREFACE)]) != PREFACE:
+                self._fail(PROTOCOL_ERROR, "not HTTP/2 (gRPC needs HTTP/2 with prior knowledge)")
+                return
+            del buf[:len(PREFACE)]
+            self._preface = True
+        pos, end = 0, len(buf)
+        view = memoryview(buf)
+        try:
+            while end - pos >= 9 and self.transport is not None and not self.transport.is_closing():
+                length = (buf[pos] << 16) | (buf[pos + 1] << 8) | buf[pos + 2]
+                if length > MAX_FRAME:
+                    self._fail(FRAME_SIZE_ERROR, f"a frame of {length} bytes (the limit is {MAX_FRAME})")
+                    return
+                if end - pos < 9 + length:
+                    break
+                kind, flags = buf[pos + 3], buf[pos + 4]
+                stream_id = int.from_bytes(view[pos + 5:pos + 9], "big") & 0x7FFFFFFF
+                payload = bytes(view[pos + 9:pos + 9 + length])
+                pos += 9 + length
+                self._on_frame(kind, flags, stream_id, payload)
+        finally:
+            view.release()
+            del buf[:pos]
+        if self._unacked and self.transport is not None and not self.transport.is_closing():
+            # every DATA byte is buffered in its call at once: the connection window never blocks a
+            # stream; each stream's own window is what bounds a call's unread bytes
+            self.transport.write(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self._unacked)))
+            self._unacked = 0
+
+    def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if self._headers is not None and kind != CONTINUATION:
+            self._fail(PROTOCOL_ERROR, "a header block interrupted before its END_HEADERS")
+        elif kind == DATA:
+            self._on_data(flags, stream_id, payload)
+        elif kind == HEADERS:
+            self._on_headers(flags, stream_id, payload)
+        elif kind == CONTINUATION:
+            self._on_continuation(flags, stream_id, payload)
+        elif kind == SETTINGS:
+            if not flags & ACK:
+                self._on_settings(payload)
+        elif kind == PING:
+            if not flags & ACK and self.transport is not None:
+                self.transport.write(frame(PING, ACK, 0, payload))
+        elif kind == WINDOW_UPDATE:
+            self._on_window_update(stream_id, payload)
+        elif kind == RST_STREAM:
+            call = self.streams.pop(stream_id, None)
+            if call is not None:
+                self._abandon(call)
+                self._stream_closed()
+        elif kind == GOAWAY:
+            self.go_away()
+        elif kind == PUSH_PROMISE:
+            self._fail(PROTOCOL_ERROR, "PUSH_PROMISE from a client")
+        # PRIORITY and unknown frame types are ignored, as HTTP/2 says
+
+    @staticmethod
+    def _unpad(flags: int, payload: bytes) -> bytes:
+        if flags & PADDED:
+            pad = payload[0] if payload else 0
+            return payload[1:len(payload) - pad]
+        return payload
+
+    def _on_data(self, flags: int, stream_id: int, payload: bytes) -> None:
+        self._unacked += len(payload)
+        call = self.streams.get(stream_id)
+        if call is None or call.ended:
+            return  # a stream answered (and reset) already: its bytes are dropped
+        data = self._unpad(flags, payload)
+        call.recv_window -= len(payload)
+        if call.recv_window < 0:
+            self._reset(call, FLOW_CONTROL_ERROR)
+            return
+        call.body += data
+        if flags & END_STREAM:
+            call.ended = True
+        elif call.reading and payload:
+            self.open_window(call, len(payload))
+        call._wake()
+
+    def open_window(self, call: Call, n: int) -> None:
+        """Let the client send `n` more bytes of `call`'s message (it is being read)."""
+        call.recv_window += n
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(frame(WINDOW_UPDATE, 0, call.stream_id, struct.pack(">I", n)))
+
+    def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
+        block = self._unpad(flags, payload)
+        if flags & PRIORITY_FLAG:
+            block = block[5:]
+        if flags & END_HEADERS:
+            self._headers_complete(stream_id, flags, block)
+        else:
+            self._headers = (stream_id, flags, bytearray(block))
+
+    def _on_continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if self._headers is None or self._headers[0] != stream_id:
+            self._fail(PROTOCOL_ERROR, "a CONTINUATION frame without its HEADERS")
+            return
+        block = self._headers[2]
+        block += payload
+        if len(block) > MAX_HEADER_LIST:
+            self._fail(ENHANCE_YOUR_CALM, f"a header block over {MAX_HEADER_LIST} bytes")
+            return
+        if flags & END_HEADERS:
+            opening_flags = self._headers[1]
+            self._headers = None
+            self._headers_complete(stream_id, opening_flags, bytes(block))
+
+    def _headers_complete(self, stream_id: int, flags: int, block: bytes) -> None:
+        try:
+            headers = self._decoder.decode(block, raw=True)
+        except HPACKError as exc:
+            self._fail(COMPRESSION_ERROR, f"undecodable headers: {exc}")
+            return
+        call = self.streams.get(stream_id)
+        if call is not None:  # trailers from the client: the stream's end
+            call.ended = True
+            call._wake()
+            return
+        if stream_id % 2 == 0:
+            self._fail(PROTOCOL_ERROR, f"stream {stream_id} cannot open a new call")
+            return
+        if stream_id <= self._last_stream:
+            return  # trailers of a stream answered already
+        self._last_stream = stream_id
+        if self.going_away or len(self.streams) >= MAX_STREAMS:
+            self._write(frame(RST_STREAM, 0, stream_id, struct.pack(">I", REFUSED_STREAM)))
+            return
+        path, metadata, refusal, timeout_s = "", [], None, None
+        for raw_name, raw_value in headers:
+            name, value = raw_name.decode("latin-1"), raw_value.decode("latin-1")
+            if name == ":path":
+                path = value
+            elif name == ":method" and value != "POST":
+                refusal = f"method {value}: gRPC calls are POST"
+            elif name == "content-type" and not value.startswith("application/grpc"):
+                refusal = f"content-type {value}: gRPC calls are application/grpc"
+            elif name == "grpc-timeout":
+                timeout_s = parse_grpc_timeout(value)
+            elif not name.startswith(":"):
+                metadata.append((name, value))
+        call = Call(self, stream_id, path, metadata, timeout_s)
+        self.streams[stream_id] = call
+        if flags & END_STREAM:
+            call.ended = True
+        if refusal is not None:
+            self.respond(call, Status.INVALID_ARGUMENT, refusal)
+            return
+        self.dispatch(call)
+
+    def _on_settings(self, payload: bytes) -> None:
+        if len(payload) % 6:
+            self._fail(FRAME_SIZE_ERROR, "a SETTINGS frame of a length not a multiple of 6")
+            return
+        for i in range(0, len(payload), 6):
+            key, value = struct.unpack_from(">HI", payload, i)
+            if key == SETTINGS_INITIAL_WINDOW_SIZE:
+                delta = value - self.peer_initial_window
+                self.peer_initial_window = value
+                for call in self.streams.values():
+                    call.send_window += delta
+                self._window_changed()
+            elif key == SETTINGS_MAX_FRAME_SIZE:
+                self.peer_max_frame = max(MAX_FRAME, min(value, (1 << 24) - 1))
+        self._write(frame(SETTINGS, ACK, 0))
+
+    def _on_window_update(self, stream_id: int, payload: bytes) -> None:
+        if len(payload) != 4:
+            self._fail(FRAME_SIZE_ERROR, "a WINDOW_UPDATE frame not 4 bytes long")
+            return
+        increment = int.from_bytes(payload, "big") & 0x7FFFFFFF
+        if stream_id == 0:
+            self.send_window += increment
+        elif (call := self.streams.get(stream_id)) is not None:
+            call.send_window += increment
+        self._window_changed()
+
+    def _window_changed(self) -> None:
+        if self._window_grown is not None and not self._window_grown.done():
+            self._window_grown.set_result(None)
+
+    # ------------------------------------------------------------------ responses out
+
+    def _write(self, data: bytes) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(data)
+
+    def respond(self, call: Call, status: Status, message: str = "") -> None:
+        """A response without a message: trailers only (every refusal and error)."""
+        if self.streams.get(call.stream_id) is not call:
+            return  # reset by the client meanwhile
+        block = RESPONSE_HEADERS + trailers(status, message)
+        self._end(call, frame(HEADERS, END_HEADERS | END_STREAM, call.stream_id, block))
+
+    async def respond_with(self, call: Call, message: bytes) -> None:
+        """An OK response carrying `message`, within the peer's windows and our write buffer."""
+        if self.streams.get(call.stream_id) is not call:
+            return
+        data = b"\x00" + len(message).to_bytes(4, "big") + message
+        head = frame(HEADERS, END_HEADERS, call.stream_id, RESPONSE_HEADERS)
+        if len(data) <= min(self.send_window, call.send_window, self.peer_max_frame) and self._drained is None:
+            self._take_window(call, len(data))  # the common case: one write
+            self._end(call, head + frame(DATA, 0, call.stream_id, data)
+                      + frame(HEADERS, END_HEADERS | END_STREAM, call.stream_id, TRAILERS_OK))
+            return
+        self._write(head)
+        sent = 0
+        while sent < len(data):
+            if self.transport is None or self.transport.is_closing() or self.streams.get(call.stream_id) is not call:
+                return
+            if self._drained is not None:
+                await self._drained
+                continue
+            n = min(len(data) - sent, self.send_window, call.send_window, self.peer_max_frame)
+            if n <= 0:
+                if self._window_grown is None or self._window_grown.done():  # one for every waiting call
+                    self._window_grown = asyncio.get_running_loop().create_future()
+                await self._window_grown
+                continue
+            self._take_window(call, n)
+            self._write(frame(DATA, 0, call.stream_id, data[sent:sent + n]))
+            sent += n
+        self._end(call, frame(HEADERS, END_HEADERS | END_STREAM, call.stream_id, TRAILERS_OK))
+
+    def _take_window(self, call: Call, n: int) -> None:
+        self.send_window -= n
+        call.send_window -= n
+
+    def _end(self, call: Call, frames: bytes) -> None:
+        """The stream's last frames: then forgotten; a client still sending is told to stop (RST NO_ERROR)."""
+        self.streams.pop(call.stream_id, None)
+        if not call.ended:
+            frames += frame(RST_STREAM, 0, call.stream_id, struct.pack(">I", NO_ERROR))
+        self._write(frames)
+        self._stream_closed()
+
+    def _reset(self, call: Call, code: int) -> None:
+        self.streams.pop(call.stream_id, None)
+        self._abandon(call)
+        self._write(frame(RST_STREAM, 0, call.stream_id, struct.pack(">I", code)))
+        self._stream_closed()
+
+    def _abandon(self, call: Call) -> None:
+        call.reset = True
+        call._wake()
+        if call.task is not None and not call.task.done():
+            call.task.cancel()
+
+    def _stream_closed(self) -> None:
+        if not self.streams:
+            self._idle_since = asyncio.get_running_loop().time()
+            if self.going_away and self.transport is not None:
+                self.transport.close()

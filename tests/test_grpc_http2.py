@@ -1,0 +1,198 @@
+"""The daemon's own HTTP/2 for gRPC (transports/grpc_v2/http2.py) against grpcio's client, on a
+real Unix socket: messages larger than every window both ways, many calls on one connection
+without cross-talk, cancelled calls, compressed messages, error details, clients that do not
+speak HTTP/2 and connections left idle. The service here echoes (or fails) so that the framing
+is tested on its own; the daemon's RPCs over it are in test_grpc_edge.py and test_triton_tools.py."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+grpc = pytest.importorskip("grpc", reason="grpcio (a test dependency) is not installed")
+http2 = pytest.importorskip("edge_batcher.transports.grpc_v2.http2", reason="the grpc extra is not installed")
+
+MiB = 1 << 20
+
+
+class EchoServer:
+    """GrpcConnection on a Unix socket, in a loop of its own thread: /t/Echo answers the message,
+    /t/Fail answers its text as an INVALID_ARGUMENT, /t/Hold waits until cancelled."""
+
+    def __init__(self, path: Path, idle_timeout_s: float = 30.0):
+        self.path = path
+        self.idle_timeout_s = idle_timeout_s
+        self.connections: set = set()
+        self.cancelled = 0
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> EchoServer:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        def connection():
+            return http2.GrpcConnection(self.dispatch, idle_timeout_s=self.idle_timeout_s, unix=True,
+                                        admit=lambda c: self.connections.add(c) or True,
+                                        closed=self.connections.discard)
+
+        self.loop.run_until_complete(self.loop.create_unix_server(connection, str(self.path)))
+        self._ready.set()
+        self.loop.run_forever()
+
+    def dispatch(self, call) -> None:
+        call.task = self.loop.create_task(self._serve(call))
+
+    async def _serve(self, call) -> None:
+        try:
+            message = await call.read_message(64 * MiB)
+            if call.path == "/t/Echo":
+                await call.conn.respond_with(call, message)
+            elif call.path == "/t/Fail":
+                call.conn.respond(call, http2.Status.INVALID_ARGUMENT, message.decode())
+            elif call.path == "/t/Hold":
+                await asyncio.sleep(3600)
+            else:
+                call.conn.respond(call, http2.Status.UNIMPLEMENTED, f"Method not found: {call.path}")
+        except http2.CallError as exc:
+            call.conn.respond(call, exc.status, exc.message)
+        except (asyncio.CancelledError, http2.StreamReset):
+            self.cancelled += 1
+
+
+@pytest.fixture
+def echo(tmp_path):
+    with EchoServer(tmp_path / "h2.sock") as server:
+        yield server
+
+
+def _channel(server: EchoServer, **options) -> grpc.Channel:
+    opts = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+    return grpc.insecure_channel(f"unix:{server.path}", options=opts + list(options.items()))
+
+
+def test_messages_larger_than_every_window_come_back_whole(echo):
+    # 5 MiB: 80 times HTTP/2's initial window and 320 frames of 16 KiB, each way
+    payload = bytes(range(256)) * (5 * MiB // 256)
+    with _channel(echo) as channel:
+        assert channel.unary_unary("/t/Echo")(payload, timeout=30) == payload
+        assert channel.unary_unary("/t/Echo")(b"", timeout=30) == b""
+
+
+def test_concurrent_calls_on_one_connection_get_their_own_answers(echo):
+    with _channel(echo) as channel:
+        echo_call = channel.unary_unary("/t/Echo")
+        sizes = [1, 100, 70_000, 5, 300_000] * 40  # some beyond a stream's window, most not
+        futures = [echo_call.future(bytes([i % 251]) * n, timeout=60) for i, n in enumerate(sizes)]
+        for i, (n, future) in enumerate(zip(sizes, futures, strict=True)):
+            assert future.result() == bytes([i % 251]) * n
+    assert len(echo.connections) <= 1
+
+
+def test_answers_wait_for_the_clients_window_without_losing_one_another(echo):
+    # a client granting small windows: every large answer waits for WINDOW_UPDATEs, many at once
+    with _channel(echo, **{"grpc.http2.bdp_probe": 0, "grpc.http2.lookahead_bytes": 16384}) as channel:
+        echo_call = channel.unary_unary("/t/Echo")
+        futures = [echo_call.future(bytes([i]) * 300_000, timeout=60) for i in range(24)]
+        assert [f.result() for f in futures] == [bytes([i]) * 300_000 for i in range(24)]
+
+
+def test_errors_carry_their_status_and_details(echo):
+    with _channel(echo) as channel:
+        with pytest.raises(grpc.RpcError) as failed:
+            channel.unary_unary("/t/Fail")("shape [2, 3] is not [-1, 256]: 100 % wrong — ünïcode".encode(), timeout=10)
+        assert failed.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert failed.value.details() == "shape [2, 3] is not [-1, 256]: 100 % wrong — ünïcode"
+        with pytest.raises(grpc.RpcError) as unknown:
+            channel.unary_unary("/t/Nope")(b"x", timeout=10)
+        assert unknown.value.code() == grpc.StatusCode.UNIMPLEMENTED and "/t/Nope" in unknown.value.details()
+        assert channel.unary_unary("/t/Echo")(b"still fine", timeout=10) == b"still fine"
+
+
+def test_compressed_messages_are_refused_by_name(echo):
+    with _channel(echo) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            channel.unary_unary("/t/Echo")(b"a" * 1000, timeout=10, compression=grpc.Compression.Gzip)
+        assert refused.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert "compressed messages are not supported" in refused.value.details()
+
+
+def test_a_call_past_its_deadline_is_cancelled_on_the_server_and_the_connection_serves_on(echo):
+    with _channel(echo) as channel:
+        with pytest.raises(grpc.RpcError) as late:
+            channel.unary_unary("/t/Hold")(b"x", timeout=0.3)
+        assert late.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 5
+        while echo.cancelled < 1:  # the client's RST_STREAM reached the server's call
+            assert time.monotonic() < deadline, "the held call was never cancelled"
+            time.sleep(0.05)
+        assert channel.unary_unary("/t/Echo")(b"next", timeout=10) == b"next"
+
+
+def test_a_client_that_does_not_speak_http2_is_closed(echo):
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(str(echo.path))
+        s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+        received = b""
+        while chunk := s.recv(65536):
+            received += chunk
+    # the server's SETTINGS, then GOAWAY(PROTOCOL_ERROR) naming the problem, then the close
+    assert b"not HTTP/2" in received
+    with _channel(echo) as channel:
+        assert channel.unary_unary("/t/Echo")(b"ok", timeout=10) == b"ok"
+
+
+def test_broken_framing_after_the_preface_closes_only_that_connection(echo):
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(str(echo.path))
+        oversized = (20000).to_bytes(3, "big") + bytes([0, 0]) + (1).to_bytes(4, "big")
+        s.sendall(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0) + oversized + b"\0" * 20000)
+        received = b""
+        try:
+            while chunk := s.recv(65536):
+                received += chunk
+        except ConnectionResetError:
+            pass
+    assert b"a frame of 20000 bytes" in received
+    with _channel(echo) as channel:
+        assert channel.unary_unary("/t/Echo")(b"ok", timeout=10) == b"ok"
+
+
+def test_an_idle_connection_is_closed_after_the_idle_timeout(tmp_path):
+    with EchoServer(tmp_path / "idle.sock", idle_timeout_s=0.5) as server:
+        with socket.socket(socket.AF_UNIX) as silent:
+            silent.connect(str(server.path))
+            silent.settimeout(5)
+            started = time.monotonic()
+            while silent.recv(65536):  # SETTINGS, then the close
+                pass
+            assert time.monotonic() - started < 3
+        with _channel(server) as channel:  # and a new connection is served
+            assert channel.unary_unary("/t/Echo")(b"x", timeout=10) == b"x"
+
+
+@pytest.mark.parametrize(("header", "seconds"), [("100m", 0.1), ("5S", 5.0), ("2M", 120.0), ("1H", 3600.0),
+                                                 ("250u", 250e-6), ("7n", 7e-9)])
+def test_grpc_timeouts_are_read_in_their_units(header, seconds):
+    assert http2.parse_grpc_timeout(header) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("header", ["", "m", "100", "100x", "123456789S", "-5S"])
+def test_malformed_grpc_timeouts_are_ignored(header):
+    assert http2.parse_grpc_timeout(header) is None
