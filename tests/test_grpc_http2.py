@@ -16,6 +16,7 @@ import pytest
 
 grpc = pytest.importorskip("grpc", reason="grpcio (a test dependency) is not installed")
 http2 = pytest.importorskip("edge_batcher.transports.grpc_v2.http2", reason="the grpc extra is not installed")
+from edge_batcher.transports.grpc_v2.call import CallError, Status, StreamReset, parse_grpc_timeout  # noqa: E402
 
 MiB = 1 << 20
 
@@ -63,14 +64,14 @@ class EchoServer:
             if call.path == "/t/Echo":
                 await call.conn.respond_with(call, message)
             elif call.path == "/t/Fail":
-                call.conn.respond(call, http2.Status.INVALID_ARGUMENT, message.decode())
+                call.conn.respond(call, Status.INVALID_ARGUMENT, message.decode())
             elif call.path == "/t/Hold":
                 await asyncio.sleep(3600)
             else:
-                call.conn.respond(call, http2.Status.UNIMPLEMENTED, f"Method not found: {call.path}")
-        except http2.CallError as exc:
+                call.conn.respond(call, Status.UNIMPLEMENTED, f"Method not found: {call.path}")
+        except CallError as exc:
             call.conn.respond(call, exc.status, exc.message)
-        except (asyncio.CancelledError, http2.StreamReset):
+        except (asyncio.CancelledError, StreamReset):
             self.cancelled += 1
 
 
@@ -190,9 +191,9 @@ def test_an_idle_connection_is_closed_after_the_idle_timeout(tmp_path):
 @pytest.mark.parametrize(("header", "seconds"), [("100m", 0.1), ("5S", 5.0), ("2M", 120.0), ("1H", 3600.0),
                                                  ("250u", 250e-6), ("7n", 7e-9)])
 def test_grpc_timeouts_are_read_in_their_units(header, seconds):
-    assert http2.parse_grpc_timeout(header) == pytest.approx(seconds)
+    assert parse_grpc_timeout(header) == pytest.approx(seconds)
 
 
 @pytest.mark.parametrize("header", ["", "m", "100", "100x", "123456789S", "-5S"])
 def test_malformed_grpc_timeouts_are_ignored(header):
-    assert http2.parse_grpc_timeout(header) is None
+    assert parse_grpc_timeout(header) is None

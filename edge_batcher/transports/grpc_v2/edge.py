@@ -22,7 +22,8 @@ from google.protobuf.message import DecodeError
 from ...errors import EdgeBatcherError, InvalidInput, Overloaded, RequestTimeout, Unauthorized
 from ..edge import EdgeLimits
 from ..v2_decode import DECODE_OFF_LOOP_BYTES
-from .http2 import Call, CallError, GrpcConnection, Status, StreamReset
+from .call import Call, CallError, Status, StreamReset
+from .http2 import GrpcConnection
 
 log = logging.getLogger(__name__)
 

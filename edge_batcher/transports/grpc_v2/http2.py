@@ -13,9 +13,10 @@ import asyncio
 import logging
 import struct
 from collections.abc import Callable
-from enum import IntEnum
 
 from hpack import Decoder, HPACKError
+
+from .call import Call, Status, parse_grpc_timeout
 
 log = logging.getLogger(__name__)
 
@@ -33,36 +34,6 @@ MAX_FRAME = 16384  # the frames we accept (HTTP/2's default, advertised)
 MAX_HEADER_LIST = 16384  # decoded request headers per call
 MAX_STREAMS = 1000  # per connection; a client queues beyond it (the edge refuses by its own count)
 CONNECTION_WINDOW = 1 << 24  # the connection-level window, refilled as DATA arrives
-GRPC_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
-
-
-class Status(IntEnum):
-    """gRPC's status codes (the ones this server answers with)."""
-
-    OK = 0
-    CANCELLED = 1
-    UNKNOWN = 2
-    INVALID_ARGUMENT = 3
-    DEADLINE_EXCEEDED = 4
-    NOT_FOUND = 5
-    RESOURCE_EXHAUSTED = 8
-    UNIMPLEMENTED = 12
-    INTERNAL = 13
-    UNAVAILABLE = 14
-    UNAUTHENTICATED = 16
-
-
-class CallError(Exception):
-    """A call answered with a non-OK status (raised by a handler or the framing)."""
-
-    def __init__(self, status: Status, message: str):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-class StreamReset(Exception):
-    """The client reset the stream, or the connection closed, while the call was in progress."""
 
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
@@ -100,86 +71,6 @@ TRAILERS_OK = literal(b"grpc-status", b"0")
 def trailers(status: Status, message: str) -> bytes:
     block = literal(b"grpc-status", str(int(status)).encode())
     return block + literal(b"grpc-message", grpc_message(message)) if message else block
-
-
-def parse_grpc_timeout(value: str) -> float | None:
-    """Seconds of a grpc-timeout header ("100m", "5S"); None when malformed."""
-    unit = GRPC_TIMEOUT_UNITS.get(value[-1:])
-    digits = value[:-1]
-    if unit is None or not digits.isdigit() or len(digits) > 8:
-        return None
-    return int(digits) * unit
-
-
-class Call:
-    """One gRPC call: its method, metadata and deadline, and its message as the client sends it."""
-
-    def __init__(self, conn: GrpcConnection, stream_id: int, path: str, metadata: list[tuple[str, str]],
-                 timeout_s: float | None):
-        self.conn = conn
-        self.stream_id = stream_id
-        self.path = path
-        self.metadata = metadata
-        loop = asyncio.get_running_loop()
-        self.deadline = None if timeout_s is None else loop.time() + timeout_s
-        self.body = bytearray()
-        self.ended = False  # the client half-closed the stream
-        self.reset = False  # the client reset it, or the connection closed
-        self.reading = False  # the handler asked for the message: its window is open
-        self.recv_window = conn.stream_window
-        self.send_window = conn.peer_initial_window
-        self._arrived: asyncio.Future | None = None  # wakes read_message
-        self.task: asyncio.Task | None = None
-
-    @property
-    def unix(self) -> bool:
-        return self.conn.unix
-
-    def peer(self) -> str:
-        return self.conn.peer
-
-    def invocation_metadata(self) -> list[tuple[str, str]]:
-        return self.metadata
-
-    def time_remaining(self) -> float | None:
-        return None if self.deadline is None else self.deadline - asyncio.get_running_loop().time()
-
-    def complete_message(self, max_bytes: int) -> bytes | None:
-        """The call's one message (its 5-byte prefix removed) if all of it has arrived, else None."""
-        body = self.body
-        if len(body) >= 5:
-            if body[0] != 0:
-                raise CallError(Status.UNIMPLEMENTED, "compressed messages are not supported "
-                                                      "(grpc-encoding identity only)")
-            length = int.from_bytes(body[1:5], "big")
-            if length > max_bytes:
-                raise CallError(Status.RESOURCE_EXHAUSTED,
-                                f"Received message larger than max ({length} vs. {max_bytes})")
-            if len(body) >= 5 + length:
-                return bytes(memoryview(body)[5:5 + length])
-        if self.ended:
-            if not body:
-                raise CallError(Status.INVALID_ARGUMENT, "the call carried no request message")
-            raise CallError(Status.INVALID_ARGUMENT, "the stream ended inside the request message")
-        return None
-
-    async def read_message(self, max_bytes: int) -> bytes:
-        """The call's one message, opening the stream's window for it and waiting for the rest."""
-        self.reading = True
-        if self.recv_window < self.conn.stream_window and not self.ended:
-            self.conn.open_window(self, self.conn.stream_window - self.recv_window)  # what came before
-        while True:
-            if self.reset:
-                raise StreamReset()
-            message = self.complete_message(max_bytes)
-            if message is not None:
-                return message
-            self._arrived = asyncio.get_running_loop().create_future()
-            await self._arrived
-
-    def _wake(self) -> None:
-        if self._arrived is not None and not self._arrived.done():
-            self._arrived.set_result(None)
 
 
 Dispatch = Callable[[Call], None]
