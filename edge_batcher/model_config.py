@@ -30,6 +30,10 @@ class OnnxRuntimeSettings:
     intra_op_threads: int = 1
     inter_op_threads: int = 1
     graph_optimization_level: str = "all"  # disable | basic | extended | all
+    # CUDA graphs per batch shape on the CUDA EP (engines/ort_graphs.py): "auto" uses them where
+    # ONNX Runtime accepts them (every node on the device) and says so where it does not; "on"
+    # refuses to load without them; "off" never.
+    cuda_graphs: str = "auto"
 
 
 @dataclass
@@ -205,3 +209,6 @@ def _validate_model(c: ModelConfig, where: str) -> None:
             f"{where}: [onnxruntime] graph_optimization_level: expected disable, basic, extended or all, "
             f"got {c.onnxruntime.graph_optimization_level!r}"
         )
+    if c.onnxruntime.cuda_graphs not in ("auto", "on", "off"):
+        raise ConfigError(f"{where}: [onnxruntime] cuda_graphs: expected auto, on or off, "
+                          f"got {c.onnxruntime.cuda_graphs!r}")

@@ -31,6 +31,9 @@ def rows(r: dict) -> list[dict]:
     out = []
     if "raw_ceiling_rps" in r:
         out.append({"model": model, "phase": "raw_ceiling", "target": "engine", "throughput_rps": r["raw_ceiling_rps"]})
+        if "raw_ceiling_plain_rps" in r:  # the ceiling above is with CUDA graphs; this one without
+            out.append({"model": model, "phase": "raw_ceiling_plain", "target": "engine",
+                        "throughput_rps": r["raw_ceiling_plain_rps"]})
         out.append({"model": model, "phase": "minimal_batcher", "target": "engine", "concurrency": r["concurrency"],
                     "throughput_rps": r["minimal_batcher_rps"]})
     for key in IN_PROCESS:

@@ -55,7 +55,8 @@ async def bench_local(config, args) -> dict:
 
     n = args.repeat
     auto = cpu is not None and config.server.loop_cpu == "auto"
-    plan = _plan(args, load_s, pinned=cpu is not None, auto=auto)
+    graphs = bool(getattr(engine, "cuda_graphs", False))
+    plan = _plan(args, load_s, pinned=cpu is not None, auto=auto, graphs=graphs)
     progress = Progress("bench", len(plan), weights=plan)
 
     def runs(label: str):
@@ -65,6 +66,11 @@ async def bench_local(config, args) -> dict:
 
     ceilings = [raw_ceiling(engine, engine_sample, largest, args.duration) for _ in runs("raw engine ceiling")]
     out["raw_ceiling_rps"] = statistics.median(ceilings)
+    plain_infer = getattr(engine, "infer_without_graphs", None) if graphs else None
+    if plain_infer is not None:  # the same engine without its graphs: what they gain
+        plain = [raw_ceiling(engine, engine_sample, largest, args.duration, plain_infer)
+                 for _ in runs("raw engine ceiling without CUDA graphs")]
+        out["raw_ceiling_plain_rps"] = statistics.median(plain)
     floors = [await minimal_batcher(engine, engine_sample, largest, args) for _ in runs("minimal asyncio batcher")]
     out["minimal_batcher_rps"] = statistics.median(floors)
     await runner.close()
@@ -115,14 +121,14 @@ async def bench_local(config, args) -> dict:
     return out
 
 
-def _plan(args, load_s: float, *, pinned: bool, auto: bool) -> list[float]:
+def _plan(args, load_s: float, *, pinned: bool, auto: bool, graphs: bool = False) -> list[float]:
     """Each step's expected seconds, in the order bench_local announces them: the progress
     estimate weighs the steps left by these (a daemon subprocess's step runs every repeat and
     first starts the daemon: ~4x the others at the defaults)."""
     d, n = args.duration, args.repeat
     run = d + load_s
     calibration = placement.ROUNDS * 2 * placement.SECONDS_PER_RUN
-    steps = [d] * (2 * n) + [run] * n  # raw ceiling, minimal batcher; closed loop
+    steps = [d] * ((2 + graphs) * n) + [run] * n  # raw ceiling(s), minimal batcher; closed loop
     steps += [run + GENERATOR_ALONE_S] * (n * len(args.rate))  # open loop, then its generator alone
     steps += [run] * (n * (1 + pinned))  # batching off; threads on any CPU
     steps += [run + calibration] * (n * auto)

@@ -93,8 +93,12 @@ def _format_model(r: dict) -> str:
     speed = [["phase", "req/s", "runs", "p50 ms", "p95 ms", "p99 ms", "errors"]]
     if "raw_ceiling_rps" in r:
         largest = r["preferred_batch_sizes"][-1]
-        speed += [[f"raw engine ceiling (size {largest})", f"{r['raw_ceiling_rps']:.0f}", "", "", "", "", ""],
-                  ["minimal asyncio batcher (reference)", f"{r['minimal_batcher_rps']:.0f}", "", "", "", "", ""]]
+        graphs = " with CUDA graphs" if "raw_ceiling_plain_rps" in r else ""
+        speed += [[f"raw engine ceiling (size {largest}){graphs}", f"{r['raw_ceiling_rps']:.0f}", "", "", "", "", ""]]
+        if graphs:
+            speed += [[f"raw engine ceiling (size {largest}), plain session.run", f"{r['raw_ceiling_plain_rps']:.0f}",
+                       "", "", "", "", ""]]
+        speed += [["minimal asyncio batcher (reference)", f"{r['minimal_batcher_rps']:.0f}", "", "", "", "", ""]]
     batching = [["phase", "batches by size", "why batches left", "padding", "overhead us/req (runtime's own)",
                  "engine us/req"]]
     for label, p in _phases(r):

@@ -18,6 +18,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError, EngineError, OutOfMemory
 from ..types import TensorSpec
 from .base import DEVICE_PROVIDERS, Engine, apply_overrides
+from .ort_graphs import BoundSession, outside_graphs
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,12 @@ class OnnxRuntimeEngine(Engine):
         self.outputs: list[TensorSpec] = []
         # The CUDA EP's arena cap in bytes; set from the memory budget before load() (memory/device.py).
         self.device_memory_limit: int | None = None
+        self.bound: BoundSession | None = None  # CUDA graphs per batch shape (ort_graphs.py), when in use
+        self._chain: list[tuple[str, dict]] = []  # the providers and their options, as opened
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.bound is not None
 
     def load(self) -> None:
         import onnxruntime as ort  # lazily: importing it costs time and memory
@@ -116,6 +123,30 @@ class OnnxRuntimeEngine(Engine):
                 )
         if not any(name == "CPUExecutionProvider" for name, _ in chain):
             chain.append(("CPUExecutionProvider", {}))
+        graphs = settings.cuda_graphs != "off" and chain[0][0] == "CUDAExecutionProvider"
+        if graphs:
+            chain[0] = (chain[0][0], {**chain[0][1], "enable_cuda_graph": "1"})
+        self._chain = chain
+        self._open_session(ort, path, chain)
+        if graphs and self.providers[0] == "CUDAExecutionProvider":
+            self.bound = BoundSession(self.session, "cuda", graphs=True)
+        self.inputs = apply_overrides(
+            [_spec(i) for i in self.session.get_inputs()], self.config.inputs, "input", self.config.name
+        )
+        self.outputs = apply_overrides(
+            [_spec(o) for o in self.session.get_outputs()], self.config.outputs, "output", self.config.name
+        )
+        # Only the CPU takes batches padded to their longest member. On a device every shape is a
+        # bucket's, warmed up and measured: a new length could grow the CUDA arena or load other
+        # kernels past the memory plan (docs/memory.md), and the TensorRT EP builds an engine per
+        # new shape.
+        self.accepts_any_length = (self.providers[0] not in DEVICE_PROVIDERS
+                                   and _sequence_dim_is_dynamic(self.session.get_inputs(), self.config.sequence))
+        log.info("model %s: onnxruntime session on %s%s", self.config.name, ", ".join(self.providers),
+                 " with CUDA graphs per batch shape" if self.bound else "")
+
+    def _open_session(self, ort: Any, path: Path, chain: list[tuple[str, dict]]) -> None:
+        settings = self.config.onnxruntime
         options = ort.SessionOptions()
         options.enable_mem_pattern = uses_memory_pattern([name for name, _ in chain])
         options.intra_op_num_threads = settings.intra_op_threads
@@ -133,24 +164,21 @@ class OnnxRuntimeEngine(Engine):
         except Exception as exc:  # onnxruntime raises its own exception types
             raise ConfigError(f"model {self.config.name!r}: onnxruntime cannot load {path}: {exc}") from exc
         self.providers = self.session.get_providers()
-        self.inputs = apply_overrides(
-            [_spec(i) for i in self.session.get_inputs()], self.config.inputs, "input", self.config.name
-        )
-        self.outputs = apply_overrides(
-            [_spec(o) for o in self.session.get_outputs()], self.config.outputs, "output", self.config.name
-        )
-        # Only the CPU takes batches padded to their longest member. On a device every shape is a
-        # bucket's, warmed up and measured: a new length could grow the CUDA arena or load other
-        # kernels past the memory plan (docs/memory.md), and the TensorRT EP builds an engine per
-        # new shape.
-        self.accepts_any_length = (self.providers[0] not in DEVICE_PROVIDERS
-                                   and _sequence_dim_is_dynamic(self.session.get_inputs(), self.config.sequence))
-        log.info("model %s: onnxruntime session on %s", self.config.name, ", ".join(self.providers))
 
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         assert self.session is not None, "infer() before load()"
         try:
-            values = self.session.run(None, inputs)
+            if self.bound is not None:
+                try:
+                    values = self.bound.run(inputs)
+                except Exception as exc:
+                    if "graph capture" not in str(exc).lower():  # ONNX Runtime's words for a refusal
+                        raise
+                    values = self._without_graphs(exc, inputs)
+            else:
+                values = self.session.run(None, inputs)
+        except (ConfigError, EngineError):
+            raise
         except Exception as exc:
             text = str(exc)
             if "out of memory" in text.lower() or "failed to allocate" in text.lower():
@@ -158,8 +186,31 @@ class OnnxRuntimeEngine(Engine):
             raise EngineError(f"model {self.config.name!r}: onnxruntime failed: {text}") from exc
         return {spec.name: value for spec, value in zip(self.outputs, values)}
 
+    def infer_without_graphs(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """A plain session.run, no bound buffers or graph: the reference `edge-batcher bench`
+        measures graphs against (the same session, so the same kernels and memory)."""
+        assert self.session is not None, "infer() before load()"
+        values = self.session.run(None, inputs, outside_graphs())
+        return {spec.name: value for spec, value in zip(self.outputs, values)}
+
+    def _without_graphs(self, exc: Exception, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """ONNX Runtime refused to capture this model (a node off the device, a dynamic shape):
+        with cuda_graphs = "auto" the session is opened again without them, and says so."""
+        if self.config.onnxruntime.cuda_graphs == "on":
+            raise ConfigError(f"model {self.config.name!r}: [onnxruntime] cuda_graphs = \"on\" but ONNX Runtime "
+                              f"cannot capture it: {exc}") from exc
+        import onnxruntime as ort
+
+        log.warning("model %s: no CUDA graphs (ONNX Runtime: %s); serving without them "
+                    "([onnxruntime] cuda_graphs = \"off\" skips the attempt)", self.config.name, exc)
+        chain = [(name, {k: v for k, v in opts.items() if k != "enable_cuda_graph"}) for name, opts in self._chain]
+        self.bound = None
+        self._open_session(ort, self.config.model_path, chain)
+        return self.session.run(None, inputs)
+
     def close(self) -> None:
         self.session = None
+        self.bound = None
 
 
 def _sequence_dim_is_dynamic(nodes, sequence) -> bool:

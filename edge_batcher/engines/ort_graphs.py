@@ -1,0 +1,90 @@
+"""Fixed buffers per batch shape for ONNX Runtime (IOBinding), and CUDA graphs on them. The
+scheduler's strict sizes (2/4/8, per sequence bucket) mean an engine sees a handful of shapes, all
+warmed up; for each, `BoundShape` keeps input and output OrtValues on the session's device bound
+once, copies a batch into the inputs, runs, and copies the outputs out (so a buffer reused by the
+next batch never shows in an earlier response). With the CUDA EP's `enable_cuda_graph`, each shape
+gets its own `gpu_graph_id`: ONNX Runtime captures its kernels on the first runs and replays them
+after, one launch instead of one per node (docs/benchmarks.md, "CUDA graphs").
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+# Runs of a new shape before its graph is replayed: ONNX Runtime runs it normally first (its
+# allocations), captures on a later run, and replays from then on.
+CAPTURE_RUNS = 3
+MAX_GRAPHS = 64  # shapes per session (sizes x buckets); a shape beyond runs without a graph
+
+
+def outside_graphs() -> Any:
+    """RunOptions for a run that neither captures nor replays a graph (ONNX Runtime's id -1)."""
+    import onnxruntime as ort
+
+    options = ort.RunOptions()
+    options.add_run_config_entry("gpu_graph_id", "-1")
+    return options
+
+
+class BoundShape:
+    """One input shape's device buffers, bound once, and its graph id (or none)."""
+
+    def __init__(self, session: Any, inputs: dict[str, np.ndarray], device: str, graph_id: int | None):
+        import onnxruntime as ort
+
+        self.session = session
+        self.binding = session.io_binding()
+        self.input_values = {}
+        for name, array in inputs.items():
+            value = ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(array), device, 0)
+            self.input_values[name] = value
+            self.binding.bind_ortvalue_input(name, value)
+        # the outputs' shapes from a plain run of this shape, outside any graph (gpu_graph_id -1)
+        plain = session.run(None, inputs, outside_graphs())
+        self.output_names = [o.name for o in session.get_outputs()]
+        self.output_values = []
+        for name, example in zip(self.output_names, plain, strict=True):
+            value = ort.OrtValue.ortvalue_from_shape_and_type(example.shape, example.dtype, device, 0)
+            self.output_values.append(value)
+            self.binding.bind_ortvalue_output(name, value)
+        self.run_options = ort.RunOptions()
+        if graph_id is not None:
+            self.run_options.add_run_config_entry("gpu_graph_id", str(graph_id))
+        self.graph_id = graph_id
+        self.runs = 0
+
+    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        for name, array in inputs.items():
+            self.input_values[name].update_inplace(np.ascontiguousarray(array))
+        for _ in range(CAPTURE_RUNS if self.runs == 0 else 1):
+            self.session.run_with_iobinding(self.binding, self.run_options)
+        self.runs += 1
+        # a copy: the buffers are the next batch's
+        return [np.array(value.numpy(), copy=True) for value in self.output_values]
+
+
+class BoundSession:
+    """A session's BoundShapes, one per input shape seen, made on first use (at warm-up)."""
+
+    def __init__(self, session: Any, device: str, graphs: bool):
+        self.session = session
+        self.device = device
+        self.graphs = graphs
+        self.shapes: dict[tuple, BoundShape] = {}
+
+    def run(self, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+        key = tuple((name, array.shape, array.dtype.str) for name, array in sorted(inputs.items()))
+        bound = self.shapes.get(key)
+        if bound is None:
+            # ids from 1: 0 is ONNX Runtime's default graph, -1 its "no graph"
+            graph_id = len(self.shapes) + 1 if self.graphs and len(self.shapes) < MAX_GRAPHS else None
+            if self.graphs and graph_id is None:
+                log.warning("more than %d input shapes: shape %s runs without a CUDA graph", MAX_GRAPHS, key)
+            bound = BoundShape(self.session, inputs, self.device, graph_id)
+            self.shapes[key] = bound
+        return bound.run(inputs)

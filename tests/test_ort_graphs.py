@@ -1,0 +1,122 @@
+"""Fixed buffers per batch shape (engines/ort_graphs.py) and CUDA graphs on them (issue 27).
+
+The buffer mechanics (IOBinding, copy in, copy out, reuse by the next batch) run here on ONNX
+Runtime's CPU provider with the demo model; the CUDA-graph tests run wherever the CUDA provider
+and a GPU are present and skip elsewhere: outputs equal the plain path's within 1e-5, and a
+response keeps its values after the buffers have served later batches."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from edge_batcher.config import load_model_config
+from edge_batcher.engines.onnxruntime import OnnxRuntimeEngine
+from edge_batcher.engines.ort_graphs import BoundSession
+from edge_batcher.errors import ConfigError
+
+
+def batches(rows: int, n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((rows, 256)).astype(np.float32) for _ in range(n)]
+
+
+@pytest.fixture
+def vibration_session(model_repo):
+    return ort.InferenceSession(str(model_repo / "vibration" / "model.onnx"), providers=["CPUExecutionProvider"])
+
+
+def test_bound_buffers_answer_as_the_plain_session_at_every_size(vibration_session):
+    bound = BoundSession(vibration_session, "cpu", graphs=False)
+    name = vibration_session.get_inputs()[0].name
+    for size in (2, 4, 8, 2, 8):
+        for x in batches(size, 3, seed=size):
+            plain = vibration_session.run(None, {name: x})
+            for got, want in zip(bound.run({name: x}), plain, strict=True):
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    assert len(bound.shapes) == 3  # one set of buffers per shape, reused
+
+
+def test_a_response_is_not_overwritten_by_the_next_batch_in_the_same_buffers(vibration_session):
+    bound = BoundSession(vibration_session, "cpu", graphs=False)
+    name = vibration_session.get_inputs()[0].name
+    first, second = batches(8, 2, seed=7)
+    kept = bound.run({name: first})
+    snapshot = [v.copy() for v in kept]
+    later = bound.run({name: second})
+    for a, b in zip(kept, snapshot, strict=True):
+        np.testing.assert_array_equal(a, b)  # the first response is untouched
+    assert not all(np.array_equal(a, b) for a, b in zip(kept, later, strict=True))  # and it was different data
+
+
+def test_cuda_graphs_setting_is_checked(model_repo, tmp_path):
+    model = tmp_path / "vibration"
+    shutil.copytree(model_repo / "vibration", model)
+    text = (model / "model.toml").read_text().replace("[onnxruntime]\n", '[onnxruntime]\ncuda_graphs = "maybe"\n')
+    (model / "model.toml").write_text(text)
+    with pytest.raises(ConfigError, match="cuda_graphs: expected auto, on or off"):
+        load_model_config(model)
+
+
+def test_cpu_sessions_never_use_graphs(model_repo):
+    engine = OnnxRuntimeEngine(load_model_config(model_repo / "vibration"))
+    engine.load()
+    assert not engine.cuda_graphs
+
+
+def _cuda_available() -> bool:
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        return False
+    try:  # a CUDA build can still lack a device
+        import ctypes
+
+        count = ctypes.c_int(0)
+        return ctypes.CDLL("libcudart.so").cudaGetDeviceCount(ctypes.byref(count)) == 0 and count.value > 0
+    except OSError:
+        return True  # the runtime library under another name: let ONNX Runtime say
+
+
+needs_cuda = pytest.mark.skipif(not _cuda_available(), reason="needs onnxruntime-gpu and a CUDA GPU")
+
+
+def _cuda_engine(model_repo, tmp_path, mode: str) -> OnnxRuntimeEngine:
+    model = tmp_path / f"vibration-{mode}"
+    shutil.copytree(model_repo / "vibration", model)
+    text = (model / "model.toml").read_text()
+    text = text.replace('execution_providers = ["CPUExecutionProvider"]',
+                        f'execution_providers = ["CUDAExecutionProvider"]\ncuda_graphs = "{mode}"')
+    assert "CUDAExecutionProvider" in text
+    (model / "model.toml").write_text(text)
+    engine = OnnxRuntimeEngine(load_model_config(model))
+    engine.load()
+    return engine
+
+
+@needs_cuda
+def test_graphs_replay_with_the_plain_paths_outputs(model_repo, tmp_path, vibration_session):
+    engine = _cuda_engine(model_repo, tmp_path, "auto")
+    assert engine.cuda_graphs and engine.providers[0] == "CUDAExecutionProvider"
+    name = engine.inputs[0].name
+    kept = []
+    for size in (2, 4, 8, 4, 2, 8):
+        for x in batches(size, 4, seed=size + 100):
+            got = engine.infer({name: x})
+            want = vibration_session.run(None, {name: x})
+            for spec, value in zip(engine.outputs, want, strict=True):
+                np.testing.assert_allclose(got[spec.name], value, rtol=1e-5, atol=1e-5)
+            kept.append((got, want))
+    for got, want in kept:  # every earlier response still holds its own values
+        for spec, value in zip(engine.outputs, want, strict=True):
+            np.testing.assert_allclose(got[spec.name], value, rtol=1e-5, atol=1e-5)
+    assert engine.cuda_graphs  # no fallback happened
+
+
+@needs_cuda
+def test_graphs_off_is_the_plain_cuda_session(model_repo, tmp_path):
+    engine = _cuda_engine(model_repo, tmp_path, "off")
+    assert not engine.cuda_graphs
+    out = engine.infer({engine.inputs[0].name: np.zeros((2, 256), np.float32)})
+    assert all(v.shape[0] == 2 for v in out.values())
