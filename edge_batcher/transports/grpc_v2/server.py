@@ -2,8 +2,9 @@
 
 Serves ServerLive/Ready, ServerMetadata, ModelMetadata/Ready, ModelConfig, ModelStatistics,
 RepositoryIndex, RepositoryModelLoad/Unload and ModelInfer on the event loop (grpc.aio), through
-the same Runtime, model lookup, parameters mapping and codec checks as HTTP; the RPCs it does not
-serve (shared memory, tracing, streaming) answer UNIMPLEMENTED. Every call passes the gRPC edge
+the same Runtime, model lookup, parameters mapping and codec checks as HTTP, and Triton's shared
+memory RPCs (shared_memory.py, on the daemon's one registry); the RPCs it does not serve
+(tracing, streaming) answer UNIMPLEMENTED. Every call passes the gRPC edge
 (edge.py) with the limits every listener shares (transports/edge.py): the call limit and, over
 TCP, the bearer token (`authorization: Bearer ...` metadata, every method but ServerLive)
 before its message is read, then the body budget and the error tree's translation. Calls on a
@@ -25,6 +26,7 @@ from ...config import parse_host_port
 from ...errors import ConfigError, InvalidInput
 from ...protocol.parameters import to_infer_request
 from ...runtime import Runtime
+from ...shared_memory.regions import RegionRegistry
 from ..edge import EdgeLimits
 from ..listeners import check_unix_socket_path, remove_stale_socket
 from ..triton_config import MODEL_VERSION, PLATFORMS, model_config, servable_for
@@ -32,11 +34,12 @@ from . import grpc_service_pb2 as pb
 from . import model_config_pb2
 from .codec import decode_infer_request, encode_infer_response
 from .edge import UNIX_PREFIX, GrpcEdge, Method, server_options
+from .shared_memory import shared_memory_rpcs
 
 log = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
-EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository", "model_configuration"]
+EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository", "model_configuration", "system_shared_memory"]
 
 
 def unix_socket_path(address: str) -> Path | None:
@@ -50,8 +53,10 @@ def unix_socket_path(address: str) -> Path | None:
 class GrpcServer:
     """One grpc.aio server listening on every address of `[server] grpc`."""
 
-    def __init__(self, runtime: Runtime, addresses: list[str], *, limits: EdgeLimits, tls: tuple[str, str] | None):
+    def __init__(self, runtime: Runtime, addresses: list[str], *, limits: EdgeLimits, tls: tuple[str, str] | None,
+                 shared_memory: RegionRegistry | None = None):
         self.runtime = runtime
+        self.shared_memory = shared_memory or RegionRegistry()  # the daemon's, shared with HTTP
         self.addresses = addresses
         self._tls = tls
         self._socket_mode = limits.socket_mode
@@ -126,6 +131,7 @@ class GrpcServer:
             "RepositoryModelLoad": (self.repository_model_load, pb.RepositoryModelLoadRequest),
             "RepositoryModelUnload": (self.repository_model_unload, pb.RepositoryModelUnloadRequest),
             "ModelInfer": (self.model_infer, pb.ModelInferRequest),
+            **shared_memory_rpcs(self.shared_memory),
         }
         return grpc.method_handlers_generic_handler(SERVICE, {
             name: self.edge.method_handler(name, method, request_type) for name, (method, request_type) in rpcs.items()
@@ -202,10 +208,13 @@ class GrpcServer:
         model = request.model_name
         servable = servable_for(self.runtime, model, request.model_version)
         servable.refuse_if_full()
-        infer_request = to_infer_request(model, decode_infer_request(request),
-                                         servable.config.batching.priority_levels)
-        remaining = context.time_remaining()
-        if infer_request.timeout_s is None and remaining is not None:
-            infer_request.timeout_s = max(remaining, 0.0)  # the call's gRPC deadline, when no parameter set one
-        response = await self.runtime.infer(infer_request)
-        return encode_infer_response(model, response.id, response.outputs, response.parameters or None)
+        with self.shared_memory.lease() as regions:  # the regions it uses stay mapped until it ends
+            decoded = decode_infer_request(request, regions.read_input)
+            targets = regions.output_targets(decoded.outputs)
+            infer_request = to_infer_request(model, decoded, servable.config.batching.priority_levels)
+            remaining = context.time_remaining()
+            if infer_request.timeout_s is None and remaining is not None:
+                infer_request.timeout_s = max(remaining, 0.0)  # the call's gRPC deadline, when no parameter set one
+            response = await self.runtime.infer(infer_request)
+            outputs, in_regions = await regions.write_outputs(response.outputs, targets)
+        return encode_infer_response(model, response.id, outputs, response.parameters or None, in_regions)
