@@ -29,6 +29,20 @@ tshm = pytest.importorskip("tritonclient.utils.shared_memory")
 
 TOKEN = "shm-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
+STRIDE = _tool("build_frames_model").STRIDE
+
+
+def _grid(x: np.ndarray) -> np.ndarray:
+    """The pixels the frames model reads (tools/build_frames_model.py: every STRIDE-th)."""
+    return x[:, ::STRIDE, ::STRIDE, :].astype(np.float64)
+
+
+def expected_brightness(x: np.ndarray) -> np.ndarray:
+    return _grid(x).mean(axis=(1, 2, 3))
+
+
+def expected_channel_mean(x: np.ndarray) -> np.ndarray:
+    return _grid(x).mean(axis=(1, 2))
 FRAME = (480, 640, 3)
 FRAME_BYTES = 480 * 640 * 3
 
@@ -103,8 +117,8 @@ def test_tritonclient_http_with_its_shared_memory_utilities(shm_daemon):
         out = result.get_output("brightness")
         assert out["shape"] == [2] and out["datatype"] == "FP32" and "data" not in out
         got = tshm.get_contents_as_numpy(h_out, np.float32, [2], offset=16)
-        np.testing.assert_allclose(got, x.reshape(2, -1).mean(axis=1), rtol=1e-4)
-        np.testing.assert_allclose(result.as_numpy("channel_mean"), x.mean(axis=(1, 2)), rtol=1e-4)
+        np.testing.assert_allclose(got, expected_brightness(x), rtol=1e-4)
+        np.testing.assert_allclose(result.as_numpy("channel_mean"), expected_channel_mean(x), rtol=1e-4)
 
         client.unregister_system_shared_memory("in", headers=AUTH)
         assert [r["name"] for r in client.get_system_shared_memory_status(headers=AUTH)] == ["out"]
@@ -135,8 +149,8 @@ def test_the_project_client_over_the_unix_socket(shm_daemon):
             "frames", {"frames": region.put(x)},
             output_regions={"channel_mean": region.output(offset=FRAME_BYTES, byte_size=12)},
             outputs=["brightness"])
-        np.testing.assert_allclose(response.outputs["channel_mean"], x.mean(axis=(1, 2)), rtol=1e-4)
-        np.testing.assert_allclose(response.outputs["brightness"], [x.mean()], rtol=1e-4)
+        np.testing.assert_allclose(response.outputs["channel_mean"], expected_channel_mean(x), rtol=1e-4)
+        np.testing.assert_allclose(response.outputs["brightness"], expected_brightness(x), rtol=1e-4)
         client.unregister_region("cam")
         assert client.region_status() == []
 
@@ -162,7 +176,7 @@ def test_shm_requests_are_batched_and_each_gets_its_own_rows(shm_daemon):
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(lambda i: _one_client(shm_daemon.url, i), range(8)))
     for i, got in results:
-        np.testing.assert_allclose(got, [frame(100 + i).mean()], rtol=1e-4)
+        np.testing.assert_allclose(got, expected_brightness(frame(100 + i)), rtol=1e-4)
     with shm_daemon.client() as client:
         stats = client.stats("frames")["model_stats"][0]
     after = {b["batch_size"]: b["compute_infer"]["count"] for b in stats["batch_stats"]}
@@ -209,7 +223,8 @@ def test_bad_requests_naming_regions_are_400_and_the_daemon_keeps_serving(shm_da
             client.infer_with_regions("frames", {"frames": region.put(x)},
                                       output_regions={"channel_mean": region.output(FRAME_BYTES - 4, 12)})
         client.unregister_region("bad")
-        np.testing.assert_allclose(client.infer("frames", {"frames": x})["brightness"], [x.mean()], rtol=1e-4)
+        np.testing.assert_allclose(client.infer("frames", {"frames": x})["brightness"], expected_brightness(x),
+                                   rtol=1e-4)
 
 
 def test_a_region_unregistered_while_a_request_uses_it(shm_daemon):
@@ -226,7 +241,7 @@ def test_a_region_unregistered_while_a_request_uses_it(shm_daemon):
         assert client.region_status() == []
         assert any(region.key in line for line in shm_maps(shm_daemon.proc.pid))  # still mapped for it
         request.join(10)
-        np.testing.assert_allclose(result["out"].outputs["brightness"], [x.mean()], rtol=1e-4)
+        np.testing.assert_allclose(result["out"].outputs["brightness"], expected_brightness(x), rtol=1e-4)
         assert _unmapped(shm_daemon.proc.pid, region.key)  # once the request has ended
         with pytest.raises(ClientError, match="no shared memory region 'busy'"):
             client.infer_with_regions("frames", {"frames": placed})

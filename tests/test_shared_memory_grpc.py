@@ -21,6 +21,20 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 TOKEN = "shm-grpc-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
+STRIDE = _tool("build_frames_model").STRIDE
+
+
+def _grid(x: np.ndarray) -> np.ndarray:
+    """The pixels the frames model reads (tools/build_frames_model.py: every STRIDE-th)."""
+    return x[:, ::STRIDE, ::STRIDE, :].astype(np.float64)
+
+
+def expected_brightness(x: np.ndarray) -> np.ndarray:
+    return _grid(x).mean(axis=(1, 2, 3))
+
+
+def expected_channel_mean(x: np.ndarray) -> np.ndarray:
+    return _grid(x).mean(axis=(1, 2))
 
 
 @pytest.fixture(scope="module")
@@ -65,10 +79,10 @@ def test_tritonclient_grpc_with_its_shared_memory_utilities(grpc_target):
         brightness.set_shared_memory("out", 12)
         result = client.infer("frames", [frames], outputs=[brightness, tg.InferRequestedOutput("channel_mean")],
                               headers=AUTH)
-        np.testing.assert_allclose(result.as_numpy("channel_mean"), x.mean(axis=(1, 2)), rtol=1e-4)
+        np.testing.assert_allclose(result.as_numpy("channel_mean"), expected_channel_mean(x), rtol=1e-4)
         assert list(result.get_output("brightness").shape) == [3]
         np.testing.assert_allclose(tshm.get_contents_as_numpy(h_out, np.float32, [3]),
-                                   x.reshape(3, -1).mean(axis=1), rtol=1e-4)
+                                   expected_brightness(x), rtol=1e-4)
 
         client.unregister_system_shared_memory("in", headers=AUTH)
         assert set(client.get_system_shared_memory_status(headers=AUTH, as_json=True)["regions"]) == {"out"}

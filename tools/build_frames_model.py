@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """A cheap camera-frame model for transport tests and benchmarks (no training, no model hub):
-`frames` UINT8 [N, 480, 640, 3] -> `brightness` FP32 [N] (the mean of every byte) and
-`channel_mean` FP32 [N, 3]. Its compute is a fraction of a millisecond per frame, so what a
-benchmark measures is the transport. The shape follows issue 30's vision model (`--height`,
-`--width` change it).
+`frames` UINT8 [N, 480, 640, 3] -> `brightness` FP32 [N] and `channel_mean` FP32 [N, 3], the mean
+byte values of a grid of every STRIDE-th pixel (16: 30 x 40 pixels of a 640x480 frame). Its
+compute is a few microseconds per frame, so what a benchmark measures is the transport. The
+shape follows issue 30's vision model (`--height`, `--width` change it).
 
 Usage: python tools/build_frames_model.py OUT_DIR [--name frames] [--height 480] [--width 640]
 """
@@ -16,6 +16,7 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto, helper
 
+STRIDE = 16
 MODEL_TOML = """# A cheap frame model built by tools/build_frames_model.py: the transport dominates its requests.
 backend = "onnxruntime"
 description = "Frame brightness: uint8 camera frames -> mean byte value, overall and per channel"
@@ -37,7 +38,8 @@ def build(out: Path, name: str = "frames", height: int = 480, width: int = 640, 
     d.mkdir(parents=True, exist_ok=True)
     graph = helper.make_graph(
         [
-            helper.make_node("Cast", ["frames"], ["pixels"], to=TensorProto.FLOAT),
+            helper.make_node("Slice", ["frames", "starts", "ends", "image_axes", "steps"], ["grid"]),
+            helper.make_node("Cast", ["grid"], ["pixels"], to=TensorProto.FLOAT),
             helper.make_node("ReduceMean", ["pixels", "image_axes"], ["channel_mean"], keepdims=0),
             helper.make_node("ReduceMean", ["channel_mean", "channel_axis"], ["brightness"], keepdims=0),
         ],
@@ -46,6 +48,9 @@ def build(out: Path, name: str = "frames", height: int = 480, width: int = 640, 
         [helper.make_tensor_value_info("brightness", TensorProto.FLOAT, ["batch"]),
          helper.make_tensor_value_info("channel_mean", TensorProto.FLOAT, ["batch", 3])],
         initializer=[helper.make_tensor("image_axes", TensorProto.INT64, [2], [1, 2]),
+                     helper.make_tensor("starts", TensorProto.INT64, [2], [0, 0]),
+                     helper.make_tensor("ends", TensorProto.INT64, [2], [height, width]),
+                     helper.make_tensor("steps", TensorProto.INT64, [2], [STRIDE, STRIDE]),
                      helper.make_tensor("channel_axis", TensorProto.INT64, [1], [1])],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)

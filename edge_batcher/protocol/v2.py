@@ -69,7 +69,7 @@ class RequestedOutput:
 
     name: str
     binary: bool | None  # parameters.binary_data; None: not specified (use the default)
-    parameters: dict[str, Any] = field(default_factory=dict)  # e.g. shared_memory_region
+    parameters: dict[str, Any] = field(default_factory=dict)  # its shared_memory_* parameters, if any
 
 
 @dataclass
@@ -336,6 +336,7 @@ def _decode_requested_outputs(entries: Any) -> list[RequestedOutput] | None:
                 f"requested output {preview.repr(name)}: binary_data must be true or false, "
                 f"got {preview.repr(binary)}"
             )
-        result.append(RequestedOutput(name=name, binary=binary, parameters=params))
+        shm = {k: v for k, v in params.items() if k.startswith("shared_memory_")}
+        result.append(RequestedOutput(name=name, binary=binary, parameters=shm))
     return result
 
