@@ -33,10 +33,15 @@ from urllib.parse import quote
 
 import numpy as np
 
+from . import client_shared_memory as shm
+from .client_shared_memory import RegionInput as RegionInput  # re-exported: part of the client API
+from .client_shared_memory import RegionOutput as RegionOutput
+from .client_shared_memory import SharedMemoryRegion as SharedMemoryRegion
 from .errors import InvalidInput
 from .protocol.endpoint import Endpoint as Endpoint  # re-exported: part of the client API
 from .protocol.endpoint import parse_url
 from .protocol.error_body import error_message
+from .protocol.tensor_decode import RegionReader
 from .protocol.v2 import (
     BINARY_CONTENT_TYPE,
     HEADER_LENGTH,
@@ -125,6 +130,11 @@ def _repository_path(model: str, action: str) -> str:
     return f"/v2/repository/models/{quote(model, safe='')}/{action}"
 
 
+def _region_path(name: str | None, action: str) -> str:
+    """Triton's system shared memory extension: /v2/systemsharedmemory[/region/{name}]/{action}."""
+    return "/v2/systemsharedmemory" + (f"/region/{quote(name, safe='')}" if name else "") + f"/{action}"
+
+
 def _model_path(model: str, suffix: str = "") -> str:
     return f"/v2/models/{quote(model, safe='')}{suffix}"
 
@@ -165,10 +175,11 @@ def _json(status: int, body: bytes) -> Any:
         raise ClientError(status, f"response is not valid JSON: {e}") from None
 
 
-def _infer_result(status: int, header_length: str | None, body: bytes) -> DecodedResponse:
+def _infer_result(status: int, header_length: str | None, body: bytes,
+                  regions: RegionReader | None = None) -> DecodedResponse:
     _check(status, body)
     try:
-        return decode_response(body, parse_header_length(header_length))
+        return decode_response(body, parse_header_length(header_length), regions)
     except InvalidInput as e:
         raise ClientError(status, f"invalid inference response: {e.message}") from None
 
@@ -251,6 +262,42 @@ class Client:
             "POST", _model_path(model, "/infer"), body, headers
         )
         return _infer_result(status, resp_headers.get(HEADER_LENGTH), data)
+
+    def infer_with_regions(
+        self,
+        model: str,
+        inputs: dict[str, np.ndarray | RegionInput],
+        *,
+        output_regions: dict[str, RegionOutput] | None = None,
+        outputs: list[str] | None = None,
+        id: str | None = None,
+        priority: int | None = None,
+        timeout_ms: float | None = None,
+    ) -> DecodedResponse:
+        """Like infer_response, with inputs in registered shared memory regions (RegionInput) and
+        outputs written into them (`output_regions`; read back as views of the regions)."""
+        regions = output_regions or {}
+        parameters = {k: v for k, v in (("priority", priority), ("timeout_ms", timeout_ms)) if v is not None}
+        body, header_length = shm.encode_request(inputs, regions, outputs=outputs, id=id, parameters=parameters,
+                                                 binary=self.binary)
+        headers = ({"Content-Type": JSON_CONTENT_TYPE} if header_length is None
+                   else {"Content-Type": BINARY_CONTENT_TYPE, HEADER_LENGTH: str(header_length)})
+        status, resp_headers, data = self._request("POST", _model_path(model, "/infer"), body, headers)
+        return _infer_result(status, resp_headers.get(HEADER_LENGTH), data, shm.output_reader(regions))
+
+    def register_region(self, region: SharedMemoryRegion, offset: int = 0, byte_size: int | None = None) -> None:
+        """Register a region with the daemon (Triton's system shared memory extension)."""
+        size = region.byte_size - offset if byte_size is None else byte_size
+        body = json.dumps({"key": region.key, "offset": offset, "byte_size": size}).encode()
+        _json(*self._request_json("POST", _region_path(region.name, "register"), body))
+
+    def unregister_region(self, name: str | None = None) -> None:
+        """Unregister one region, or every one (None)."""
+        _json(*self._request_json("POST", _region_path(name, "unregister"), b"{}"))
+
+    def region_status(self, name: str | None = None) -> list[dict]:
+        """[{"name", "key", "offset", "byte_size"}] of one region, or of every one (None)."""
+        return _json(*self._request_json("GET", _region_path(name, "status")))
 
     def models(self) -> list[dict]:
         """The model repository index: [{"name", "version"?, "state", ...}, ...]."""

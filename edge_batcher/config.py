@@ -87,6 +87,12 @@ class ServerSettings:
     # Whether the event loop and the engine worker threads share one CPU (cpu_affinity.py):
     # "auto" (measured after warm-up, placement.py), "off", or a CPU number as a string ("3").
     loop_cpu: str = "auto"
+    # Triton's system shared memory (shared_memory/regions.py, docs/api.md): regions registered at
+    # once (each holds 2 descriptors), their byte_size together, and the uids besides the daemon's
+    # own whose /dev/shm objects may be registered.
+    shm_max_regions: int = 32
+    shm_max_bytes: int = 1 << 30
+    shm_allowed_uids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -316,6 +322,11 @@ def _validate_daemon(config: DaemonConfig, source: str) -> None:
     check_positive(s.max_connections, f"{source}: [server] max_connections")
     check_positive(s.idle_timeout_s, f"{source}: [server] idle_timeout_s")
     check_positive(s.body_timeout_s, f"{source}: [server] body_timeout_s")
+    check_positive(s.shm_max_regions, f"{source}: [server] shm_max_regions", allow_zero=True)
+    check_positive(s.shm_max_bytes, f"{source}: [server] shm_max_bytes", allow_zero=True)
+    if any(isinstance(uid, bool) or not isinstance(uid, int) or uid < 0 for uid in s.shm_allowed_uids):
+        raise ConfigError(f"{source}: [server] shm_allowed_uids: expected user ids (integers >= 0), "
+                          f"got {s.shm_allowed_uids!r}")
     if bool(s.tls_cert) != bool(s.tls_key):
         raise ConfigError(f"{source}: [server] tls_cert and tls_key go together: set both or neither")
     o = config.offload

@@ -28,6 +28,7 @@ from .cpu_affinity import pin_this_thread
 from .errors import ConfigError
 from .runtime import Runtime
 from .scheduler.runner import WORKER_ON_EVERY_CPU_FROM_S
+from .shared_memory.regions import RegionLimits, RegionRegistry
 from .systemd import Notifier, listen_fds, watchdog_interval
 from .transports.auth import bearer_auth_middleware, tls_context
 from .transports.descriptors import summarise_accept_errors
@@ -76,6 +77,9 @@ class Daemon:
         self._socket_file: tuple[Path, int] | None = None  # (path, inode) we created
         self._tasks: list[asyncio.Task] = []
         self.grpc: GrpcServer | None = None  # transports/grpc_v2/server.py's GrpcServer when [server] grpc is set
+        s = config.server  # the shared memory regions HTTP and gRPC register and read (unmapped at the end)
+        self.shared_memory = RegionRegistry(RegionLimits(s.shm_max_regions, s.shm_max_bytes,
+                                                         frozenset(s.shm_allowed_uids)))
         self._tls: ssl.SSLContext | None = None  # the TCP listener's, when [server] tls_cert is set
         # The limits every listener shares, and the token: an unreadable token file stops start-up here.
         self.edge = build_edge(config.server, offload_peers=len(config.offload.peers) if config.offload.enabled else 0)
@@ -177,6 +181,7 @@ class Daemon:
             if self.grpc is not None:
                 await self.grpc.stop(0)  # at once after an error; already stopped after a drain
             await self.runtime.close()
+            self.shared_memory.close()  # after the drain: no request reads a region any more
             if self._socket_file is not None:
                 remove_socket_file(*self._socket_file)
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -231,7 +236,7 @@ class Daemon:
         s = self.config.server
         middlewares: tuple = (bearer_auth_middleware(self.edge.token),) if s.http else ()  # create_app's
         app = create_app(self.runtime, max_body_bytes=s.max_body_bytes, health_checks=self.health_checks,
-                         middlewares=middlewares, body_budget=self.edge.budget)
+                         middlewares=middlewares, body_budget=self.edge.budget, shared_memory=self.shared_memory)
         # Handlers still running at cleanup were already answered by the drain; don't wait long.
         # idle_timeout_s bounds the time to send a request header, after connecting or an answer
         # (http_connections.py); lingering_time: how long a body we answered without reading is drained.
@@ -260,7 +265,7 @@ class Daemon:
                 "[server] grpc has a TCP address: a bearer token is required on TCP; set token_file (or token)"
             )
         self.grpc = GrpcServer(self.runtime, s.grpc, limits=self.edge,
-                               tls=(s.tls_cert, s.tls_key) if s.tls_cert else None)
+                               tls=(s.tls_cert, s.tls_key) if s.tls_cert else None, shared_memory=self.shared_memory)
         self.grpc.bind()
 
     async def _add_site(self, site: web.BaseSite) -> None:

@@ -9,6 +9,7 @@ protocol/v2.py calls :func:`decode_tensors` for requests and responses alike.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -23,20 +24,25 @@ MAX_DIMS = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
 # numpy refuses arrays whose byte size, counting every non-zero dimension, overflows intp (even
 # when a 0 dimension makes them empty); 16 bytes covers the widest element we create.
 MAX_ELEMENTS = np.iinfo(np.intp).max // 16
+# Reads an input that names a shared memory region instead of carrying data (shared_memory/lease.py):
+# (datatype, shape, parameters, where) -> the array.
+RegionReader = Callable[[str, list[int], dict[str, Any], str], np.ndarray]
 # JSON data is flat (row-major) or nested exactly as its shape; anything else is refused so.
 FLAT_OR_AS_SHAPE = "send it flat or nested as the shape"
 
 
 def decode_tensors(
-    entries: Any, kind: str, binary: memoryview, has_header_length: bool
+    entries: Any, kind: str, binary: memoryview, has_header_length: bool, regions: RegionReader | None = None
 ) -> dict[str, np.ndarray]:
-    """Decode the ``inputs`` (or ``outputs``) list, taking binary tensors from ``binary``."""
+    """Decode the ``inputs`` (or ``outputs``) list, taking binary tensors from ``binary`` and
+    those that name a shared memory region from ``regions`` (refused where there is none)."""
     if not isinstance(entries, list):
         raise InvalidInput(f"'{kind}s' must be a list")
 
     # First pass: validate every entry and account for the binary part as a whole, so that
     # a short or over-long body is reported as such rather than as a per-tensor error.
     parsed: list[tuple[str, str, list[int], int | None, Any]] = []
+    in_regions: dict[str, dict[str, Any]] = {}
     seen: set[str] = set()
     for entry in entries:
         if not isinstance(entry, dict):
@@ -66,7 +72,13 @@ def decode_tensors(
             raise InvalidInput(f"{where}: parameters must be a JSON object")
         size = params.get("binary_data_size")
         has_data = "data" in entry
-        if size is not None:
+        if "shared_memory_region" in params:
+            if has_data or size is not None:
+                raise InvalidInput(f"{where} names a shared memory region and also carries data")
+            if regions is None:
+                raise InvalidInput(f"{where}: shared memory regions are not served on this transport")
+            in_regions[name] = params
+        elif size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 raise InvalidInput(
                     f"{where}: binary_data_size must be a non-negative integer, "
@@ -95,10 +107,13 @@ def decode_tensors(
     offset = 0
     for name, datatype, shape, size, data in parsed:
         where = f"{kind} {preview.repr(name)}"
-        if size is None:
+        if name in in_regions:
+            assert regions is not None
+            tensors[name] = regions(datatype, shape, in_regions[name], where)
+        elif size is None:
             tensors[name] = _from_json(data, datatype, shape, where)
         else:
-            tensors[name] = _from_binary(binary[offset : offset + size], datatype, shape, where)
+            tensors[name] = from_binary(binary[offset : offset + size], datatype, shape, where)
             offset += size
     return tensors
 
@@ -122,7 +137,9 @@ def check_shape(shape: Any, where: str) -> list[int]:
     return shape
 
 
-def _from_binary(buf: memoryview, datatype: str, shape: list[int], where: str) -> np.ndarray:
+def from_binary(buf: memoryview, datatype: str, shape: list[int], where: str) -> np.ndarray:
+    """A binary tensor's bytes as an array, zero-copy where the datatype, byte order and
+    alignment allow (binary extension chunks, gRPC raw contents, shared memory regions)."""
     count = math.prod(shape)
     if datatype == "BYTES":
         return unpack_bytes_elements(buf, shape, count, where)

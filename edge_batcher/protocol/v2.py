@@ -41,7 +41,7 @@ the binary extension's names and BYTES framing live in protocol/binary_extension
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -50,7 +50,7 @@ from ..errors import EngineError, InvalidInput
 from . import json_text
 from .binary_extension import BINARY_CONTENT_TYPE, HEADER_LENGTH, JSON_CONTENT_TYPE
 from .preview import preview
-from .tensor_decode import MAX_DIMS, MAX_ELEMENTS, decode_tensors
+from .tensor_decode import MAX_DIMS, MAX_ELEMENTS, RegionReader, decode_tensors
 from .tensor_encode import encode_tensors
 
 __all__ = [
@@ -69,6 +69,7 @@ class RequestedOutput:
 
     name: str
     binary: bool | None  # parameters.binary_data; None: not specified (use the default)
+    parameters: dict[str, Any] = field(default_factory=dict)  # its shared_memory_* parameters, if any
 
 
 @dataclass
@@ -105,8 +106,10 @@ def parse_header_length(value: str | None) -> int | None:
     return length
 
 
-def decode_request(body: bytes | bytearray, header_length: int | None = None) -> DecodedRequest:
-    """Decode an inference request body (JSON, or JSON header + binary tensors)."""
+def decode_request(body: bytes | bytearray, header_length: int | None = None,
+                   regions: RegionReader | None = None) -> DecodedRequest:
+    """Decode an inference request body (JSON, or JSON header + binary tensors); inputs that name
+    a shared memory region are read by ``regions`` (refused when None)."""
     header, binary = _split_body(body, header_length)
     if not isinstance(header, dict):
         raise InvalidInput("request body must be a JSON object")
@@ -123,7 +126,7 @@ def decode_request(body: bytes | bytearray, header_length: int | None = None) ->
     entries = header.get("inputs")
     if entries is None or (isinstance(entries, list) and not entries):
         raise InvalidInput("request has no inputs")
-    inputs = decode_tensors(entries, "input", binary, header_length is not None)
+    inputs = decode_tensors(entries, "input", binary, header_length is not None, regions)
 
     return DecodedRequest(
         id=request_id,
@@ -169,8 +172,10 @@ def encode_request(
     return _join_body(header, chunks, "request")
 
 
-def decode_response(body: bytes, header_length: int | None = None) -> DecodedResponse:
-    """Decode an inference response body (JSON, or JSON header + binary tensors)."""
+def decode_response(body: bytes, header_length: int | None = None,
+                    regions: RegionReader | None = None) -> DecodedResponse:
+    """Decode an inference response body (JSON, or JSON header + binary tensors); outputs the
+    server wrote into a shared memory region are read by ``regions`` (refused when None)."""
     header, binary = _split_body(body, header_length)
     if not isinstance(header, dict):
         raise InvalidInput("response body must be a JSON object")
@@ -184,7 +189,7 @@ def decode_response(body: bytes, header_length: int | None = None) -> DecodedRes
         model_name=model_name,
         model_version=_optional_str(header, "model_version", "response"),
         id=_optional_str(header, "id", "response"),
-        outputs=decode_tensors(entries, "output", binary, header_length is not None),
+        outputs=decode_tensors(entries, "output", binary, header_length is not None, regions),
         parameters=_optional_dict(header, "parameters", "response"),
     )
 
@@ -197,8 +202,10 @@ def encode_response(
     binary: set[str] | frozenset[str] = frozenset(),
     parameters: dict[str, Any] | None = None,
     model_version: str | None = None,
+    without_data: list[dict[str, Any]] | None = None,
 ) -> tuple[bytes, int | None]:
-    """Encode an inference response; outputs named in ``binary`` use the binary extension.
+    """Encode an inference response; outputs named in ``binary`` use the binary extension,
+    ``without_data`` entries (outputs written into shared memory) are listed as they are.
 
     Returns (body, header_length or None when pure JSON). A BYTES output that is not valid
     utf-8 cannot be a JSON string, so it is sent binary even when not named in ``binary``
@@ -217,7 +224,7 @@ def encode_response(
         header["parameters"] = dict(parameters)
     try:
         tensors, chunks = encode_tensors(outputs, "output", False, binary_names=binary)
-        header["outputs"] = tensors
+        header["outputs"] = [*tensors, *(without_data or [])]
         return _join_body(header, chunks, "response")
     except InvalidInput as e:
         raise EngineError(f"model {model_name!r}: its response cannot be sent: {e.message}") from None
@@ -329,6 +336,7 @@ def _decode_requested_outputs(entries: Any) -> list[RequestedOutput] | None:
                 f"requested output {preview.repr(name)}: binary_data must be true or false, "
                 f"got {preview.repr(binary)}"
             )
-        result.append(RequestedOutput(name=name, binary=binary))
+        shm = {k: v for k, v in params.items() if k.startswith("shared_memory_")}
+        result.append(RequestedOutput(name=name, binary=binary, parameters=shm))
     return result
 

@@ -110,13 +110,15 @@ class EngineWorker:
                 result, error = fn(arg), None
             except BaseException as exc:  # noqa: BLE001 - every outcome goes back to the loop
                 result, error = None, exc
-            if done is None:
-                continue
-            assert self._loop is not None  # submit() only once serving
-            try:
-                self._loop.call_soon_threadsafe(done, arg, result, error)
-            except RuntimeError:  # the loop closed while this ran: nobody waits for the answer
-                return
+            if done is not None:
+                assert self._loop is not None  # submit() only once serving
+                try:
+                    self._loop.call_soon_threadsafe(done, arg, result, error)
+                except RuntimeError:  # the loop closed while this ran: nobody waits for the answer
+                    return
+            # Not kept while waiting for the next job: a batch's inputs may be views of a request
+            # body or of a shared memory region, freed (unmapped) only when the last view goes.
+            del job, arg, result, error
 
 
 class EngineThreads:

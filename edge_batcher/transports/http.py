@@ -20,13 +20,15 @@ from ..errors import EdgeBatcherError
 from ..protocol import v2
 from ..protocol.parameters import to_infer_request
 from ..runtime import Runtime
+from ..shared_memory.regions import RegionRegistry
 from .body_budget import BodyBudget
 from .http_body import ClientGone, read_body
 from .http_connections import connection_state_middleware
 from .http_generate import add_generate_routes
 from .http_index import add_index_routes
-from .http_keys import BODY_BUDGET, HEALTH_CHECKS, RUNTIME
+from .http_keys import BODY_BUDGET, HEALTH_CHECKS, RUNTIME, SHARED_MEMORY
 from .http_repository import add_repository_routes
+from .http_shared_memory import add_shared_memory_routes
 from .triton_config import MODEL_VERSION, PLATFORMS, model_config, servable_for
 from .v2_decode import decode_request
 
@@ -66,15 +68,18 @@ async def error_middleware(request: web.Request, handler):
 def create_app(
     runtime: Runtime, *, max_body_bytes: int, middlewares: tuple = (), health_checks: dict | None = None,
     max_inflight_body_bytes: int | None = None, body_timeout_s: float = 60.0, body_budget: BodyBudget | None = None,
+    shared_memory: RegionRegistry | None = None,
 ) -> web.Application:
     """The app; `body_budget` is the daemon's one budget shared with the other transports (the
-    edge's), else one of its own from the three body settings."""
+    edge's), else one of its own from the three body settings; `shared_memory` likewise the
+    daemon's registry of regions (gRPC uses it too), else one of its own."""
     app = web.Application(client_max_size=max_body_bytes,
                           middlewares=[connection_state_middleware, error_middleware, *middlewares])
     app[RUNTIME] = runtime
     app[BODY_BUDGET] = body_budget or BodyBudget(max_body_bytes=max_body_bytes, timeout_s=body_timeout_s,
                                                  max_inflight_bytes=max_inflight_body_bytes or 4 * max_body_bytes)
     app[HEALTH_CHECKS] = health_checks if health_checks is not None else {}
+    app[SHARED_MEMORY] = shared_memory or RegionRegistry()
     # aiohttp tries the routes under one path prefix in the order they were added: inference
     # first, so that the hot path matches one pattern instead of five.
     model_routes = ("/v2/models/{model}", "/v2/models/{model}/versions/{version}")  # KServe v2's two forms
@@ -97,6 +102,7 @@ def create_app(
     add_generate_routes(app)
     add_repository_routes(app)
     add_index_routes(app)
+    add_shared_memory_routes(app)
     return app
 
 
@@ -122,7 +128,8 @@ async def server_metadata(request: web.Request) -> web.Response:
     return web.json_response({
         "name": "edge-batcher",
         "version": __version__,
-        "extensions": ["binary_tensor_data", "statistics", "model_repository", "model_configuration", "generate"],
+        "extensions": ["binary_tensor_data", "statistics", "model_repository", "model_configuration", "generate",
+                       "system_shared_memory"],
     })
 
 
@@ -199,11 +206,14 @@ async def infer(request: web.Request) -> web.Response:
     servable.refuse_if_full()  # 429 before reading and decoding the body
     header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH))
     async with read_body(request.app[BODY_BUDGET], request) as body:  # 413/503/408 before holding it
-        decoded = await decode_request(body, header_length)
-        infer_request = to_infer_request(model, decoded, servable.config.batching.priority_levels)
-        response = await runtime.infer(infer_request)
-    binary = v2.binary_outputs_for(decoded, list(response.outputs))
-    payload, json_length = v2.encode_response(model, response.id, response.outputs, binary=binary,
+        with request.app[SHARED_MEMORY].lease() as regions:  # the regions it uses stay mapped until it ends
+            decoded = await decode_request(body, header_length, regions.read_input)
+            targets = regions.output_targets(decoded.outputs)
+            infer_request = to_infer_request(model, decoded, servable.config.batching.priority_levels)
+            response = await runtime.infer(infer_request)
+            outputs, in_regions = await regions.write_outputs(response.outputs, targets)
+    binary = v2.binary_outputs_for(decoded, list(outputs))
+    payload, json_length = v2.encode_response(model, response.id, outputs, binary=binary, without_data=in_regions,
                                               parameters=response.parameters or None, model_version=MODEL_VERSION)
     if json_length is None:
         return web.Response(body=payload, content_type="application/json")

@@ -16,7 +16,7 @@ import numpy as np
 from ...errors import InvalidInput
 from ...protocol.binary_extension import pack_bytes_elements
 from ...protocol.preview import preview
-from ...protocol.tensor_decode import decode_tensors
+from ...protocol.tensor_decode import RegionReader, decode_tensors
 from ...protocol.tensor_encode import encode_tensors
 from ...protocol.v2 import DecodedRequest, RequestedOutput
 from ...types import DATATYPE_TO_NUMPY
@@ -37,22 +37,30 @@ def parameter_value(param: pb.InferParameter) -> Any:
     return getattr(param, choice) if choice else None
 
 
-def decode_infer_request(request: pb.ModelInferRequest) -> DecodedRequest:
-    """A ModelInferRequest as the codec's DecodedRequest (InvalidInput naming the problem)."""
+def decode_infer_request(request: pb.ModelInferRequest, regions: RegionReader | None = None) -> DecodedRequest:
+    """A ModelInferRequest as the codec's DecodedRequest (InvalidInput naming the problem); inputs
+    that name a shared memory region are read by `regions` and have no raw_input_contents entry."""
     raw = request.raw_input_contents
-    if raw and len(raw) != len(request.inputs):
-        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(request.inputs)} inputs: "
-                           "give every input's data there, or none")
+    in_memory = [t for t in request.inputs if "shared_memory_region" not in t.parameters]
+    if raw and len(raw) != len(in_memory):
+        raise InvalidInput(f"raw_input_contents has {len(raw)} entries for {len(in_memory)} inputs: "
+                           "give every input's data there (but those in shared memory), or none")
     inputs: dict[str, np.ndarray] = {}
-    for i, tensor in enumerate(request.inputs):
+    raw_index = 0
+    for tensor in request.inputs:
         if tensor.name in inputs:
             raise InvalidInput(f"input {preview.repr(tensor.name)} appears twice")
         entry: dict[str, Any] = {"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape)}
-        if raw:
-            inputs.update(_decode_binary(entry, memoryview(raw[i])))
+        if "shared_memory_region" in tensor.parameters:
+            entry["parameters"] = {key: parameter_value(p) for key, p in tensor.parameters.items()}
+            inputs.update(decode_tensors([entry], "input", memoryview(b""), False, regions))
+        elif raw:
+            inputs.update(_decode_binary(entry, memoryview(raw[raw_index])))
+            raw_index += 1
         else:
             inputs.update(_decode_contents(entry, tensor))
-    outputs = [RequestedOutput(o.name, True) for o in request.outputs] or None
+    outputs = [RequestedOutput(o.name, True, {key: parameter_value(p) for key, p in o.parameters.items()})
+               for o in request.outputs] or None
     return DecodedRequest(
         id=request.id or None,
         inputs=inputs,
@@ -83,12 +91,19 @@ def _decode_contents(entry: dict[str, Any], tensor: pb.ModelInferRequest.InferIn
 
 
 def encode_infer_response(model: str, request_id: str | None, outputs: dict[str, np.ndarray],
-                          parameters: dict[str, Any] | None) -> pb.ModelInferResponse:
-    """The core's outputs as a ModelInferResponse with raw_output_contents."""
+                          parameters: dict[str, Any] | None,
+                          without_data: list[dict[str, Any]] | None = None) -> pb.ModelInferResponse:
+    """The core's outputs as a ModelInferResponse with raw_output_contents; the `without_data`
+    entries (outputs written into shared memory) come last, so that raw_output_contents[i]
+    stays outputs[i]'s, as tritonclient reads them."""
     entries, chunks = encode_tensors(outputs, "output", all_binary=True, binary_names=None)
     response = pb.ModelInferResponse(model_name=model, model_version="1", id=request_id or "")
     for entry in entries:
         response.outputs.add(name=entry["name"], datatype=entry["datatype"], shape=entry["shape"])
+    for entry in without_data or []:
+        tensor = response.outputs.add(name=entry["name"], datatype=entry["datatype"], shape=entry["shape"])
+        for key, value in entry.get("parameters", {}).items():
+            _set_parameter(tensor.parameters[key], value)
     response.raw_output_contents.extend(chunks)
     for key, value in (parameters or {}).items():
         _set_parameter(response.parameters[key], value)

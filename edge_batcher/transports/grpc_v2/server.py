@@ -3,11 +3,12 @@
 Serves ServerLive/Ready, ServerMetadata, ModelMetadata/Ready, ModelConfig, ModelStatistics,
 RepositoryIndex, RepositoryModelLoad/Unload and ModelInfer on the event loop, over the daemon's
 own HTTP/2 (http2.py: unary calls, no grpcio), through the same Runtime, model lookup, parameters
-mapping and codec checks as HTTP; the RPCs it does not serve (shared memory, tracing, streaming)
-answer UNIMPLEMENTED. Every call passes the gRPC edge (edge.py) with the limits every listener
-shares (transports/edge.py): the call limit and, over TCP, the bearer token (`authorization:
-Bearer ...` metadata, every method but ServerLive) before its message is read, then the body
-budget and the error tree's translation. Calls on a Unix socket are guarded by its file mode.
+mapping and codec checks as HTTP, and Triton's shared memory RPCs (shared_memory.py, on the
+daemon's one registry); the RPCs it does not serve (tracing, streaming) answer UNIMPLEMENTED.
+Every call passes the gRPC edge (edge.py) with the limits every listener shares
+(transports/edge.py): the call limit and, over TCP, the bearer token (`authorization: Bearer
+...` metadata, every method but ServerLive) before its message is read, then the body budget and
+the error tree's translation. Calls on a Unix socket are guarded by its file mode.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from ...config import parse_host_port
 from ...errors import ConfigError, InvalidInput
 from ...protocol.parameters import to_infer_request
 from ...runtime import Runtime
+from ...shared_memory.regions import RegionRegistry
 from ..edge import EdgeLimits
 from ..listeners import check_unix_socket_path, remove_stale_socket
 from ..triton_config import MODEL_VERSION, PLATFORMS, model_config, servable_for
@@ -35,11 +37,12 @@ from . import model_config_pb2
 from .codec import decode_infer_request, encode_infer_response
 from .edge import UNIX_PREFIX, ConnectionCount, GrpcEdge, Method
 from .http2 import GrpcConnection
+from .shared_memory import shared_memory_rpcs
 
 log = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
-EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository", "model_configuration"]
+EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository", "model_configuration", "system_shared_memory"]
 BACKLOG = 1024  # connections the kernel queues before accept(); each is then admitted or closed at once
 
 
@@ -54,8 +57,10 @@ def unix_socket_path(address: str) -> Path | None:
 class GrpcServer:
     """The listening sockets of `[server] grpc`, each serving HTTP/2 connections to one GrpcEdge."""
 
-    def __init__(self, runtime: Runtime, addresses: list[str], *, limits: EdgeLimits, tls: tuple[str, str] | None):
+    def __init__(self, runtime: Runtime, addresses: list[str], *, limits: EdgeLimits, tls: tuple[str, str] | None,
+                 shared_memory: RegionRegistry | None = None):
         self.runtime = runtime
+        self.shared_memory = shared_memory or RegionRegistry()  # the daemon's, shared with HTTP
         self.addresses = addresses
         self.limits = limits
         self._tls = _tls_context(tls) if tls else None
@@ -163,6 +168,7 @@ class GrpcServer:
             "RepositoryModelLoad": (self.repository_model_load, pb.RepositoryModelLoadRequest),
             "RepositoryModelUnload": (self.repository_model_unload, pb.RepositoryModelUnloadRequest),
             "ModelInfer": (self.model_infer, pb.ModelInferRequest),
+            **shared_memory_rpcs(self.shared_memory),
         }
 
     # ------------------------------------------------------------------ the RPCs
@@ -236,13 +242,16 @@ class GrpcServer:
         model = request.model_name
         servable = servable_for(self.runtime, model, request.model_version)
         servable.refuse_if_full()
-        infer_request = to_infer_request(model, decode_infer_request(request),
-                                         servable.config.batching.priority_levels)
-        remaining = context.time_remaining()
-        if infer_request.timeout_s is None and remaining is not None:
-            infer_request.timeout_s = max(remaining, 0.0)  # the call's gRPC deadline, when no parameter set one
-        response = await self.runtime.infer(infer_request)
-        return encode_infer_response(model, response.id, response.outputs, response.parameters or None)
+        with self.shared_memory.lease() as regions:  # the regions it uses stay mapped until it ends
+            decoded = decode_infer_request(request, regions.read_input)
+            targets = regions.output_targets(decoded.outputs)
+            infer_request = to_infer_request(model, decoded, servable.config.batching.priority_levels)
+            remaining = context.time_remaining()
+            if infer_request.timeout_s is None and remaining is not None:
+                infer_request.timeout_s = max(remaining, 0.0)  # the call's gRPC deadline, when no parameter set one
+            response = await self.runtime.infer(infer_request)
+            outputs, in_regions = await regions.write_outputs(response.outputs, targets)
+        return encode_infer_response(model, response.id, outputs, response.parameters or None, in_regions)
 
 
 def _tls_context(tls: tuple[str, str]) -> ssl.SSLContext:

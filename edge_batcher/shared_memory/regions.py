@@ -1,0 +1,204 @@
+"""The registry of system shared memory regions: a name -> one mmap of a POSIX shm object under
+/dev/shm, with the daemon's rules checked at registration (a plain key, no path; a regular file
+owned by the daemon's user or an allowed uid; offset and byte_size inside the file; bounded count
+and bytes). A region in use by a request is reference-counted: unregistering it takes it out of
+the registry at once, and its mapping is closed when the last request using it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import stat
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import InvalidInput, Overloaded
+
+if TYPE_CHECKING:
+    from .lease import Lease
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+MAX_KEY_LENGTH = 255  # NAME_MAX
+
+
+@dataclass(frozen=True)
+class RegionLimits:
+    max_regions: int = 32
+    max_bytes: int = 1 << 30  # the byte_size of every region registered, together
+    allowed_uids: frozenset[int] = frozenset()  # besides the daemon's own user
+
+
+def shm_path(key: str) -> str:
+    """The file under /dev/shm a POSIX shm key names ("/frames" or "frames"), or InvalidInput:
+    one leading '/' at most, no other '/', no '..', nothing that leaves /dev/shm."""
+    if not isinstance(key, str) or not key:
+        raise InvalidInput("shared memory key must be a non-empty string such as \"/frames\"")
+    name = key[1:] if key.startswith("/") else key
+    if not name or "/" in name or name in (".", "..") or ".." in name or "\0" in name:
+        raise InvalidInput(f"shared memory key {key!r} is not a POSIX shm name: one leading '/' at most, "
+                           "then a name without '/' or '..' (the object lives in /dev/shm)")
+    if len(name) > MAX_KEY_LENGTH:
+        raise InvalidInput(f"shared memory key is longer than {MAX_KEY_LENGTH} characters")
+    path = os.path.join(SHM_DIR, name)
+    if os.path.dirname(os.path.normpath(path)) != SHM_DIR:  # belt and braces: never outside /dev/shm
+        raise InvalidInput(f"shared memory key {key!r} resolves outside {SHM_DIR}")
+    return path
+
+
+class Region:
+    """One registered region: its own descriptor (to re-check the file's size) and one mapping
+    of [offset, offset + byte_size) of the file."""
+
+    def __init__(self, name: str, key: str, offset: int, byte_size: int, allowed_uids: frozenset[int]):
+        self.name, self.key, self.offset, self.byte_size = name, key, offset, byte_size
+        path = shm_path(key)
+        try:  # O_NOFOLLOW: a symlink planted in /dev/shm is refused, not followed
+            self._fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise InvalidInput(f"shared memory region {name!r}: no shm object {key!r} ({path})") from None
+        except OSError as exc:
+            raise InvalidInput(f"shared memory region {name!r}: cannot open {key!r} read-write: "
+                               f"{exc.strerror}") from None
+        try:
+            self._map = self._map_checked(allowed_uids)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.users = 0  # requests holding it now
+        self.registered = True
+
+    def _map_checked(self, allowed_uids: frozenset[int]) -> mmap.mmap:
+        st = os.fstat(self._fd)
+        where = f"shared memory region {self.name!r} (key {self.key!r})"
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidInput(f"{where}: not a regular shm object")
+        if st.st_uid != os.geteuid() and st.st_uid not in allowed_uids:
+            raise InvalidInput(f"{where}: owned by uid {st.st_uid}, not by the daemon's user ({os.geteuid()}) "
+                               "or a uid in [server] shm_allowed_uids")
+        if self.offset + self.byte_size > st.st_size:
+            raise InvalidInput(f"{where}: offset {self.offset} + byte_size {self.byte_size} is beyond the "
+                               f"object's {st.st_size} bytes")
+        start = self.offset - self.offset % mmap.ALLOCATIONGRANULARITY
+        self._skip = self.offset - start
+        return mmap.mmap(self._fd, self._skip + self.byte_size, flags=mmap.MAP_SHARED,
+                         prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)
+
+    def view(self, offset: int, byte_size: int, where: str) -> memoryview:
+        """byte_size bytes at `offset` within the region (InvalidInput when out of range). The
+        file is checked to still hold them: a client that shrank it would otherwise crash the
+        daemon with SIGBUS on the first read."""
+        if offset < 0 or byte_size < 0 or offset + byte_size > self.byte_size:
+            raise InvalidInput(f"{where}: shared_memory_offset {offset} + shared_memory_byte_size {byte_size} "
+                               f"is beyond region {self.name!r} ({self.byte_size} bytes)")
+        if os.fstat(self._fd).st_size < self.offset + self.byte_size:
+            raise InvalidInput(f"{where}: the shm object of region {self.name!r} was truncated below its "
+                               "registered size; unregister and register it again")
+        start = self._skip + offset
+        return memoryview(self._map)[start:start + byte_size]
+
+    def close(self) -> None:
+        try:
+            self._map.close()
+        except BufferError:  # a view outlived its request (a batch still running): unmapped when it goes
+            log.debug("region %r: mapping still viewed; it is unmapped when the last view is released", self.name)
+        os.close(self._fd)
+
+    def status(self) -> dict[str, object]:
+        return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
+
+
+class RegionRegistry:
+    """The daemon's regions by name; used from the event loop and the decode threads alike."""
+
+    def __init__(self, limits: RegionLimits | None = None):
+        self.limits = limits or RegionLimits()
+        self._regions: dict[str, Region] = {}
+        self._lock = threading.Lock()
+
+    def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
+        _check_name(name)
+        for what, value in (("offset", offset), ("byte_size", byte_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise InvalidInput(f"shared memory region {name!r}: {what} must be an integer >= 0, got {value!r}")
+        if byte_size == 0:
+            raise InvalidInput(f"shared memory region {name!r}: byte_size must be > 0")
+        with self._lock:
+            self._check_room(name, byte_size)
+        region = Region(name, key, offset, byte_size, self.limits.allowed_uids)  # opens and maps: outside the lock
+        with self._lock:
+            try:
+                self._check_room(name, byte_size)  # another registration may have come in meanwhile
+            except InvalidInput:
+                region.close()
+                raise
+            self._regions[name] = region
+        log.debug("registered shared memory region %r (key %r, %d bytes)", name, key, byte_size)
+
+    def _check_room(self, name: str, byte_size: int) -> None:
+        if name in self._regions:
+            raise InvalidInput(f"shared memory region {name!r} is already registered; unregister it first")
+        if len(self._regions) >= self.limits.max_regions:
+            raise Overloaded(f"{len(self._regions)} shared memory regions are registered, the most "
+                             f"[server] shm_max_regions allows; unregister one first")
+        mapped = sum(r.byte_size for r in self._regions.values())
+        if mapped + byte_size > self.limits.max_bytes:
+            raise Overloaded(f"registering {byte_size} bytes would map {mapped + byte_size} bytes of shared "
+                             f"memory, more than [server] shm_max_bytes ({self.limits.max_bytes})")
+
+    def unregister(self, name: str | None = None) -> None:
+        """Unregister one region (name; unknown is a no-op, as in Triton) or every one (None)."""
+        with self._lock:
+            names = list(self._regions) if name is None else [name] if name in self._regions else []
+            gone = [self._regions.pop(n) for n in names]
+            for region in gone:
+                region.registered = False
+            closing = [r for r in gone if r.users == 0]
+        for region in closing:
+            region.close()
+
+    def close(self) -> None:
+        """At shutdown, after the drain: every region unmapped."""
+        self.unregister(None)
+
+    def status(self, name: str | None = None) -> list[dict[str, object]]:
+        with self._lock:
+            if name is None:
+                return [r.status() for _, r in sorted(self._regions.items())]
+            region = self._regions.get(name)
+        if region is None:
+            raise InvalidInput(f"no shared memory region {name!r} is registered")
+        return [region.status()]
+
+    def lease(self) -> Lease:
+        """A request's hold on the regions it uses (lease.py)."""
+        from .lease import Lease  # lease.py builds on this module
+
+        return Lease(self)
+
+    def acquire(self, name: object, where: str) -> Region:
+        """The region `name`, held by the caller until release()."""
+        if not isinstance(name, str):
+            raise InvalidInput(f"{where}: shared_memory_region must be a string, got {name!r}")
+        with self._lock:
+            region = self._regions.get(name)
+            if region is None:
+                raise InvalidInput(f"{where}: no shared memory region {name!r} is registered")
+            region.users += 1
+            return region
+
+    def release(self, region: Region) -> None:
+        with self._lock:
+            region.users -= 1
+            close = region.users == 0 and not region.registered
+        if close:
+            region.close()
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str) or not name or len(name) > MAX_KEY_LENGTH or "/" in name:
+        raise InvalidInput(f"shared memory region name must be a non-empty string without '/', got {name!r}")

@@ -1,0 +1,229 @@
+#!/usr/bin/env python3
+"""Camera frames over the Unix socket three ways, side by side in one run: JSON, Triton's binary
+tensor extension, and system shared memory (issue 30).
+
+Starts `edge-batcher serve` on a private Unix socket with `--repo` and drives `--model` (default
+`vision`: uint8 frames [N, 480, 640, 3]) with the same frames through each: `--concurrency`
+threads, one 1-frame request each at a time, for `--seconds`. The request bodies are encoded
+before the clock starts and each shared memory caller has its frames already in its region (a
+camera would write them there), so what is timed is the transport and the daemon, not this
+process's encoding. Outputs come back as JSON, as binary tensors, or written into the caller's
+region. The three are run in turn, `--repeats` times in rotated order; the table has each one's
+median run (throughput, p50, p99, ratios to binary) and the daemon's CPU time per request in that
+run. The load generator shares the machine with the daemon: compare figures from one run only.
+
+Usage: python tools/bench_shared_memory.py [--repo engines] [--model vision] [--shape 480,640,3]
+           [--seconds 5] [--concurrency 4] [--repeats 3] [--frames 8] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from edge_batcher.client import Client, SharedMemoryRegion  # noqa: E402
+from edge_batcher.client_shared_memory import encode_request as encode_with_regions  # noqa: E402
+from edge_batcher.protocol.v2 import (  # noqa: E402
+    BINARY_CONTENT_TYPE,
+    HEADER_LENGTH,
+    JSON_CONTENT_TYPE,
+    encode_request,  # noqa: E402
+)
+from edge_batcher.types import DATATYPE_TO_NUMPY  # noqa: E402
+
+MODES = ("JSON", "binary tensors", "shared memory")
+
+
+class UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str):
+        super().__init__("localhost", timeout=120)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(self.path)
+
+
+def start_daemon(home: Path, repo: Path, model: str) -> subprocess.Popen:
+    sock = home / "eb.sock"
+    (home / "config.toml").write_text(f'[server]\nunix_socket = "{sock}"\nlog_level = "WARNING"\n'
+                                      f'max_body_bytes = {256 << 20}\n[models]\nrepository = "{repo}"\n'
+                                      f'load = ["{model}"]\n')
+    proc = subprocess.Popen([sys.executable, "-m", "edge_batcher.cli", "serve", "--config", str(home / "config.toml")],
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=open(home / "daemon.log", "wb"),
+                            stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 180
+    with Client(f"unix://{sock}", timeout=2) as client:
+        while not client.ready():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"daemon did not start:\n{(home / 'daemon.log').read_text()}")
+            time.sleep(0.1)
+    return proc
+
+
+class Caller:
+    """One thread's connection and requests for one mode; call() sends the next frame."""
+
+    def __init__(self, sock: str, mode: str, model: str, input_name: str, frames: np.ndarray, outputs: dict):
+        self.conn = UnixConnection(sock)
+        self.path = f"/v2/models/{model}/infer"
+        self.region: SharedMemoryRegion | None = None
+        self.bodies: list[tuple[bytes, dict[str, str]]] = []
+        if mode == "shared memory":
+            frame_bytes = frames[0].nbytes
+            out_bytes = sum(outputs.values())
+            self.region = SharedMemoryRegion(f"bench-{uuid.uuid4().hex[:8]}", f"/eb-bench-{uuid.uuid4().hex[:12]}",
+                                             len(frames) * frame_bytes + out_bytes)
+            with Client(f"unix://{sock}") as client:
+                client.register_region(self.region)
+            places = {}
+            offset = len(frames) * frame_bytes
+            for name, size in outputs.items():
+                places[name] = self.region.output(offset, size)
+                offset += size
+            for i, frame in enumerate(frames):
+                placed = self.region.put(frame[None], offset=i * frame_bytes)
+                self.bodies.append(_headers(*encode_with_regions({input_name: placed}, places, outputs=None, id=None,
+                                                                 parameters=None, binary=True)))
+        else:
+            binary = mode == "binary tensors"
+            for frame in frames:
+                self.bodies.append(_headers(*encode_request({input_name: frame[None]}, binary_inputs=binary,
+                                                            binary_outputs=binary)))
+        self.next = 0
+
+    def call(self) -> None:
+        body, headers = self.bodies[self.next % len(self.bodies)]
+        self.next += 1
+        self.conn.request("POST", self.path, body=body, headers=headers)
+        response = self.conn.getresponse()
+        data = response.read()
+        if response.status != 200:
+            raise SystemExit(f"request failed: {response.status} {data[:300]!r}")
+
+    def close(self, sock: str) -> None:
+        self.conn.close()
+        if self.region is not None:
+            with Client(f"unix://{sock}") as client:
+                client.unregister_region(self.region.name)
+            self.region.close()
+
+
+def _headers(body: bytes, header_length: int | None) -> tuple[bytes, dict[str, str]]:
+    if header_length is None:
+        return body, {"Content-Type": JSON_CONTENT_TYPE}
+    return body, {"Content-Type": BINARY_CONTENT_TYPE, HEADER_LENGTH: str(header_length)}
+
+
+def closed_loop(callers: list[Caller], seconds: float) -> dict:
+    latencies: list[list[float]] = [[] for _ in callers]
+    stop_at = time.perf_counter() + seconds
+
+    def work(caller: Caller, out: list[float]) -> None:
+        while time.perf_counter() < stop_at:
+            t0 = time.perf_counter()
+            caller.call()
+            out.append(time.perf_counter() - t0)
+
+    for caller in callers:
+        caller.call()  # connections open, daemon paths warm
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=work, args=(c, out)) for c, out in zip(callers, latencies, strict=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    flat = np.asarray([x for out in latencies for x in out])
+    return {"requests": len(flat), "throughput_rps": len(flat) / wall,
+            "p50_ms": float(np.percentile(flat, 50)) * 1e3, "p99_ms": float(np.percentile(flat, 99)) * 1e3}
+
+
+def model_io(sock: str, model: str) -> tuple[str, dict[str, int]]:
+    """The model's first input, and each output's bytes for one row."""
+    with Client(f"unix://{sock}") as client:
+        meta = client.model_metadata(model)
+    outputs = {o["name"]: math.prod(max(d, 1) for d in o["shape"][1:]) * DATATYPE_TO_NUMPY[o["datatype"]].itemsize
+               for o in meta["outputs"]}
+    return meta["inputs"][0]["name"], outputs
+
+
+def run(args: argparse.Namespace, sock: str, daemon_pid: int) -> dict[str, dict]:
+    import psutil
+
+    daemon = psutil.Process(daemon_pid)
+    shape = tuple(int(d) for d in args.shape.split(","))
+    frames = np.random.default_rng(0).integers(0, 256, (args.frames, *shape), dtype=np.uint8)
+    input_name, outputs = model_io(sock, args.model)
+    runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+    for repeat in range(args.repeats):
+        for mode in MODES[repeat % 3:] + MODES[:repeat % 3]:
+            callers = [Caller(sock, mode, args.model, input_name, frames, outputs) for _ in range(args.concurrency)]
+            cpu0 = sum(daemon.cpu_times()[:2])
+            result = closed_loop(callers, args.seconds)
+            # the daemon's CPU per request: the server's cost, apart from the load generator's
+            result["daemon_cpu_ms"] = ((sum(daemon.cpu_times()[:2]) - cpu0) / (result["requests"] + len(callers))
+                                       * 1e3)
+            runs[mode].append(result)
+            for caller in callers:
+                caller.close(sock)
+    medians = {}
+    for mode, results in runs.items():
+        results.sort(key=lambda r: r["throughput_rps"])
+        medians[mode] = dict(results[len(results) // 2],
+                             range_rps=[results[0]["throughput_rps"], results[-1]["throughput_rps"]])
+    return medians
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repo", default=str(ROOT / "engines"))
+    parser.add_argument("--model", default="vision")
+    parser.add_argument("--shape", default="480,640,3", help="one frame's shape (uint8), without the batch")
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--frames", type=int, default=8, help="distinct frames each caller cycles through")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="eb-bench-shm-") as tmp:
+        proc = start_daemon(Path(tmp), Path(args.repo).resolve(), args.model)
+        try:
+            medians = run(args, str(Path(tmp) / "eb.sock"), proc.pid)
+        finally:
+            proc.terminate()
+            proc.wait(30)
+    if args.json:
+        print(json.dumps(medians, indent=2))
+        return 0
+    print(f"{args.model}, 1-frame uint8 [{args.shape}] requests over the Unix socket, {args.concurrency} callers, "
+          f"{args.seconds:g} s x {args.repeats} (median run), {os.cpu_count()} CPUs\n")
+    print("| transport | requests/s | (min-max of the runs) | vs binary | p50 ms | p50 vs binary | p99 ms | "
+          "daemon CPU ms/request |\n|---|---|---|---|---|---|---|---|")
+    base = medians["binary tensors"]
+    for mode, r in medians.items():
+        low, high = r["range_rps"]
+        print(f"| {mode} | {r['throughput_rps']:.1f} | {low:.1f}-{high:.1f} | "
+              f"{r['throughput_rps'] / base['throughput_rps']:.2f}x | {r['p50_ms']:.2f} | "
+              f"{r['p50_ms'] / base['p50_ms']:.2f}x | {r['p99_ms']:.2f} | {r['daemon_cpu_ms']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
