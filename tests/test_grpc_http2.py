@@ -175,6 +175,23 @@ def test_broken_framing_after_the_preface_closes_only_that_connection(echo):
         assert channel.unary_unary("/t/Echo")(b"ok", timeout=10) == b"ok"
 
 
+def test_a_client_that_floods_pings_without_reading_the_answers_is_disconnected(echo):
+    ping = http2.frame(http2.PING, 0, 0, b"12345678")
+    burst = ping * 4096  # 100 KiB of PINGs a write
+    sent = 0
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(str(echo.path))
+        s.sendall(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0))
+        with pytest.raises(OSError):  # reset or broken pipe once the daemon gives up on us
+            while sent < 64 * MiB:
+                s.sendall(burst)
+                sent += len(burst)
+    assert sent < 64 * MiB
+    with _channel(echo) as channel:
+        assert channel.unary_unary("/t/Echo")(b"ok", timeout=10) == b"ok"
+
+
 def test_an_idle_connection_is_closed_after_the_idle_timeout(tmp_path):
     with EchoServer(tmp_path / "idle.sock", idle_timeout_s=0.5) as server:
         with socket.socket(socket.AF_UNIX) as silent:

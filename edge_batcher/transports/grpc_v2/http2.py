@@ -34,6 +34,9 @@ MAX_FRAME = 16384  # the frames we accept (HTTP/2's default, advertised)
 MAX_HEADER_LIST = 16384  # decoded request headers per call
 MAX_STREAMS = 1000  # per connection; a client queues beyond it (the edge refuses by its own count)
 CONNECTION_WINDOW = 1 << 24  # the connection-level window, refilled as DATA arrives
+# Unsent bytes beyond which a client that keeps asking (PING, SETTINGS) without reading the
+# answers is disconnected: a flood of 9-byte frames must not grow our write buffer for ever.
+MAX_UNREAD_CONTROL = 4 << 20
 
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
@@ -60,7 +63,7 @@ def literal(name: bytes, value: bytes) -> bytes:
 
 
 def grpc_message(text: str) -> bytes:
-    """gRPC's percent-encoding of grpc-message (UTF-8, printable ASCII but '%' kept as is)."""
+    """gRPC's percent-encoding of grpc-message: UTF-8, every byte but printable ASCII (and '%') as %XX."""
     return b"".join(bytes([b]) if 0x20 <= b <= 0x7E and b != 0x25 else b"%%%02X" % b for b in text.encode())
 
 
@@ -232,8 +235,8 @@ class GrpcConnection(asyncio.Protocol):
             if not flags & ACK:
                 self._on_settings(payload)
         elif kind == PING:
-            if not flags & ACK and self.transport is not None:
-                self.transport.write(frame(PING, ACK, 0, payload))
+            if not flags & ACK and self._reading_answers():
+                self._write(frame(PING, ACK, 0, payload))
         elif kind == WINDOW_UPDATE:
             self._on_window_update(stream_id, payload)
         elif kind == RST_STREAM:
@@ -356,7 +359,15 @@ class GrpcConnection(asyncio.Protocol):
                 self._window_changed()
             elif key == SETTINGS_MAX_FRAME_SIZE:
                 self.peer_max_frame = max(MAX_FRAME, min(value, (1 << 24) - 1))
-        self._write(frame(SETTINGS, ACK, 0))
+        if self._reading_answers():
+            self._write(frame(SETTINGS, ACK, 0))
+
+    def _reading_answers(self) -> bool:
+        """False (and the connection closed) when the client lets our answers pile up unread."""
+        if self.transport is not None and self.transport.get_write_buffer_size() > MAX_UNREAD_CONTROL:
+            self._fail(ENHANCE_YOUR_CALM, f"over {MAX_UNREAD_CONTROL >> 20} MiB of answers left unread")
+            return False
+        return True
 
     def _on_window_update(self, stream_id: int, payload: bytes) -> None:
         if len(payload) != 4:
