@@ -249,3 +249,20 @@ def test_index_add_to_an_index_without_sentence_vectors_embeds_them(tmp_path, mi
     assert index_cli.main(["add", str(b), *common]) == 0
     index = load_index(tmp_path / "idx")
     assert list(index.sentences.passage) == [0, 0, 1]
+
+
+def test_the_query_aware_settings_are_read_and_checked(tmp_path):
+    from edge_batcher.config import load_model_config
+    from edge_batcher.errors import ConfigError
+    from edge_batcher.rag.settings import fusion_from, rag_settings
+
+    def settings(extra: str):
+        (tmp_path / "model.toml").write_text(f'backend = "rag"\n[rag]\nembedding_model = "minilm"\n{extra}\n')
+        return rag_settings(load_model_config(tmp_path))
+
+    assert fusion_from(settings("")) == DEFAULT_FUSION
+    fusion = fusion_from(settings("coverage_exponent = 0.0\nambiguous_margin = 0.2"))
+    assert fusion.coverage_exponent == 0.0 and fusion.ambiguous_margin == 0.2
+    for bad in ("coverage_exponent = -1", "ambiguous_margin = 1.5"):
+        with pytest.raises(ConfigError, match="coverage_exponent must be >= 0 and ambiguous_margin in"):
+            settings(bad)
