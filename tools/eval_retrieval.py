@@ -127,8 +127,8 @@ def rankings(configured: Fusion) -> dict[str, Ranking]:
             "hybrid, lexical weight 0.5": fused(Fusion(lexical_weight=0.5)),
             "hybrid top-3 re-scored by sentence": reranked(3),
             "hybrid + feedback (Rocchio 0.2)": feedback(0.2),
-            "query-aware, lexical weight 0.5 x coverage^0.5 (chosen on dev)": fused(Fusion(lexical_weight=0.5,
-                                                                                        coverage_exponent=0.5)),
+            "round 1 choice: 0.5 x coverage^0.5 (chosen on dev)": fused(Fusion(lexical_weight=0.5,
+                                                                               coverage_exponent=0.5)),
             "shipped default (as configured)": fused(configured)}
 
 
