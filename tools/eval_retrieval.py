@@ -1,18 +1,18 @@
 #!/usr/bin/env python3
-"""Retrieval quality of the RAG index on the question sets in docs/corpus: top-1 and top-3 for
-dense, lexical and hybrid ranking (docs/rag.md, "Retrieval quality").
+"""Retrieval quality of the RAG index on the question sets in docs/corpus: top-1 and top-3 of
+every ranking on every set, side by side, and the search time per question (docs/rag.md,
+"Retrieval quality").
 
-    .venv/bin/python tools/eval_retrieval.py                  # the table, with [rag] settings of engines/rag
-    .venv/bin/python tools/eval_retrieval.py --tune           # grid over fusion weights, on the dev split only
-    .venv/bin/python tools/eval_retrieval.py --misses         # also list the questions ranked wrong
-    .venv/bin/python tools/eval_retrieval.py --holdout        # add the held-out set (questions-holdout.json)
+    .venv/bin/python tools/eval_retrieval.py            # dev splits only: what settings are chosen on
+    .venv/bin/python tools/eval_retrieval.py --test     # add the test splits and the held-out set (once)
+    .venv/bin/python tools/eval_retrieval.py --misses   # also list the questions the shipped default ranks wrong
+    .venv/bin/python tools/eval_retrieval.py --tune     # grid over lexical weight and coverage exponent, dev only
 
 The corpus is split and embedded here exactly as `edge-batcher index add` does, with the minilm
 model of --model-repo (default ./engines; built by `make models`). Each question file holds
-{"questions": [{"question", "passage", "split"?}]}; "split" is "dev" (used for tuning) or
-"test" (never used for tuning); the shipped ten have none and count as dev. The held-out set
-(questions-holdout.json) is read only with --holdout: it was written before the retrieval of
-issue 21 was changed and is evaluated once, after the settings were fixed, never while choosing.
+{"questions": [{"question", "passage", "split"?}]}; "split" is "dev" (may be used for choosing
+settings), "test" or "holdout" (never used for choosing: evaluated with --test, once, after the
+settings were fixed); the shipped ten have none and count as dev.
 """
 
 from __future__ import annotations
@@ -20,21 +20,38 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from edge_batcher.config import load_model_config  # noqa: E402
 from edge_batcher.rag.embed import TextEmbeddingEngine  # noqa: E402
-from edge_batcher.rag.fusion import Fusion  # noqa: E402
+from edge_batcher.rag.fusion import EQUAL_WEIGHTS, Fusion, minmax  # noqa: E402
 from edge_batcher.rag.index import Index, embed_passages  # noqa: E402
 from edge_batcher.rag.passages import split_file  # noqa: E402
 
 CORPUS = ROOT / "docs" / "corpus"
-QUESTION_FILES = ("questions.json", "questions-technician.json")
-HOLDOUT_FILE = "questions-holdout.json"
+QUESTION_FILES = ("questions.json", "questions-technician.json", "questions-paraphrase.json",
+                  "questions-holdout.json", "questions-paraphrase-holdout.json")
+# column name -> (file, split); None: the whole file
+SETS = {"shipped ten": ("questions.json", None),
+        "technician dev": ("questions-technician.json", "dev"),
+        "paraphrase dev": ("questions-paraphrase.json", "dev"),
+        "technician test": ("questions-technician.json", "test"),
+        "paraphrase test": ("questions-paraphrase.json", "test"),
+        "held out": ("questions-holdout.json", None),
+        "paraphrase held out": ("questions-paraphrase-holdout.json", None)}
+DEV_SETS = ("shipped ten", "technician dev", "paraphrase dev")
+
+# A ranking: (index, query vectors, question texts) -> ids of the top 3 for each question.
+Ranking = Callable[[Index, np.ndarray, list[str]], list[list[str]]]
 
 
 def load_questions(corpus: Path = CORPUS, files=QUESTION_FILES) -> list[dict]:
@@ -45,6 +62,11 @@ def load_questions(corpus: Path = CORPUS, files=QUESTION_FILES) -> list[dict]:
     return out
 
 
+def in_set(question: dict, name: str) -> bool:
+    file, split = SETS[name]
+    return question["file"] == file and (split is None or question["split"] == split)
+
+
 def build_index(embedder: TextEmbeddingEngine, corpus: Path = CORPUS) -> Index:
     """The corpus as `edge-batcher index add` builds it: passages, their vectors and their sentences'."""
     passages = [p for path in sorted(corpus.glob("*.md")) for p in split_file(path)]
@@ -52,83 +74,150 @@ def build_index(embedder: TextEmbeddingEngine, corpus: Path = CORPUS) -> Index:
     return Index(passages, vectors, {}, sentences=sentences)
 
 
-def evaluate(index: Index, vectors, questions: list[dict], fusion: Fusion) -> dict:
-    """top-1 / top-3 hit rates of `questions` (their embeddings in `vectors`) under `fusion`."""
-    hits = index.search_fused(vectors, [q["question"] for q in questions], 3, fusion)
-    top1 = top3 = 0
-    misses = []
-    for q, row in zip(questions, hits):
-        ids = [h.passage.id for h in row]
-        top1 += ids[0] == q["passage"]
-        top3 += q["passage"] in ids
-        if ids[0] != q["passage"]:
-            misses.append({"question": q["question"], "expected": q["passage"], "got": ids})
-    n = len(questions)
-    return {"n": n, "top1": top1, "top3": top3, "top1_rate": top1 / n if n else 0.0,
-            "top3_rate": top3 / n if n else 0.0, "misses": misses}
+def fused(fusion: Fusion) -> Ranking:
+    def rank(index: Index, vectors: np.ndarray, texts: list[str]) -> list[list[str]]:
+        return [[h.passage.id for h in row] for row in index.search_fused(vectors, texts, 3, fusion)]
+    return rank
 
 
-def tune(index: Index, vectors, questions: list[dict]) -> list[tuple[float, float, Fusion]]:
-    """Every weighting of a small grid (min-max fusion) with its (top-1, top-3) on `questions`,
-    best first: how sensitive the result is to the weights (the shipped ones are all 1, untuned)."""
-    results = []
-    for sentence_weight, lexical_weight in itertools.product((0.0, 0.5, 1.0, 2.0), (0.0, 0.5, 1.0, 1.5, 2.0)):
-        fusion = Fusion("hybrid", 1.0, lexical_weight, 60.0, "minmax", sentence_weight)
-        r = evaluate(index, vectors, questions, fusion)
-        results.append((r["top1_rate"], r["top3_rate"], fusion))
-    return sorted(results, key=lambda t: (-t[0], -t[1]))
+def _signals(index: Index, vectors: np.ndarray, texts: list[str]):
+    """Per question: min-max normalised passage cosine, best-sentence cosine and BM25."""
+    vectors = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    dense = vectors @ index.embeddings.T
+    sentence = index.best_sentence(dense, vectors)
+    assert sentence is not None
+    for n, text in enumerate(texts):
+        yield n, minmax(dense[n]), minmax(sentence[n]), minmax(index.lexical.scores(text))
 
 
-def rankings(configured: Fusion) -> dict[str, Fusion]:
-    """The rankings compared in docs/rag.md, by name."""
-    return {"dense (passage cosine)": Fusion("dense", sentence_weight=0.0),
-            "dense + best sentence": Fusion("dense", configured.dense_weight, 0.0, 60.0, "minmax",
-                                            configured.sentence_weight or 1.0),
-            "lexical (BM25)": Fusion("lexical"),
-            "hybrid RRF, passage cosine (before)": Fusion("hybrid", 1.0, 0.5, 5.0, "rrf", 0.0),
-            "hybrid (configured)": configured}
+def reranked(k: int, lexical_weight: float = 1.0) -> Ranking:
+    """Candidate: the equal-weight hybrid's top k, re-scored by passage + best-sentence cosine."""
+    def rank(index: Index, vectors: np.ndarray, texts: list[str]) -> list[list[str]]:
+        out = []
+        for _, d, s, lex in _signals(index, vectors, texts):
+            top = np.argsort(-(d + s + lexical_weight * lex), kind="stable")[:k]
+            top = top[np.argsort(-(d[top] + s[top]), kind="stable")]
+            out.append([index.passages[i].id for i in top[:3]])
+        return out
+    return rank
+
+
+def feedback(beta: float, lexical_weight: float = 0.5, depth: int = 3) -> Ranking:
+    """Candidate: pseudo-relevance feedback (Rocchio): the question vector moved towards the mean
+    of the hybrid's first `depth` passages, then ranked again."""
+    def rank(index: Index, vectors: np.ndarray, texts: list[str]) -> list[list[str]]:
+        out = []
+        unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+        for n, d, s, lex in _signals(index, vectors, texts):
+            first = np.argsort(-(d + s + lexical_weight * lex), kind="stable")[:depth]
+            moved = unit[n] + beta * index.embeddings[first].mean(axis=0)
+            d2 = minmax(index.embeddings @ (moved / np.linalg.norm(moved)))
+            out.append([index.passages[i].id for i in np.argsort(-(d2 + s + lexical_weight * lex), kind="stable")[:3]])
+        return out
+    return rank
+
+
+def rankings(configured: Fusion) -> dict[str, Ranking]:
+    """The rankings compared in docs/rag.md, by name: single methods first, then the hybrids."""
+    return {"dense (passage cosine)": fused(Fusion("dense", sentence_weight=0.0)),
+            "dense + best sentence": fused(Fusion("dense", 1.0, 0.0, 60.0, "minmax", 1.0)),
+            "lexical (BM25)": fused(Fusion("lexical")),
+            "hybrid RRF, passage cosine": fused(Fusion("hybrid", 1.0, 0.5, 5.0, "rrf", 0.0)),
+            "hybrid, equal weights (old default)": fused(EQUAL_WEIGHTS),
+            "hybrid, lexical weight 0.5": fused(Fusion(lexical_weight=0.5)),
+            "hybrid top-3 re-scored by sentence": reranked(3),
+            "hybrid + feedback (Rocchio 0.2)": feedback(0.2),
+            "round 1 choice: 0.5 x coverage^0.5 (chosen on dev)": fused(Fusion(lexical_weight=0.5,
+                                                                               coverage_exponent=0.5)),
+            "shipped default (as configured)": fused(configured)}
+
+
+SINGLE = ("dense (passage cosine)", "dense + best sentence", "lexical (BM25)")
+
+
+def top_hits(ranked: list[list[str]], questions: list[dict]) -> tuple[int, int]:
+    return (sum(ids[0] == q["passage"] for ids, q in zip(ranked, questions)),
+            sum(q["passage"] in ids for ids, q in zip(ranked, questions)))
+
+
+def search_time(index: Index, vectors: np.ndarray, texts: list[str], fusions: dict[str, Fusion],
+                repeats: int = 5) -> dict[str, float]:
+    """Median seconds of one question's search (BM25 + vectors + fusion; the question already
+    embedded) under each fusion, interleaved so that every fusion sees the same machine load."""
+    times: dict[str, list[float]] = {name: [] for name in fusions}
+    for _ in range(repeats):
+        for n in range(len(texts)):
+            for name, fusion in fusions.items():
+                t0 = time.perf_counter()
+                index.search_fused(vectors[n:n + 1], texts[n:n + 1], 3, fusion)
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def embed_time(embedder: TextEmbeddingEngine, texts: list[str], repeats: int = 3) -> float:
+    """Median seconds to embed one question (what every ranking pays first)."""
+    times = []
+    for _ in range(repeats):
+        for text in texts:
+            t0 = time.perf_counter()
+            embedder.embed([text])
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model-repo", type=Path, default=ROOT / "engines")
-    parser.add_argument("--tune", action="store_true", help="grid over lexical weight and rrf_k on the dev split")
+    parser.add_argument("--test", action="store_true", help="add the test splits and held-out sets (once, at the end)")
+    parser.add_argument("--tune", action="store_true", help="grid over lexical weight and coverage exponent, dev only")
     parser.add_argument("--misses", action="store_true")
-    parser.add_argument("--holdout", action="store_true", help=f"also evaluate {HOLDOUT_FILE} (once, at the end)")
     args = parser.parse_args(argv)
     from edge_batcher.rag.settings import fusion_from, rag_settings
 
     embedder = TextEmbeddingEngine(load_model_config(args.model_repo / "minilm"))
     embedder.load()
     index = build_index(embedder)
-    questions = load_questions(files=QUESTION_FILES + ((HOLDOUT_FILE,) if args.holdout else ()))
+    questions = load_questions()
     vectors = embedder.embed([q["question"] for q in questions])
     configured = fusion_from(rag_settings(load_model_config(args.model_repo / "rag")))
+    columns = list(SETS) if args.test else list(DEV_SETS)
+    members = {name: [i for i, q in enumerate(questions) if in_set(q, name)] for name in columns}
+
+    def score(rank: Ranking, name: str) -> tuple[int, int]:
+        idx = members[name]
+        return top_hits(rank(index, vectors[idx], [questions[i]["question"] for i in idx]), [questions[i] for i in idx])
+
     if args.tune:
-        dev = [i for i, q in enumerate(questions) if q["split"] == "dev"]
-        for top1, top3, f in tune(index, vectors[dev], [questions[i] for i in dev]):
-            print(f"dev top-1 {top1:.3f} top-3 {top3:.3f}  sentence_weight={f.sentence_weight} "
-                  f"lexical_weight={f.lexical_weight}")
+        for lexical_weight, exponent in itertools.product((0.25, 0.35, 0.5, 0.75, 1.0), (0.0, 0.5, 1.0, 2.0)):
+            fusion = Fusion(lexical_weight=lexical_weight, coverage_exponent=exponent)
+            cells = [score(fused(fusion), name) for name in DEV_SETS]
+            print(f"lexical_weight={lexical_weight} coverage_exponent={exponent}: " +
+                  ", ".join(f"{n} {t1}/{len(members[n])} (top-3 {t3})" for n, (t1, t3) in zip(DEV_SETS, cells)) +
+                  f"; dev top-1 {sum(t1 for t1, _ in cells)}")
         return 0
-    subsets = {"shipped ten": lambda q: q["file"] == "questions.json",
-               "technician dev": lambda q: q["file"] != "questions.json" and q["split"] == "dev",
-               "technician test": lambda q: q["file"] == "questions-technician.json" and q["split"] == "test",
-               "dev + test": lambda q: q["file"] in QUESTION_FILES}
-    if args.holdout:
-        subsets["held out"] = lambda q: q["file"] == HOLDOUT_FILE
-        subsets["all"] = lambda q: True
-    print(f"hybrid = {configured}")
-    print("| ranking | " + " | ".join(f"{name} (n)" for name in subsets) + " |")
-    for mode, fusion in rankings(configured).items():
+    print(f"shipped default = {configured}")
+    print("| ranking | " + " | ".join(f"{name} ({len(members[name])})" for name in columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
+    for label, rank in rankings(configured).items():
         cells = []
-        for name, keep in subsets.items():
-            idx = [i for i, q in enumerate(questions) if keep(q)]
-            r = evaluate(index, vectors[idx], [questions[i] for i in idx], fusion)
-            cells.append(f"{r['top1']}/{r['n']} ({r['top1_rate']:.0%}), top-3 {r['top3']}/{r['n']}")
-            if args.misses and name == "dev + test":
-                for m in r["misses"]:
-                    print(f"  {mode} miss: {m['question']!r} -> {m['got']} (expected {m['expected']})")
-        print(f"| {mode} | " + " | ".join(cells) + " |")
+        for name in columns:
+            t1, t3 = score(rank, name)
+            cells.append(f"{t1} ({t1 / len(members[name]):.0%}), top-3 {t3}")
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    if args.misses:
+        for name in columns:
+            idx = members[name]
+            ranked = fused(configured)(index, vectors[idx], [questions[i]["question"] for i in idx])
+            for i, ids in zip(idx, ranked):
+                if ids[0] != questions[i]["passage"]:
+                    print(f"  {name} miss: {questions[i]['question']!r} -> {ids} (expected {questions[i]['passage']})")
+    texts = [q["question"] for q in questions]
+    medians = search_time(index, vectors, texts, {"old default": EQUAL_WEIGHTS, "configured": configured})
+    embed = embed_time(embedder, texts[:40])
+    old, new = medians["old default"], medians["configured"]
+    print(f"\nper question, median over {len(texts)} questions x 5, side by side: search old default "
+          f"{old * 1e3:.3f} ms, configured {new * 1e3:.3f} ms (ratio {new / old:.2f}); embedding the question "
+          f"{embed * 1e3:.2f} ms; embed + search {(embed + old) * 1e3:.2f} -> {(embed + new) * 1e3:.2f} ms")
     return 0
 
 

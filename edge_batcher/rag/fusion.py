@@ -6,14 +6,18 @@ sentence among four others is not diluted by them) and **lexical** (BM25, exact 
 have nothing in common in scale (cosines in [-1, 1], BM25 unbounded), so each is first brought
 to [0, 1] over the passages of this question (min-max: the best passage 1, the worst 0) and the
 results are added with their weights (CombSUM, Fox & Shaw 1994; a convex combination of
-normalised scores, which Bruch et al. 2023 found more accurate than rank fusion). The weights
-default to 1, equal: no setting was tuned to the question sets (docs/rag.md). A signal with no
-spread (a question sharing no word with any passage) adds nothing.
+normalised scores, which Bruch et al. 2023 found more accurate than rank fusion). BM25's weight
+depends on the question: it is scaled by ``coverage ** coverage_exponent``, coverage being the
+idf-weighted share of the question's terms that occur in the passages at all (lexical.py), so
+a question in the manual's words keeps the keyword signal and one in the technician's own words
+is ranked mostly by meaning (docs/rag.md, "Retrieval quality"). A signal with no spread (a
+question sharing no word with any passage) adds nothing.
 
 The older reciprocal rank fusion stays available (`method = "rrf"`): each signal adds
 ``weight / (rrf_k + rank)``, ranks counted from 1, a passage sharing no term with the question
 getting no lexical share. [rag] retrieval = "dense" uses the two cosine signals alone,
-"lexical" BM25 alone.
+"lexical" BM25 alone. The first passage's lead over the second (index.py, lead()) is reported with
+it; below `ambiguous_margin` it is marked ambiguous, the answer possibly from the wrong one.
 """
 
 from __future__ import annotations
@@ -34,10 +38,15 @@ class Fusion:
     rrf_k: float = 60.0  # method "rrf" only
     method: str = "minmax"
     sentence_weight: float = 1.0  # 0: the passage cosine alone is the dense signal
+    coverage_exponent: float = 0.0  # lexical weight x coverage ** this; 0: a fixed weight
+    ambiguous_margin: float = 0.05  # a first passage leading the second by less is marked ambiguous
 
 
-# The shipped defaults ([rag] retrieval settings): equal weights, not tuned (docs/rag.md).
-DEFAULT_FUSION = Fusion()
+# The shipped defaults ([rag] retrieval settings): equal weights, BM25's scaled by the square root
+# of the question's coverage; chosen on the seen question sets, checked on a held-out one (docs/rag.md).
+DEFAULT_FUSION = Fusion(coverage_exponent=0.5)
+# The default before issue 29 (equal fixed weights), kept for the comparison in tools/eval_retrieval.py.
+EQUAL_WEIGHTS = Fusion()
 
 
 def ranks(scores: np.ndarray) -> np.ndarray:
@@ -60,17 +69,19 @@ def minmax(scores: np.ndarray) -> np.ndarray:
 
 
 def fused_scores(dense: np.ndarray, lexical: np.ndarray, fusion: Fusion,
-                 sentence: np.ndarray | None = None) -> np.ndarray:
+                 sentence: np.ndarray | None = None, coverage: float = 1.0) -> np.ndarray:
     """The score each passage is ranked by under `fusion` (higher is better). `sentence` is each
-    passage's best sentence cosine, None when the index has no sentence vectors."""
+    passage's best sentence cosine, None when the index has no sentence vectors; `coverage` is
+    the share of the question's terms the passages know (Bm25.coverage)."""
     if fusion.mode == "lexical":
         # Passages with no shared term fall back to their dense order, behind every lexical match.
         return np.where(lexical > 0, lexical + 2.0, dense.astype(np.float64))
     signals: list[tuple[np.ndarray, float, np.ndarray | None]] = [(dense, fusion.dense_weight, None)]
     if sentence is not None and fusion.sentence_weight > 0:
         signals.append((sentence, fusion.sentence_weight, None))
-    if fusion.mode == "hybrid" and fusion.lexical_weight > 0:
-        signals.append((lexical, fusion.lexical_weight, lexical > 0))
+    lexical_weight = fusion.lexical_weight * coverage ** fusion.coverage_exponent
+    if fusion.mode == "hybrid" and lexical_weight > 0:
+        signals.append((lexical, lexical_weight, lexical > 0))
     if fusion.mode == "dense" and len(signals) == 1:
         return dense.astype(np.float64)
     out = np.zeros(len(dense), dtype=np.float64)

@@ -115,6 +115,8 @@ class Hit:
     lexical: float | None = None  # BM25 score, when the lexical ranking took part
     fused: float | None = None  # the fused score it was ranked by (fusion.py)
     sentence: float | None = None  # cosine of its best sentence, when the index has sentence vectors
+    margin: float | None = None  # first hit only: its lead over the second in fused score (lead())
+    ambiguous: bool | None = None  # first hit only: margin below the fusion's ambiguous_margin
 
     def to_json(self) -> dict:
         out = {"rank": self.rank, "id": self.passage.id, "title": self.passage.title,
@@ -125,6 +127,10 @@ class Hit:
             out["sentence"] = round(self.sentence, 4)
         if self.fused is not None:
             out["fused"] = round(self.fused, 6)
+        if self.margin is not None:
+            out["margin"] = round(self.margin, 4)
+        if self.ambiguous is not None:
+            out["ambiguous"] = self.ambiguous
         return out
 
 
@@ -198,12 +204,25 @@ class Index:
         for n, (dense, text) in enumerate(zip(dense_rows, texts)):
             lexical = self.lexical.scores(text)
             sentence = sentence_rows[n] if sentence_rows is not None else None
-            fused = fused_scores(dense, lexical, fusion, sentence)
-            top = np.argsort(-fused, kind="stable")[:k]
-            out.append([Hit(self.passages[i], float(dense[i]), r + 1, float(lexical[i]),
-                            float(fused[i]) if fusion.mode != "lexical" else None,
-                            float(sentence[i]) if sentence is not None else None) for r, i in enumerate(top)])
+            coverage = self.lexical.coverage(text) if fusion.coverage_exponent > 0 else 1.0
+            fused = fused_scores(dense, lexical, fusion, sentence, coverage)
+            order = np.argsort(-fused, kind="stable")
+            row = [Hit(self.passages[i], float(dense[i]), r + 1, float(lexical[i]),
+                       float(fused[i]) if fusion.mode != "lexical" else None,
+                       float(sentence[i]) if sentence is not None else None) for r, i in enumerate(order[:k])]
+            if row and fusion.mode != "lexical":
+                row[0].margin = lead(fused, order)
+                row[0].ambiguous = row[0].margin < fusion.ambiguous_margin
+            out.append(row)
         return out
+
+
+def lead(fused: np.ndarray, order: np.ndarray) -> float:
+    """How far the first passage is ahead of the second, as a share of the first's fused score
+    (1: alone; near 0: a toss-up between the two)."""
+    if len(order) < 2 or fused[order[0]] <= 0:
+        return 1.0
+    return float((fused[order[0]] - fused[order[1]]) / fused[order[0]])
 
 
 def _sha256(path: Path) -> str:

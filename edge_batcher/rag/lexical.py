@@ -91,6 +91,7 @@ class Bm25:
         self._postings = {t: (np.array(d, dtype=np.int64), np.array(f, dtype=np.float64))
                           for t, (d, f) in postings.items()}
         self._idf = {t: math.log(1.0 + (n - len(d) + 0.5) / (len(d) + 0.5)) for t, (d, _) in self._postings.items()}
+        self._unknown_idf = math.log(1.0 + (n + 0.5) / 0.5)  # what a term in no passage would weigh
 
     @classmethod
     def from_texts(cls, texts: list[str], k1: float = DEFAULT_K1, b: float = DEFAULT_B) -> Bm25:
@@ -109,6 +110,14 @@ class Bm25:
             docs, tf = posting
             out[docs] += qtf * self._idf[term] * tf * (self.k1 + 1.0) / (tf + self._norm[docs])
         return out
+
+    def coverage(self, query: str) -> float:
+        """The idf-weighted share of the query's distinct terms that occur in some passage, in
+        [0, 1] (0 for a query with no terms). A term in no passage weighs as an idf at df = 0, more
+        than any known term: a question whose content words the manual never uses scores low."""
+        weights = [(self._idf.get(t, self._unknown_idf), t in self._idf) for t in set(analyze(query))]
+        total = sum(w for w, _ in weights)
+        return sum(w for w, known in weights if known) / total if total else 0.0
 
     def to_json(self) -> dict:
         return {"analyzer": ANALYZER, "k1": self.k1, "b": self.b, "counts": self.counts}

@@ -410,6 +410,7 @@ class RagService(ServiceAccounting):
             "retrieval": {"mode": self.fusion.mode, "fusion": self.fusion.method,
                           "dense_weight": self.fusion.dense_weight, "sentence_weight": self.fusion.sentence_weight,
                           "lexical_weight": self.fusion.lexical_weight, "rrf_k": self.fusion.rrf_k,
+                          "coverage_exponent": self.fusion.coverage_exponent,
                           "sentence_vectors": bool(index is not None and index.sentences is not None)},
             "passages_returned": c["passages_returned"],
             "sentences_embedded": c["sentences_embedded"],  # extractive answers' sentences, ranked by embedding model

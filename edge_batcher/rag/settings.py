@@ -31,15 +31,18 @@ class RagSettings:
     fusion: str = DEFAULT_FUSION.method  # "minmax" (normalised scores added) or "rrf" (reciprocal rank fusion)
     dense_weight: float = DEFAULT_FUSION.dense_weight  # weight of the passage cosine
     sentence_weight: float = DEFAULT_FUSION.sentence_weight  # ... of the best sentence's cosine
-    lexical_weight: float = DEFAULT_FUSION.lexical_weight  # ... of BM25
+    lexical_weight: float = DEFAULT_FUSION.lexical_weight  # ... of BM25, times coverage ** coverage_exponent
+    coverage_exponent: float = DEFAULT_FUSION.coverage_exponent  # 0: BM25's weight does not depend on the question
     rrf_k: float = DEFAULT_FUSION.rrf_k  # "rrf" only: rank offset; small values let the first places dominate
     answer_sentences: int = 2  # extractive answers: at most this many sentences ...
     sentence_margin: float = 0.1  # ... each within this cosine of the best one
+    ambiguous_margin: float = DEFAULT_FUSION.ambiguous_margin  # sources: first passage ambiguous below this lead
     peer: ChatPeerSettings | None = None  # [rag.peer]: an OpenAI-compatible generation server
 
 
 def fusion_from(s: RagSettings) -> Fusion:
-    return Fusion(s.retrieval, s.dense_weight, s.lexical_weight, s.rrf_k, s.fusion, s.sentence_weight)
+    return Fusion(s.retrieval, s.dense_weight, s.lexical_weight, s.rrf_k, s.fusion, s.sentence_weight,
+                  s.coverage_exponent, s.ambiguous_margin)
 
 
 def rag_settings(config: ModelConfig) -> RagSettings:
@@ -57,6 +60,9 @@ def rag_settings(config: ModelConfig) -> RagSettings:
     if min(weights) < 0 or sum(weights) <= 0 or s.rrf_k < 0:
         raise ConfigError(f"{where} dense_weight, sentence_weight, lexical_weight and rrf_k must be >= 0 (and one "
                           f"weight > 0), got {s.dense_weight}, {s.sentence_weight}, {s.lexical_weight}, {s.rrf_k}")
+    if s.coverage_exponent < 0 or not 0 <= s.ambiguous_margin <= 1:
+        raise ConfigError(f"{where} coverage_exponent must be >= 0 and ambiguous_margin in [0, 1], "
+                          f"got {s.coverage_exponent}, {s.ambiguous_margin}")
     if not 1 <= s.top_k <= s.max_top_k:
         raise ConfigError(f"{where} top_k: expected 1..max_top_k ({s.max_top_k}), got {s.top_k}")
     if s.max_rows <= 0 or s.max_question_chars <= 0:

@@ -34,6 +34,16 @@ def test_rag_answers_with_sources_over_the_socket(start_daemon):
         assert [s["rank"] for s in sources[0]] == [1, 2, 3] and sources[0][0]["score"] >= sources[0][1]["score"]
         assert sources[0][0]["source"] == "vibration-sensor-manual.md"
 
+        # A close call between the first two passages is marked in the first source (issue 29): the
+        # first question ranks a wrong passage first, 0.3% ahead of the right one.
+        out = client.infer("rag", {"question": text("what happens if I overtighten the sensor stud",
+                                                     "How do I update the sensor firmware?")})
+        close, clear = [json.loads(s) for s in out["sources"]]
+        assert close[0]["ambiguous"] is True and 0 <= close[0]["margin"] < 0.05, close[0]
+        assert "vibration-sensor-manual#stud-mounting" in [s["id"] for s in close[:2]]
+        assert clear[0]["ambiguous"] is False and clear[0]["margin"] > 0.3, clear[0]
+        assert all("margin" not in s and "ambiguous" not in s for s in close[1:] + clear[1:])
+
         # The embedding model is a model of its own: text in, unit-length 384-d vectors out.
         emb = client.infer("minilm", {"text": text("bearing fault", "battery voltage")})["embedding"]
         assert emb.shape == (2, 384) and np.allclose(np.linalg.norm(emb, axis=1), 1.0, atol=1e-5)

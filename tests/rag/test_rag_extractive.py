@@ -54,6 +54,18 @@ async def test_the_answer_is_the_sentence_that_answers(client, question, expecte
     assert all(s["text"] not in answer for s in body["sources"])
 
 
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_close_call_is_marked_in_the_sources_and_the_stats_name_the_fusion(client):
+    r = await client.post("/v2/models/rag/generate", json={"text_input": "Where on the machine should the sensor go?"})
+    body = await r.json()
+    assert r.status == 200, body
+    first = body["sources"][0]
+    assert first["ambiguous"] is True and 0 <= first["margin"] < 0.05, first  # measured 0.023
+    assert "vibration-sensor-manual#choosing-the-mounting-location" in [s["id"] for s in body["sources"][:2]]
+    stats = (await (await client.get("/v2/models/rag/stats")).json())["model_stats"][0]
+    assert stats["retrieval"]["coverage_exponent"] == 0.5 and stats["retrieval"]["lexical_weight"] == 1.0
+
+
 def test_sentences_rank_and_keep_document_order():
     hits = [Hit(Passage("m#a", "Manual > Battery",
                         "Replace it below 3.3 V. Use ER14505 cells.\n\n- Tape the poles.\n- Recycle."), 0.9, 1),

@@ -1,11 +1,11 @@
-"""Hybrid retrieval (passage cosine + best sentence cosine + BM25, min-max fusion) on the
-enlarged question sets.
+"""Hybrid retrieval (passage cosine + best sentence cosine + BM25 weighted by the question's
+term coverage, min-max fusion) on every question set, against every single method.
 
-The technician questions (docs/corpus/questions-technician.json) were written before anything
-was measured; the fusion was chosen on their dev split only, and its weights are all 1 (not
-tuned). The held-out questions (questions-holdout.json) were written before the fusion changed
-and evaluated once, at the end. The thresholds are the figures measured (docs/rag.md), less one
-question of margin, so a regression in splitting, analysing, sentence scoring or fusing shows
+Every set was written before anything was measured on it. The technician set's dev split and the
+paraphrase set's dev split (docs/corpus/questions-paraphrase.json) were used to choose; their test
+splits and questions-holdout.json were evaluated once; the final setting was then checked once on
+questions-paraphrase-holdout.json. The thresholds are the figures measured (docs/rag.md), less
+one question of margin, so a regression in splitting, analysing, sentence scoring or fusing shows
 up here.
 """
 
@@ -20,10 +20,14 @@ from edge_batcher.config import load_model_config
 from edge_batcher.rag import index_cli
 from edge_batcher.rag.embed import TextEmbeddingEngine
 from edge_batcher.rag.fusion import DEFAULT_FUSION, Fusion, fused_scores, ranks
-from edge_batcher.rag.index import Index, embed_passages, load_index, read_meta, write_index
+from edge_batcher.rag.index import Index, embed_passages, lead, load_index, read_meta, write_index
 from edge_batcher.rag.lexical import Bm25, analyze
 from edge_batcher.rag.passages import Passage, split_file
 from tests.rag.conftest import CORPUS, _tool
+
+SINGLE = ("dense (passage cosine)", "dense + best sentence", "lexical (BM25)")
+SHIPPED = "shipped default (as configured)"
+OLD = "hybrid, equal weights (old default)"
 
 
 @pytest.fixture(scope="module")
@@ -38,66 +42,89 @@ def evaluation(minilm_dir):
     engine.close()
 
 
-def test_the_technician_questions_cover_every_section_of_the_manual():
-    data = json.loads((CORPUS / "questions-technician.json").read_text())
-    questions = data["questions"]
+def test_the_question_sets_cover_every_section_of_the_manual():
     sections = {p.id for p in split_file(CORPUS / "vibration-sensor-manual.md")}
-    assert len(questions) >= 40
-    assert {q["passage"] for q in questions} == sections  # every passage is asked about, none that is not
-    assert {q["split"] for q in questions} == {"dev", "test"}
-    shipped = {q["question"] for q in json.loads((CORPUS / "questions.json").read_text())["questions"]}
-    assert not shipped & {q["question"] for q in questions}, "the new questions must be new"
-    holdout = json.loads((CORPUS / "questions-holdout.json").read_text())["questions"]
-    assert len(holdout) >= 20 and {q["passage"] for q in holdout} <= sections
-    assert len({q["passage"] for q in holdout}) == len(sections)  # every section once at least
-    assert not (shipped | {q["question"] for q in questions}) & {q["question"] for q in holdout}
+    sets = {name: json.loads((CORPUS / name).read_text())["questions"] for name in
+            ("questions.json", "questions-technician.json", "questions-holdout.json",
+             "questions-paraphrase.json", "questions-paraphrase-holdout.json")}
+    for name, questions in sets.items():
+        assert {q["passage"] for q in questions} <= sections, name
+    for name in ("questions-technician.json", "questions-holdout.json", "questions-paraphrase.json",
+                 "questions-paraphrase-holdout.json"):
+        assert {q["passage"] for q in sets[name]} == sections, name  # every passage asked about
+    assert {q["split"] for q in sets["questions-technician.json"]} == {"dev", "test"}
+    paraphrase = sets["questions-paraphrase.json"]
+    assert len(paraphrase) >= 30 and {q["split"] for q in paraphrase} == {"dev", "test"}
+    assert 2 * sum(q["split"] == "test" for q in paraphrase) >= len(paraphrase)  # at least half held out
+    texts = [q["question"].lower() for questions in sets.values() for q in questions]
+    assert len(set(texts)) == len(texts), "every question is new"
 
 
-def _subset(tool, index, questions, vectors, keep, fusion):
-    rows = [i for i, q in enumerate(questions) if keep(q)]
-    return tool.evaluate(index, vectors[rows], [questions[i] for i in rows], fusion)
+def _table(tool, index, questions, vectors) -> dict[str, dict[str, tuple[int, int, int]]]:
+    """ranking -> question file -> (top-1, top-3, n)."""
+    out: dict[str, dict[str, tuple[int, int, int]]] = {}
+    files = sorted({q["file"] for q in questions})
+    for name, rank in tool.rankings(DEFAULT_FUSION).items():
+        out[name] = {}
+        for file in files:
+            idx = [i for i, q in enumerate(questions) if q["file"] == file]
+            top1, top3 = tool.top_hits(rank(index, vectors[idx], [questions[i]["question"] for i in idx]),
+                                       [questions[i] for i in idx])
+            out[name][file] = (top1, top3, len(idx))
+            print(f"{name} / {file}: top-1 {top1}/{len(idx)}, top-3 {top3}")
+    return out
 
 
-def test_hybrid_retrieval_on_all_questions(evaluation):
+def test_every_ranking_on_every_question_set(evaluation):
     tool, index, questions, vectors = evaluation
-    results = {name: tool.evaluate(index, vectors, questions, fusion)
-               for name, fusion in tool.rankings(DEFAULT_FUSION).items()}
-    for name, r in results.items():
-        print(f"{name}: top-1 {r['top1']}/{r['n']}, top-3 {r['top3']}/{r['n']}")
-    hybrid, dense = results["hybrid (configured)"], results["dense (passage cosine)"]
-    before = results["hybrid RRF, passage cosine (before)"]
-    assert hybrid["n"] == 90
-    # Measured: hybrid 81/90 top-1 (90%), 90/90 top-3; dense 73/90 and 86/90; the RRF hybrid it
-    # replaced 77/90 and 88/90 (docs/rag.md).
-    assert hybrid["top1"] >= 80, hybrid["misses"]
-    assert hybrid["top3"] >= 89, hybrid["misses"]
-    assert hybrid["top1"] > before["top1"] > dense["top1"] and hybrid["top3"] > dense["top3"]
-    assert results["dense + best sentence"]["top1"] > dense["top1"]  # measured 79 against 73
-    # The split not used to choose the fusion: measured 36/40 (90%), the RRF hybrid 30/40.
-    test = _subset(tool, index, questions, vectors, lambda q: q["split"] == "test", DEFAULT_FUSION)
-    assert test["top1"] >= 35 and test["top3"] >= 39, test["misses"]
-    shipped = _subset(tool, index, questions, vectors, lambda q: q["file"] == "questions.json", DEFAULT_FUSION)
-    assert shipped["top1"] == 10
+    table = _table(tool, index, questions, vectors)
+    shipped = table[SHIPPED]
+    # Measured (docs/rag.md): (top-1, top-3) of the shipped default per set.
+    measured = {"questions.json": (10, 10), "questions-technician.json": (71, 80),
+                "questions-paraphrase.json": (25, 33), "questions-holdout.json": (35, 38),
+                "questions-paraphrase-holdout.json": (28, 31)}
+    for file, (top1, top3) in measured.items():
+        got = shipped[file]
+        assert got[0] >= top1 - 1 and got[1] >= top3 - 1, (file, got)
+    assert shipped["questions.json"][0] == 10  # the shipped ten stay first
+    for file in measured:
+        # The rule of issue 29: never below the best single method, and never below the old default.
+        best_single = max(table[name][file][0] for name in SINGLE)
+        assert shipped[file][0] >= best_single, (file, shipped[file], {n: table[n][file] for n in SINGLE})
+        assert shipped[file][0] >= table[OLD][file][0], (file, shipped[file], table[OLD][file])
+    # Where the question's words are not the manual's, it gains over the old default (22 -> 25, 25 -> 28).
+    for file in ("questions-paraphrase.json", "questions-paraphrase-holdout.json"):
+        assert shipped[file][0] > table[OLD][file][0]
 
 
-def test_hybrid_retrieval_on_the_held_out_questions(minilm_dir):
-    """The held-out set, evaluated once the fusion was fixed: 35/40 top-1 (88%), 38/40 top-3,
-    where the RRF hybrid got 33/40 and dense 29/40 (docs/rag.md)."""
-    tool = _tool("eval_retrieval")
-    engine = TextEmbeddingEngine(load_model_config(minilm_dir))
-    engine.load()
-    try:
-        index = tool.build_index(engine)
-        questions = tool.load_questions(files=(tool.HOLDOUT_FILE,))
-        vectors = engine.embed([q["question"] for q in questions])
-    finally:
-        engine.close()
-    hybrid = tool.evaluate(index, vectors, questions, DEFAULT_FUSION)
-    rrf = tool.rankings(DEFAULT_FUSION)["hybrid RRF, passage cosine (before)"]
-    before = tool.evaluate(index, vectors, questions, rrf)
-    assert hybrid["n"] == 40
-    assert hybrid["top1"] >= 34 and hybrid["top3"] >= 37, hybrid["misses"]
-    assert hybrid["top1"] > before["top1"]
+def test_close_calls_are_marked_ambiguous(evaluation):
+    """The first source's lead over the second predicts a wrong first passage: most first passages
+    marked ambiguous are wrong, few of the others are."""
+    tool, index, questions, vectors = evaluation
+    rows = index.search_fused(vectors, [q["question"] for q in questions], 3, DEFAULT_FUSION)
+    flagged = [row[0].passage.id == q["passage"] for q, row in zip(questions, rows) if row[0].ambiguous]
+    clear = [row[0].passage.id == q["passage"] for q, row in zip(questions, rows) if not row[0].ambiguous]
+    assert all(row[0].margin is not None and row[1].margin is None for row in rows)
+    print(f"ambiguous: {flagged.count(False)} wrong of {len(flagged)}; others: {clear.count(False)} wrong "
+          f"of {len(clear)}")
+    wrong_flagged = flagged.count(False) / len(flagged)
+    wrong_clear = clear.count(False) / len(clear)
+    assert wrong_flagged >= 0.4 and wrong_clear <= 0.12 and wrong_flagged > 3 * wrong_clear
+
+
+def test_the_lexical_weight_follows_the_questions_term_coverage():
+    bm25 = Bm25.from_texts(["Tighten the M6 stud to 5 N·m.", "Regrease the bearings every 2000 hours."])
+    assert bm25.coverage("m6 stud torque") < 1.0 < bm25.coverage("m6 stud") + 1e-9
+    assert bm25.coverage("wobbly kiln") == 0.0 == bm25.coverage("the and of")
+    assert 0.0 < bm25.coverage("regrease the wobbly kiln") < bm25.coverage("regrease the bearings") == 1.0
+    dense, lexical = np.array([0.9, 0.5]), np.array([0.0, 3.0])
+    query_aware = Fusion(coverage_exponent=0.5)
+    np.testing.assert_allclose(fused_scores(dense, lexical, query_aware, coverage=1.0), [1.0, 1.0])  # full weight
+    np.testing.assert_allclose(fused_scores(dense, lexical, query_aware, coverage=0.25), [1.0, 0.5])  # 1 x 0.25^0.5
+    np.testing.assert_allclose(fused_scores(dense, lexical, query_aware, coverage=0.0), [1.0, 0.0])  # no share
+    np.testing.assert_allclose(fused_scores(dense, lexical, Fusion(), coverage=0.25), [1.0, 1.0])  # fixed weight
+    assert lead(np.array([2.0, 1.9, 0.0]), np.array([0, 1, 2])) == pytest.approx(0.05)
+    assert lead(np.array([2.0]), np.array([0])) == 1.0
 
 
 def test_bm25_ranks_exact_terms_and_word_forms():
@@ -222,3 +249,20 @@ def test_index_add_to_an_index_without_sentence_vectors_embeds_them(tmp_path, mi
     assert index_cli.main(["add", str(b), *common]) == 0
     index = load_index(tmp_path / "idx")
     assert list(index.sentences.passage) == [0, 0, 1]
+
+
+def test_the_query_aware_settings_are_read_and_checked(tmp_path):
+    from edge_batcher.config import load_model_config
+    from edge_batcher.errors import ConfigError
+    from edge_batcher.rag.settings import fusion_from, rag_settings
+
+    def settings(extra: str):
+        (tmp_path / "model.toml").write_text(f'backend = "rag"\n[rag]\nembedding_model = "minilm"\n{extra}\n')
+        return rag_settings(load_model_config(tmp_path))
+
+    assert fusion_from(settings("")) == DEFAULT_FUSION
+    fusion = fusion_from(settings("coverage_exponent = 0.0\nambiguous_margin = 0.2"))
+    assert fusion.coverage_exponent == 0.0 and fusion.ambiguous_margin == 0.2
+    for bad in ("coverage_exponent = -1", "ambiguous_margin = 1.5"):
+        with pytest.raises(ConfigError, match="coverage_exponent must be >= 0 and ambiguous_margin in"):
+            settings(bad)
