@@ -297,3 +297,25 @@ def test_no_descriptor_or_mapping_leaks_after_10000_register_unregister_cycles(s
         assert len(os.listdir(f"/proc/{pid}/fd")) <= fds
         assert len(Path(f"/proc/{pid}/maps").read_text().splitlines()) <= maps + 8  # the allocator may grow
         assert shm_maps(pid) == []
+
+
+def test_a_daemon_stopping_with_regions_registered_drains_and_exits_cleanly(tmp_path, frames_repo):
+    d = DaemonProcess(tmp_path / "d", "", repo=frames_repo)
+    d.start().wait_ready()
+    x = frame(6)
+    try:
+        with SharedMemoryRegion("left", key(), FRAME_BYTES) as region, d.client() as client:
+            client.register_region(region)
+            placed = region.put(x)
+            result: dict = {}
+            request = threading.Thread(target=lambda: result.update(
+                out=d.client().infer_with_regions("frames_slow", {"frames": placed})))
+            request.start()
+            time.sleep(0.5)  # in the queue, holding the region, when the stop comes
+            d.proc.send_signal(signal.SIGTERM)
+            request.join(10)
+            np.testing.assert_allclose(result["out"].outputs["brightness"], expected_brightness(x), rtol=1e-4)
+            assert d.proc.wait(30) == 0  # drained, regions unmapped, stopped
+    finally:
+        d.stop()
+    assert "Traceback" not in d.log_text()
