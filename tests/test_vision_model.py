@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import random
 import sys
 import threading
 from pathlib import Path
@@ -216,3 +217,25 @@ def test_wrong_datatype_or_frame_size_is_answered_400(vision_daemon, fresh):
     assert status == 400 and "error" in answer, answer
     with vision_daemon.client() as client:
         assert client.infer("vision", {"frames": frames})["label"].shape == (2,)
+
+
+def test_memory_soak_sends_frames_as_binary_tensors_the_daemon_accepts(vision_daemon):
+    """tools/memory_soak.py's traffic for a camera model (as gpu_selftest --soak sends it to the
+    default repository): binary tensors, answered 200, up to 8 frames per request."""
+    memory_soak = sys.modules.get("memory_soak")  # tests/memory loads it under that name too
+    if memory_soak is None:
+        spec = importlib.util.spec_from_file_location("memory_soak", SCRIPT.parent / "memory_soak.py")
+        memory_soak = importlib.util.module_from_spec(spec)
+        sys.modules["memory_soak"] = memory_soak  # its dataclasses look their module up there
+        spec.loader.exec_module(memory_soak)
+    with vision_daemon.client() as client:
+        inputs = client.model_metadata("vision")["inputs"]
+    traffic = memory_soak.ModelTraffic("vision", inputs, max_rows=8, max_length=0, max_words=100)
+    assert traffic.large
+    rng = random.Random(0)
+    for _ in range(3):
+        body, headers = traffic.request(rng)
+        assert "Inference-Header-Content-Length" in headers and len(body) < 8 * 921_600 + 4096
+        status, answer = rawhttp.request(vision_daemon.socket, "POST", "/v2/models/vision/infer", body, headers)
+        assert status == 200, answer
+        assert {o["name"] for o in answer["outputs"]} == {"probabilities", "label"}
