@@ -240,7 +240,7 @@ class ModelTraffic:
     @property
     def large(self) -> bool:
         """Rows of more than LARGE_ROW values (a camera frame: 921,600): sent as binary tensors, as
-        real clients send them (as JSON a frame is ~3.5 MB of text, and 8 of them pass max_body_bytes),
+        real clients send them (as JSON a frame is ~3 MB of text, and 8 of them pass max_body_bytes),
         and fewer of them pooled per client."""
         return any(int(np.prod([max(d, 1) for d in spec["shape"][1:]])) > LARGE_ROW for spec in self.inputs)
 
