@@ -61,4 +61,4 @@ bench: models
 	$(BIN)/edge-batcher bench --config $(CONFIG) --unix
 
 clean:
-	rm -rf $(VENV) $(MLSERVER_VENV) engines/*/model.onnx engines/*/sample_request.json engines/minilm state .pytest_cache
+	rm -rf $(VENV) $(MLSERVER_VENV) engines/*/model.onnx engines/*/sample_request.json engines/*/sample_frames.npy engines/minilm state .pytest_cache

@@ -191,7 +191,7 @@ def test_cli_skips_when_up_to_date(bdm, built, capsys):
     out, _ = built
     model_path = out / "vibration" / "model.onnx"
     before = model_path.stat().st_mtime_ns
-    assert bdm.main(["--out", str(out)]) == 0
+    assert bdm.main(["--out", str(out), "--model", "vibration"]) == 0
     assert "skipped" in capsys.readouterr().out
     assert model_path.stat().st_mtime_ns == before
 

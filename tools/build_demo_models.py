@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Build the demo models of the model repository from synthetic data.
 
-Currently one model, ``vibration``: a fault classifier for 256-sample accelerometer
-windows (2560 Hz).  Everything is generated here, nothing is downloaded:
+Two models: ``vision`` (a camera frame -> indicator lamp state, built by
+tools/build_vision_model.py, which this script runs after its own) and ``vibration``, a fault
+classifier for 256-sample accelerometer windows (2560 Hz).  Everything is generated here,
+nothing is downloaded:
 
 1. synthetic vibration windows for four classes with physically-motivated signatures
    (:func:`generate`);
@@ -16,10 +18,10 @@ windows (2560 Hz).  Everything is generated here, nothing is downloaded:
 
 Usage::
 
-    python tools/build_demo_models.py [--out engines] [--seed 0] [--force]
+    python tools/build_demo_models.py [--out engines] [--seed 0] [--force] [--model vibration|vision]
 
-The build is skipped when ``<out>/vibration/model.onnx`` is newer than this script
-(``--force`` rebuilds).  The output is deterministic for a given seed.
+Each model's build is skipped when its model.onnx is newer than the script that builds it
+(``--force`` rebuilds both).  The output is deterministic for a given seed.
 """
 
 from __future__ import annotations
@@ -506,8 +508,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=default_out, help=f"model repository (default {default_out})")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     ap.add_argument("--force", action="store_true", help="rebuild even if the model is up to date")
+    ap.add_argument("--model", action="append", choices=("vibration", "vision"),
+                    help="build only this model (repeatable; default: both)")
     args = ap.parse_args(argv)
+    models = args.model or ["vibration", "vision"]
+    status = _build_vibration_and_report(args) if "vibration" in models else 0
+    if "vision" in models:
+        vision = _load_sibling("build_vision_model")
+        status = vision.main(["--out", str(args.out), "--seed", str(args.seed)] + ["--force"] * args.force) or status
+    return status
 
+
+def _load_sibling(name: str):
+    """Another builder of tools/ (not a package), by path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build_vibration_and_report(args: argparse.Namespace) -> int:
     model_path = args.out / MODEL_NAME / "model.onnx"
     if not args.force and is_up_to_date(args.out):
         print(f"{MODEL_NAME}: skipped, {model_path} is newer than {Path(__file__).name} (use --force to rebuild)")

@@ -237,15 +237,27 @@ class ModelTraffic:
     max_length: int  # the longest sequence bucket, or 0
     max_words: int  # of a text (the rag service refuses questions longer than its embedding model reads)
 
-    def request(self, rng: random.Random) -> bytes:
+    @property
+    def large(self) -> bool:
+        """Rows of more than LARGE_ROW values (a camera frame: 921,600): sent as binary tensors, as
+        real clients send them (as JSON a frame is ~3 MB of text, and 8 of them pass max_body_bytes),
+        and fewer of them pooled per client."""
+        return any(int(np.prod([max(d, 1) for d in spec["shape"][1:]])) > LARGE_ROW for spec in self.inputs)
+
+    def request(self, rng: random.Random) -> tuple[bytes, dict[str, str]]:
         rows = rng.randint(1, self.max_rows)
         length = rng.randint(min(8, self.max_length), self.max_length) if self.max_length else 0
         arrays = {}
         for spec in self.inputs:
             shape = [rows] + [d if d > 0 else (length or 1) for d in spec["shape"][1:]]
             arrays[spec["name"]] = _random_tensor(spec, shape, rng, self.max_words)
-        body, _ = v2.encode_request(arrays, binary_inputs=False, binary_outputs=False)
-        return body
+        body, header_length = v2.encode_request(arrays, binary_inputs=self.large, binary_outputs=False)
+        if header_length is None:
+            return body, {"Content-Type": "application/json"}
+        return body, {"Content-Type": v2.BINARY_CONTENT_TYPE, v2.HEADER_LENGTH: str(header_length)}
+
+
+LARGE_ROW = 65536
 
 
 def _random_tensor(spec: dict, shape: list[int], rng: random.Random, max_words: int) -> np.ndarray:
@@ -387,13 +399,13 @@ async def _drive(sock: str, traffic: list[ModelTraffic], clients: int, seconds: 
 
         async def client(index: int) -> None:
             rng = random.Random(seed * 1000 + index)
-            pools = {t.name: [t.request(rng) for _ in range(16)] for t in traffic}
+            pools = {t.name: [t.request(rng) for _ in range(2 if t.large else 16)] for t in traffic}
             while time.monotonic() < stop_at:
                 model = rng.choice(traffic).name
-                body = rng.choice(pools[model])
+                body, headers = rng.choice(pools[model])
                 try:
                     async with session.post(f"http://localhost/v2/models/{model}/infer", data=body,
-                                            headers={"Content-Type": "application/json"}) as response:
+                                            headers=headers) as response:
                         text = await response.read()
                         statuses[str(response.status)] += 1
                         if response.status != 200 and len(errors) < 20:
