@@ -214,8 +214,8 @@ def build_onnx(w: dict, dims: dict, max_positions: int):
     const("ax123", np.array([1, 2, 3], dtype=np.int64))
     node("Unsqueeze", [node("Cast", ["attention_mask"], "mask_b", to=TensorProto.BOOL), "ax123"], "pad_ok")
     node("And", ["causal", "pad_ok"], "allowed")
-    node("Where", ["allowed", const("zero_f", np.array(0.0, np.float32)), const("neg_f", np.array(MASK_NEG, np.float32))],
-         "mask_bias")
+    zero, neg = const("zero_f", np.array(0.0, np.float32)), const("neg_f", np.array(MASK_NEG, np.float32))
+    node("Where", ["allowed", zero, neg], "mask_bias")
 
     const("q_shape", np.array([0, 0, kv, g, d], dtype=np.int64))
     const("kv_shape", np.array([0, 0, kv, d], dtype=np.int64))
@@ -225,7 +225,7 @@ def build_onnx(w: dict, dims: dict, max_positions: int):
     for i in range(layers):
         p = f"blk.{i}."
 
-        def mm(x_, name, out):
+        def mm(x_, name, out, p=p):
             return node("MatMul", [x_, const(p + name + ".weight", w[p + name + ".weight"])], out)
 
         h = rms(x, p + "attn_norm.weight", p + "h1")

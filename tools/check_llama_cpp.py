@@ -71,10 +71,9 @@ def onnx_greedy(decoder, prompt_ids: list[int], n: int) -> tuple[list[int], list
 
 
 def compare(model_dir: Path, gguf: Path, n_tokens: int = 32, threads: int = 2) -> dict:
-    from edge_batcher.config import load_model_config
+    from edge_batcher.config import backend_settings, load_model_config
     from edge_batcher.rag.decoder import Decoder
     from edge_batcher.rag.generate import GeneratorSettings
-    from edge_batcher.config import backend_settings
     from edge_batcher.rag.tokenize import TextTokenizer
 
     config = load_model_config(model_dir)
