@@ -8,7 +8,7 @@ another (what a single Llama object serves); its server's parallel slots are not
 
 Usage::
 
-    python tools/bench_llm.py [--model engines/smollm2] [--threads 2] [--concurrency 1 4 8]
+    python tools/bench_llm.py [--model engines/smollm2 [engines/smollm2-q4]] [--threads 2] [--concurrency 1 4 8]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ async def ours(model: Path, threads: int, counts: list[int], prompt_len: int, ne
             results = await asyncio.gather(*(service.generate(t, params, apply_template=False) for t in texts))
             wall = time.perf_counter() - start
             assert all(len(r.token_ids) == new for r in results)
-            rows.append({"engine": "edge-batcher (ONNX FP32)", "concurrent": c, "wall_s": round(wall, 2),
+            rows.append({"engine": f"edge-batcher ({model.name})", "concurrent": c, "wall_s": round(wall, 2),
                          "tokens_per_s": round(c * new / wall, 1),
                          "ttft_median_s": round(statistics.median(r.first_token_s for r in results), 2),
                          "prompt_tokens": results[0].prompt_tokens})
@@ -92,7 +92,8 @@ def llama_cpp(gguf: Path, tokenizer, threads: int, counts: list[int], prompt_len
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=ROOT / "engines" / "smollm2")
+    parser.add_argument("--model", type=Path, nargs="+", default=[ROOT / "engines" / "smollm2"],
+                        help="one or more built models (e.g. engines/smollm2 engines/smollm2-q4), measured in turn")
     parser.add_argument("--gguf", type=Path, default=None)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
@@ -105,8 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     from edge_batcher.config import load_model_config
     from edge_batcher.rag.tokenize import TextTokenizer
 
-    tokenizer = TextTokenizer.from_model(load_model_config(args.model))
-    rows = asyncio.run(ours(args.model, args.threads, args.concurrency, args.prompt_tokens, args.new_tokens))
+    tokenizer = TextTokenizer.from_model(load_model_config(args.model[0]))
+    rows = []
+    for model in args.model:
+        rows += asyncio.run(ours(model, args.threads, args.concurrency, args.prompt_tokens, args.new_tokens))
     try:
         rows += llama_cpp(args.gguf or default_gguf(), tokenizer, args.threads, args.concurrency,
                           args.prompt_tokens, args.new_tokens)

@@ -53,8 +53,12 @@ def _field(reader, key: str, default=None):
     return default if f is None else f.contents()
 
 
+LINEAR = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
 def read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray], object]:
-    """The model's dimensions, its weights (FP32, linear weights as [in, out]) and the reader."""
+    """The model's dimensions, its weights (FP32, linear weights as [in, out]) and the reader.
+    Q4_1 linear weights are also kept as MatMulNBits blocks under "<name>.q4" (q4_blocks)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -83,11 +87,15 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray], object]:
         # gguf lists shapes innermost first; dequantize gives the numpy [rows, cols] = [out, in].
         a = dequantize(t.data, t.tensor_type).astype(np.float32)
         w[t.name] = a.reshape([int(n) for n in reversed(t.shape.tolist())])
+        if t.tensor_type.name == "Q4_1" and t.name.rsplit(".", 2)[-2] in LINEAR:
+            w[t.name + ".q4"] = np.asarray(t.data)  # [out, blocks x 20 bytes]
     for i in range(dims["layers"]):
         p = f"blk.{i}."
-        w[p + "attn_q.weight"] = _unpermute(w[p + "attn_q.weight"], heads)
-        w[p + "attn_k.weight"] = _unpermute(w[p + "attn_k.weight"], dims["kv_heads"])
-        for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down"):
+        for name, n_heads in (("attn_q", heads), ("attn_k", dims["kv_heads"])):
+            for key in (p + name + ".weight", p + name + ".weight.q4"):
+                if key in w:
+                    w[key] = _unpermute(w[key], n_heads)
+        for name in LINEAR:
             w[p + name + ".weight"] = np.ascontiguousarray(w[p + name + ".weight"].T)
     dims["vocab"] = int(w["token_embd.weight"].shape[0])
     dims["tied"] = "output.weight" not in w
@@ -99,6 +107,23 @@ def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
     head it interleaved the two halves (0, d/2, 1, d/2+1, ...) for its adjacent-pair RoPE."""
     out, inp = weight.shape
     return weight.reshape(heads, out // heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+def q4_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_1 rows (blocks of 32: f16 scale d, f16 minimum m, 16 bytes of nibbles, element j low
+    and j + 16 high) as MatMulNBits' B (consecutive elements low then high), scales and float
+    zero points: d x q + m = (q - zp) x d with zp = -m / d."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 20)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = np.concatenate([blocks[..., 4:] & 0xF, blocks[..., 4:] >> 4], axis=-1)
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
+    safe = np.where(d != 0, d, 1.0)
+    zero_points = np.where(d != 0, -m / safe, 0.0).astype(np.float32)
+    if np.any((d == 0) & (m != 0)):
+        raise SystemExit("a Q4_1 block with scale 0 and a nonzero minimum cannot be kept 4-bit")
+    return packed, d.reshape(-1), zero_points.reshape(-1)
 
 
 def rope_tables(dims: dict, positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -159,7 +184,7 @@ def numpy_forward(w: dict, dims: dict, ids: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- ONNX graph
 
 
-def build_onnx(w: dict, dims: dict, max_positions: int):
+def build_onnx(w: dict, dims: dict, max_positions: int, q4: bool = False):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -226,7 +251,16 @@ def build_onnx(w: dict, dims: dict, max_positions: int):
         p = f"blk.{i}."
 
         def mm(x_, name, out, p=p):
-            return node("MatMul", [x_, const(p + name + ".weight", w[p + name + ".weight"])], out)
+            key = p + name + ".weight"
+            if q4 and key + ".q4" in w:  # 4-bit weights, dequantized block by block in the kernel
+                packed, scales, zero_points = q4_blocks(w[key + ".q4"])
+                k, n = w[key].shape
+                nodes.append(helper.make_node(
+                    "MatMulNBits", [x_, const(key + ".b", packed), const(key + ".s", scales),
+                                    const(key + ".z", zero_points)], [out], name=out, domain="com.microsoft",
+                    K=k, N=n, bits=4, block_size=32, accuracy_level=0))
+                return out
+            return node("MatMul", [x_, const(key, w[key])], out)
 
         h = rms(x, p + "attn_norm.weight", p + "h1")
         q = node("Transpose", [node("Reshape", [mm(h, "attn_q", p + "q"), "q_shape"], p + "q5")], p + "qh",
@@ -274,8 +308,9 @@ def build_onnx(w: dict, dims: dict, max_positions: int):
             outputs.append(helper.make_tensor_value_info(
                 f"present.{i}.{kind}", f32, ["batch_size", kv, "past_sequence_length + sequence_length", d]))
     graph = helper.make_graph(nodes, "llama", inputs, outputs, initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION,
-                              producer_name="edge-batcher tools/build_smollm2.py (GGUF -> ONNX, FP32)")
+    opsets = [helper.make_opsetid("", OPSET)] + ([helper.make_opsetid("com.microsoft", 1)] if q4 else [])
+    producer = f"edge-batcher tools/build_smollm2.py (GGUF -> ONNX, {'Q4' if q4 else 'FP32'})"
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION, producer_name=producer)
     onnx.checker.check_model(model)
     return model
 
@@ -309,7 +344,7 @@ def build_tokenizer(reader):
 
 MODEL_TOML = """\
 # Written by tools/build_smollm2.py from {gguf} ({layers} layers, hidden {hidden}, {heads} heads,
-# {kv_heads} KV heads, vocab {vocab}; weights dequantized to FP32). docs/rag.md.
+# {kv_heads} KV heads, vocab {vocab}; weights: {weights}). docs/rag.md.
 backend = "generator"
 model_file = "model.onnx"
 
@@ -394,7 +429,7 @@ def verify(path: Path, w: dict, dims: dict, prompt_ids: list[int]) -> dict:
 
 
 def build(out: Path, name: str = "smollm2", gguf_path: Path | None = None, *, max_context: int = 2048,
-          threads: int = 2, check: bool = True, quiet: bool = False) -> Path:
+          threads: int = 2, check: bool = True, quiet: bool = False, q4: bool = False) -> Path:
     import onnx
 
     gguf_path = gguf_path or default_gguf()
@@ -403,21 +438,23 @@ def build(out: Path, name: str = "smollm2", gguf_path: Path | None = None, *, ma
     dims, w, reader = read_gguf(gguf_path)
     tok = build_tokenizer(reader)
     tok.save(str(target / "tokenizer.json"))
-    model = build_onnx(w, dims, max(max_context, 1))
+    model = build_onnx(w, dims, max(max_context, 1), q4)
     onnx.save(model, target / "model.onnx")
     del model
     report = {}
     if check:
         report = verify(target / "model.onnx", w, dims, tok.encode(SMOKE_PROMPT).ids)
     (target / "model.toml").write_text(MODEL_TOML.format(
-        gguf=gguf_path.name, vocab=dims["vocab"], threads=threads, max_context=max_context,
+        gguf=gguf_path.name, vocab=dims["vocab"],
+        weights="Q4_1 linear weights kept 4-bit (MatMulNBits), the rest FP32" if q4 else "dequantized to FP32",
+        threads=threads, max_context=max_context,
         stop_tokens=json.dumps(stop_tokens(reader)), prompt_template=json.dumps(chat_prompt_template(reader)),
         **{k: dims[k] for k in ("layers", "hidden", "heads", "kv_heads")}))
     if not quiet:
         checked = (f", |onnx - numpy| {report['numpy_diff']:.1e}, |cached - full| {report['cache_diff']:.1e} "
                    f"(logits up to {report['logit_scale']:.1f})") if report else ""
         print(f"built {target / 'model.onnx'} from {gguf_path.name}: {dims['layers']} layers, hidden {dims['hidden']}, "
-              f"{dims['heads']}/{dims['kv_heads']} heads, vocab {dims['vocab']}{checked}")
+              f"{dims['heads']}/{dims['kv_heads']} heads, vocab {dims['vocab']}{', Q4 weights' if q4 else ''}{checked}")
     return target
 
 
@@ -429,9 +466,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--threads", type=int, default=2, help="[onnxruntime] intra_op_threads")
     parser.add_argument("--no-check", action="store_true", help="skip the numpy comparison")
+    parser.add_argument("--q4", action="store_true",
+                        help="keep the Q4_1 linear weights 4-bit (ONNX Runtime's MatMulNBits) instead of FP32")
     args = parser.parse_args(argv)
     build(args.out, args.name, args.gguf, max_context=args.max_context, threads=args.threads,
-          check=not args.no_check)
+          check=not args.no_check, q4=args.q4)
     return 0
 
 

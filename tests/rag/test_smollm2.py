@@ -156,3 +156,19 @@ async def test_kv_admission_holds_a_real_sequence_back_until_memory_frees(smollm
         assert service.runtime.budget.reserved == 0
     finally:
         await service.close()
+
+
+def test_4bit_weights_compute_what_the_fp32_model_computes(smollm2_dir, decoder, tmp_path):
+    """--q4 keeps the Q4_1 linear weights as MatMulNBits blocks (scale and a float zero point):
+    the same weights, so the same logits up to float rounding, in a third of the file."""
+    q4_dir = _tool("build_smollm2").build(tmp_path, "smollm2-q4", max_context=1024, quiet=True, q4=True)
+    assert (q4_dir / "model.onnx").stat().st_size < 0.4 * (smollm2_dir / "model.onnx").stat().st_size
+    q4 = Decoder(load_model_config(q4_dir))
+    q4.load()
+    try:
+        prompt = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+        (ours, _), (theirs, _) = decoder.prefill(prompt), q4.prefill(prompt)
+        np.testing.assert_allclose(theirs, ours, atol=2e-3)
+        assert q4.kv == decoder.kv
+    finally:
+        q4.close()
