@@ -45,7 +45,7 @@ class Target:
 
 
 class Lease:
-    """Use as `with registry.lease() as lease:` around decoding, inference and the response."""
+    """Use as `with Lease(registry) as lease:` around decoding, inference and the response."""
 
     def __init__(self, registry: RegionRegistry):
         self._registry = registry

@@ -13,12 +13,8 @@ import os
 import stat
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..errors import InvalidInput, Overloaded
-
-if TYPE_CHECKING:
-    from .lease import Lease
 
 log = logging.getLogger(__name__)
 
@@ -173,12 +169,6 @@ class RegionRegistry:
         if region is None:
             raise InvalidInput(f"no shared memory region {name!r} is registered")
         return [region.status()]
-
-    def lease(self) -> Lease:
-        """A request's hold on the regions it uses (lease.py)."""
-        from .lease import Lease  # lease.py builds on this module
-
-        return Lease(self)
 
     def acquire(self, name: object, where: str) -> Region:
         """The region `name`, held by the caller until release()."""

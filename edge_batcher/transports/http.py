@@ -20,6 +20,7 @@ from ..errors import EdgeBatcherError
 from ..protocol import v2
 from ..protocol.parameters import to_infer_request
 from ..runtime import Runtime
+from ..shared_memory.lease import Lease
 from ..shared_memory.regions import RegionRegistry
 from .body_budget import BodyBudget
 from .http_body import ClientGone, read_body
@@ -206,7 +207,7 @@ async def infer(request: web.Request) -> web.Response:
     servable.refuse_if_full()  # 429 before reading and decoding the body
     header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH))
     async with read_body(request.app[BODY_BUDGET], request) as body:  # 413/503/408 before holding it
-        with request.app[SHARED_MEMORY].lease() as regions:  # the regions it uses stay mapped until it ends
+        with Lease(request.app[SHARED_MEMORY]) as regions:  # the regions it uses stay mapped until it ends
             decoded = await decode_request(body, header_length, regions.read_input)
             targets = regions.output_targets(decoded.outputs)
             infer_request = to_infer_request(model, decoded, servable.config.batching.priority_levels)

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from enum import IntEnum
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from .http2 import GrpcConnection
+from typing import Protocol
 
 GRPC_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 
@@ -54,10 +51,25 @@ def parse_grpc_timeout(value: str) -> float | None:
     return int(digits) * unit
 
 
+class Connection(Protocol):
+    """What a call needs of the connection that carries it (http2.py's GrpcConnection)."""
+
+    unix: bool
+    peer: str
+    stream_window: int  # what a client may send of a message before it is read
+    peer_initial_window: int
+
+    def open_window(self, call: Call, n: int) -> None: ...
+
+    def respond(self, call: Call, status: Status, message: str = "") -> None: ...
+
+    async def respond_with(self, call: Call, message: bytes) -> None: ...
+
+
 class Call:
     """One gRPC call: its method, metadata and deadline, and its message as the client sends it."""
 
-    def __init__(self, conn: GrpcConnection, stream_id: int, path: str, metadata: list[tuple[str, str]],
+    def __init__(self, conn: Connection, stream_id: int, path: str, metadata: list[tuple[str, str]],
                  timeout_s: float | None):
         self.conn = conn
         self.stream_id = stream_id

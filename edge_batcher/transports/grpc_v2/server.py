@@ -28,6 +28,7 @@ from ...config import parse_host_port
 from ...errors import ConfigError, InvalidInput
 from ...protocol.parameters import to_infer_request
 from ...runtime import Runtime
+from ...shared_memory.lease import Lease
 from ...shared_memory.regions import RegionRegistry
 from ..edge import EdgeLimits
 from ..listeners import check_unix_socket_path, remove_stale_socket
@@ -242,7 +243,7 @@ class GrpcServer:
         model = request.model_name
         servable = servable_for(self.runtime, model, request.model_version)
         servable.refuse_if_full()
-        with self.shared_memory.lease() as regions:  # the regions it uses stay mapped until it ends
+        with Lease(self.shared_memory) as regions:  # the regions it uses stay mapped until it ends
             decoded = decode_infer_request(request, regions.read_input)
             targets = regions.output_targets(decoded.outputs)
             infer_request = to_infer_request(model, decoded, servable.config.batching.priority_levels)
