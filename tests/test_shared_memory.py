@@ -22,6 +22,7 @@ import pytest
 from edge_batcher.client import ClientError, RegionInput, SharedMemoryRegion
 from tests.support import rawhttp
 from tests.support.daemon import DaemonProcess
+from tests.support.frames import expected_brightness, expected_channel_mean
 from tests.support.models import ROOT, _tool
 
 th = pytest.importorskip("tritonclient.http")
@@ -29,20 +30,6 @@ tshm = pytest.importorskip("tritonclient.utils.shared_memory")
 
 TOKEN = "shm-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-STRIDE = _tool("build_frames_model").STRIDE
-
-
-def _grid(x: np.ndarray) -> np.ndarray:
-    """The pixels the frames model reads (tools/build_frames_model.py: every STRIDE-th)."""
-    return x[:, ::STRIDE, ::STRIDE, :].astype(np.float64)
-
-
-def expected_brightness(x: np.ndarray) -> np.ndarray:
-    return _grid(x).mean(axis=(1, 2, 3))
-
-
-def expected_channel_mean(x: np.ndarray) -> np.ndarray:
-    return _grid(x).mean(axis=(1, 2))
 FRAME = (480, 640, 3)
 FRAME_BYTES = 480 * 640 * 3
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from tests.support.daemon import DaemonProcess
+from tests.support.frames import expected_brightness, expected_channel_mean
 from tests.support.models import _tool
 
 pytest.importorskip("edge_batcher.transports.grpc_v2.server", reason="the grpc extra is not installed")
@@ -21,20 +22,6 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 
 TOKEN = "shm-grpc-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
-STRIDE = _tool("build_frames_model").STRIDE
-
-
-def _grid(x: np.ndarray) -> np.ndarray:
-    """The pixels the frames model reads (tools/build_frames_model.py: every STRIDE-th)."""
-    return x[:, ::STRIDE, ::STRIDE, :].astype(np.float64)
-
-
-def expected_brightness(x: np.ndarray) -> np.ndarray:
-    return _grid(x).mean(axis=(1, 2, 3))
-
-
-def expected_channel_mean(x: np.ndarray) -> np.ndarray:
-    return _grid(x).mean(axis=(1, 2))
 
 
 @pytest.fixture(scope="module")
