@@ -214,3 +214,26 @@ def test_grpc_timeouts_are_read_in_their_units(header, seconds):
 @pytest.mark.parametrize("header", ["", "m", "100", "100x", "123456789S", "-5S"])
 def test_malformed_grpc_timeouts_are_ignored(header):
     assert parse_grpc_timeout(header) is None
+
+
+def test_a_remembered_header_block_is_decoded_again_once_the_table_has_changed():
+    hpack = pytest.importorskip("hpack")
+    encoder, decoder = hpack.Encoder(), http2.HeaderDecoder()
+    newest_entry = b"\xbe"  # HPACK index 62: the dynamic table's most recent entry
+    first = decoder.decode(encoder.encode([(":path", "/a/B"), ("x-user", "ann")]))  # both indexed: the table changes
+    assert first.path == "/a/B" and first.metadata == (("x-user", "ann"),)
+    assert decoder.decode(newest_entry).metadata == (("x-user", "ann"),)
+    assert decoder.decode(newest_entry) is decoder.decode(newest_entry)  # unchanged table: remembered
+    decoder.decode(encoder.encode([("x-user", "bob")]))  # a new newest entry
+    assert decoder.decode(newest_entry).metadata == (("x-user", "bob"),)
+
+
+def test_header_blocks_are_read_into_a_calls_path_metadata_deadline_and_refusal():
+    hpack = pytest.importorskip("hpack")
+    encoder, decoder = hpack.Encoder(), http2.HeaderDecoder()
+    call = decoder.decode(encoder.encode([(":method", "POST"), (":path", "/s/M"), ("content-type", "application/grpc"),
+                                          ("grpc-timeout", "250m"), ("authorization", "Bearer t")]))
+    assert call == http2.CallHeaders("/s/M", (("content-type", "application/grpc"), ("authorization", "Bearer t")),
+                                     None, 0.25)
+    refused = decoder.decode(encoder.encode([(":method", "GET"), (":path", "/s/M")]))
+    assert refused.refusal == "method GET: gRPC calls are POST"

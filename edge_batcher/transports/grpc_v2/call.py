@@ -7,6 +7,7 @@ http2.py's GrpcConnection.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import Protocol
 
@@ -69,7 +70,7 @@ class Connection(Protocol):
 class Call:
     """One gRPC call: its method, metadata and deadline, and its message as the client sends it."""
 
-    def __init__(self, conn: Connection, stream_id: int, path: str, metadata: list[tuple[str, str]],
+    def __init__(self, conn: Connection, stream_id: int, path: str, metadata: Sequence[tuple[str, str]],
                  timeout_s: float | None):
         self.conn = conn
         self.stream_id = stream_id
@@ -93,7 +94,7 @@ class Call:
     def peer(self) -> str:
         return self.conn.peer
 
-    def invocation_metadata(self) -> list[tuple[str, str]]:
+    def invocation_metadata(self) -> Sequence[tuple[str, str]]:
         return self.metadata
 
     def time_remaining(self) -> float | None:
