@@ -162,6 +162,30 @@ def _infer_body(
     return body, {"Content-Type": BINARY_CONTENT_TYPE, HEADER_LENGTH: str(header_length)}
 
 
+def _region_infer_body(
+    inputs: dict[str, np.ndarray | RegionInput],
+    output_regions: dict[str, RegionOutput],
+    *,
+    outputs: list[str] | None,
+    id: str | None,
+    priority: int | None,
+    timeout_ms: float | None,
+    binary: bool,
+) -> tuple[bytes, dict[str, str]]:
+    """Encode an infer request whose inputs and outputs may name shared memory regions."""
+    parameters = {k: v for k, v in (("priority", priority), ("timeout_ms", timeout_ms)) if v is not None}
+    body, header_length = shm.encode_request(inputs, output_regions, outputs=outputs, id=id, parameters=parameters,
+                                             binary=binary)
+    if header_length is None:
+        return body, {"Content-Type": JSON_CONTENT_TYPE}
+    return body, {"Content-Type": BINARY_CONTENT_TYPE, HEADER_LENGTH: str(header_length)}
+
+
+def _register_body(region: SharedMemoryRegion, offset: int, byte_size: int | None) -> bytes:
+    size = region.byte_size - offset if byte_size is None else byte_size
+    return json.dumps({"key": region.key, "offset": offset, "byte_size": size}).encode()
+
+
 def _check(status: int, body: bytes) -> None:
     if not 200 <= status < 300:
         raise ClientError(status, error_message(body))
@@ -277,19 +301,15 @@ class Client:
         """Like infer_response, with inputs in registered shared memory regions (RegionInput) and
         outputs written into them (`output_regions`; read back as views of the regions)."""
         regions = output_regions or {}
-        parameters = {k: v for k, v in (("priority", priority), ("timeout_ms", timeout_ms)) if v is not None}
-        body, header_length = shm.encode_request(inputs, regions, outputs=outputs, id=id, parameters=parameters,
-                                                 binary=self.binary)
-        headers = ({"Content-Type": JSON_CONTENT_TYPE} if header_length is None
-                   else {"Content-Type": BINARY_CONTENT_TYPE, HEADER_LENGTH: str(header_length)})
+        body, headers = _region_infer_body(inputs, regions, outputs=outputs, id=id, priority=priority,
+                                           timeout_ms=timeout_ms, binary=self.binary)
         status, resp_headers, data = self._request("POST", _model_path(model, "/infer"), body, headers)
         return _infer_result(status, resp_headers.get(HEADER_LENGTH), data, shm.output_reader(regions))
 
     def register_region(self, region: SharedMemoryRegion, offset: int = 0, byte_size: int | None = None) -> None:
         """Register a region with the daemon (Triton's system shared memory extension)."""
-        size = region.byte_size - offset if byte_size is None else byte_size
-        body = json.dumps({"key": region.key, "offset": offset, "byte_size": size}).encode()
-        _json(*self._request_json("POST", _region_path(region.name, "register"), body))
+        _json(*self._request_json("POST", _region_path(region.name, "register"),
+                                  _register_body(region, offset, byte_size)))
 
     def unregister_region(self, name: str | None = None) -> None:
         """Unregister one region, or every one (None)."""
@@ -490,6 +510,43 @@ class AsyncClient:
             "POST", _model_path(model, "/infer"), body, headers
         )
         return _infer_result(status, resp_headers.get(HEADER_LENGTH), data)
+
+    async def infer_with_regions(
+        self,
+        model: str,
+        inputs: dict[str, np.ndarray | RegionInput],
+        *,
+        output_regions: dict[str, RegionOutput] | None = None,
+        outputs: list[str] | None = None,
+        id: str | None = None,
+        priority: int | None = None,
+        timeout_ms: float | None = None,
+    ) -> DecodedResponse:
+        """Client.infer_with_regions, awaited."""
+        regions = output_regions or {}
+        body, headers = _region_infer_body(inputs, regions, outputs=outputs, id=id, priority=priority,
+                                           timeout_ms=timeout_ms, binary=self.binary)
+        status, resp_headers, data = await self._request("POST", _model_path(model, "/infer"), body, headers)
+        return _infer_result(status, resp_headers.get(HEADER_LENGTH), data, shm.output_reader(regions))
+
+    async def register_region(self, region: SharedMemoryRegion, offset: int = 0,
+                              byte_size: int | None = None) -> None:
+        """Client.register_region, awaited."""
+        status, _, data = await self._request("POST", _region_path(region.name, "register"),
+                                              _register_body(region, offset, byte_size),
+                                              {"Content-Type": JSON_CONTENT_TYPE})
+        _json(status, data)
+
+    async def unregister_region(self, name: str | None = None) -> None:
+        """Client.unregister_region, awaited."""
+        status, _, data = await self._request("POST", _region_path(name, "unregister"), b"{}",
+                                              {"Content-Type": JSON_CONTENT_TYPE})
+        _json(status, data)
+
+    async def region_status(self, name: str | None = None) -> list[dict]:
+        """Client.region_status, awaited."""
+        status, _, data = await self._request("GET", _region_path(name, "status"))
+        return _json(status, data)
 
     async def models(self) -> list[dict]:
         status, _, data = await self._request(

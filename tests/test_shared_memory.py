@@ -142,6 +142,35 @@ def test_the_project_client_over_the_unix_socket(shm_daemon):
         assert client.region_status() == []
 
 
+def test_the_async_client_batches_region_requests_and_answers_each_its_own(shm_daemon):
+    import asyncio
+
+    from edge_batcher.client import AsyncClient
+
+    async def main() -> None:
+        xs = [frame(200 + i) for i in range(4)]
+        with SharedMemoryRegion("acam", key(), 4 * (FRAME_BYTES + 4)) as region:
+            async with AsyncClient(shm_daemon.url) as client:
+                await client.register_region(region)
+                assert [r["name"] for r in await client.region_status("acam")] == ["acam"]
+                calls = [client.infer_with_regions(
+                    "frames", {"frames": region.put(x, offset=i * FRAME_BYTES)},
+                    output_regions={"brightness": region.output(4 * FRAME_BYTES + 4 * i, 4)})
+                    for i, x in enumerate(xs)]
+                responses = await asyncio.gather(*calls)
+                for x, response in zip(xs, responses, strict=True):
+                    np.testing.assert_allclose(response.outputs["brightness"], expected_brightness(x), rtol=1e-4)
+                with pytest.raises(ClientError, match="out of range|past|beyond|exceeds") as refused:
+                    await client.infer_with_regions("frames", {"frames": region.put(xs[0], offset=0)},
+                                                    output_regions={"brightness": region.output(
+                                                        4 * (FRAME_BYTES + 4) - 2, 4)})
+                assert refused.value.status == 400
+                await client.unregister_region("acam")
+                assert await client.region_status() == []
+
+    asyncio.run(main())
+
+
 def _one_client(url: str, i: int) -> tuple[int, np.ndarray]:
     from edge_batcher.client import Client
 
