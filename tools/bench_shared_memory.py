@@ -10,7 +10,12 @@ camera would write them there), so what is timed is the transport and the daemon
 process's encoding. Outputs come back as JSON, as binary tensors, or written into the caller's
 region. The three are run in turn, `--repeats` times in rotated order; the table has each one's
 median run (throughput, p50, p99, ratios to binary) and the daemon's CPU time per request in that
-run. The load generator shares the machine with the daemon: compare figures from one run only.
+run. It also splits each request's mean latency into the daemon's own time for it (from arrival at
+the model's queue to its answer: batching, the engine, the split; the model statistics' `success`
+time) and the rest, the transport's share (sending and reading the body, decoding, encoding and
+the answer's way back), and prints how far shared memory takes that share below binary tensors':
+what issue 30 asks where the model's own time dominates. The load generator shares the machine
+with the daemon: compare figures from one run only.
 
 Usage: python tools/bench_shared_memory.py [--repo engines] [--model vision] [--shape 480,640,3]
            [--seconds 5] [--concurrency 4] [--repeats 3] [--frames 8] [--modes 0,1,2] [--json]
@@ -30,6 +35,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -131,9 +137,10 @@ def _headers(body: bytes, header_length: int | None) -> tuple[bytes, dict[str, s
     return body, {"Content-Type": BINARY_CONTENT_TYPE, HEADER_LENGTH: str(header_length)}
 
 
-def closed_loop(callers: list[Caller], seconds: float) -> dict:
+def closed_loop(callers: list[Caller], seconds: float, server_time: Callable[[], tuple[int, int]]) -> dict:
+    """`seconds` of `callers` each sending its next frame when the last is answered; `server_time`
+    gives the model's (answered requests, their summed time in the daemon in ns) so far."""
     latencies: list[list[float]] = [[] for _ in callers]
-    stop_at = time.perf_counter() + seconds
 
     def work(caller: Caller, out: list[float]) -> None:
         while True:  # one request at least, however slow (JSON bodies of large frames take seconds)
@@ -145,16 +152,29 @@ def closed_loop(callers: list[Caller], seconds: float) -> dict:
 
     for caller in callers:
         caller.call()  # connections open, daemon paths warm
+    count0, ns0 = server_time()
     t0 = time.perf_counter()
+    stop_at = t0 + seconds
     threads = [threading.Thread(target=work, args=(c, out)) for c, out in zip(callers, latencies, strict=True)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    count1, ns1 = server_time()
     flat = np.asarray([x for out in latencies for x in out])
+    mean_ms = float(flat.mean()) * 1e3
+    in_daemon_ms = (ns1 - ns0) / max(count1 - count0, 1) / 1e6
     return {"requests": len(flat), "throughput_rps": len(flat) / wall,
-            "p50_ms": float(np.percentile(flat, 50)) * 1e3, "p99_ms": float(np.percentile(flat, 99)) * 1e3}
+            "p50_ms": float(np.percentile(flat, 50)) * 1e3, "p99_ms": float(np.percentile(flat, 99)) * 1e3,
+            "mean_ms": mean_ms, "model_ms": in_daemon_ms, "transport_ms": mean_ms - in_daemon_ms}
+
+
+def success_time(sock: str, model: str) -> tuple[int, int]:
+    """The model's answered requests and their summed time from arrival to answer (ns)."""
+    with Client(f"unix://{sock}") as client:
+        success = client.stats(model)["model_stats"][0]["inference_stats"]["success"]
+    return int(success["count"]), int(success["ns"])
 
 
 def model_io(sock: str, model: str) -> tuple[str, dict[str, int]]:
@@ -179,7 +199,7 @@ def run(args: argparse.Namespace, sock: str, daemon_pid: int) -> dict[str, dict]
         for mode in modes[repeat % len(modes):] + modes[:repeat % len(modes)]:
             callers = [Caller(sock, mode, args.model, input_name, frames, outputs) for _ in range(args.concurrency)]
             cpu0 = sum(daemon.cpu_times()[:2])
-            result = closed_loop(callers, args.seconds)
+            result = closed_loop(callers, args.seconds, lambda: success_time(sock, args.model))
             # the daemon's CPU per request: the server's cost, apart from the load generator's
             result["daemon_cpu_ms"] = ((sum(daemon.cpu_times()[:2]) - cpu0) / (result["requests"] + len(callers))
                                        * 1e3)
@@ -219,13 +239,20 @@ def main() -> int:
     print(f"{args.model}, 1-frame uint8 [{args.shape}] requests over the Unix socket, {args.concurrency} callers, "
           f"{args.seconds:g} s x {args.repeats} (median run), {os.cpu_count()} CPUs\n")
     print("| transport | requests/s | (min-max of the runs) | vs binary | p50 ms | p50 vs binary | p99 ms | "
-          "daemon CPU ms/request |\n|---|---|---|---|---|---|---|---|")
+          "daemon CPU ms/request | mean ms = in the daemon + transport |\n|---|---|---|---|---|---|---|---|---|")
     base = medians["binary tensors"]
     for mode, r in medians.items():
         low, high = r["range_rps"]
         print(f"| {mode} | {r['throughput_rps']:.1f} | {low:.1f}-{high:.1f} | "
               f"{r['throughput_rps'] / base['throughput_rps']:.2f}x | {r['p50_ms']:.2f} | "
-              f"{r['p50_ms'] / base['p50_ms']:.2f}x | {r['p99_ms']:.2f} | {r['daemon_cpu_ms']:.2f} |")
+              f"{r['p50_ms'] / base['p50_ms']:.2f}x | {r['p99_ms']:.2f} | {r['daemon_cpu_ms']:.2f} | "
+              f"{r['mean_ms']:.2f} = {r['model_ms']:.2f} + {r['transport_ms']:.2f} |")
+    if "shared memory" in medians:
+        shm = medians["shared memory"]
+        print(f"\ntransport's share of a request: binary tensors {base['transport_ms']:.2f} ms "
+              f"({base['transport_ms'] / base['mean_ms']:.0%} of its mean latency), shared memory "
+              f"{shm['transport_ms']:.2f} ms ({shm['transport_ms'] / shm['mean_ms']:.0%}): "
+              f"{1 - shm['transport_ms'] / base['transport_ms']:.0%} less")
     return 0
 
 
