@@ -192,6 +192,40 @@ def test_a_client_that_floods_pings_without_reading_the_answers_is_disconnected(
         assert channel.unary_unary("/t/Echo")(b"ok", timeout=10) == b"ok"
 
 
+def test_a_client_that_stops_reading_its_answers_is_disconnected(tmp_path):
+    """1,000 echo calls of 8 KiB whose answers the client never reads (its windows wide open):
+    once the server's writes have waited idle_timeout_s, the connection is aborted."""
+    hpack = pytest.importorskip("hpack")
+    encoder = hpack.Encoder()
+    message = b"\x00" + (8192).to_bytes(4, "big") + b"x" * 8192
+    calls = bytearray(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0, (0x4).to_bytes(2, "big")
+                                                  + (2**31 - 1).to_bytes(4, "big"))
+                      + http2.frame(http2.WINDOW_UPDATE, 0, 0, (2**31 - 1 - 65535).to_bytes(4, "big")))
+    for stream in range(1, 2001, 2):
+        headers = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t/Echo"),
+                                  (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
+        calls += http2.frame(http2.HEADERS, http2.END_HEADERS, stream, headers)
+        calls += http2.frame(http2.DATA, http2.END_STREAM, stream, message)
+    with EchoServer(tmp_path / "stall.sock", idle_timeout_s=0.5) as server, socket.socket(socket.AF_UNIX) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(str(server.path))
+        s.sendall(calls)
+        time.sleep(2)  # the server's writes wait on us for longer than 0.5 s
+        received, closed = 0, False
+        s.settimeout(10)
+        try:
+            while chunk := s.recv(65536):
+                received += len(chunk)
+            closed = True
+        except ConnectionResetError:
+            closed = True
+        except TimeoutError:
+            pass
+        assert closed and received < len(calls) / 4, f"{received} bytes of answers, closed={closed}"
+        with _channel(server) as channel:
+            assert channel.unary_unary("/t/Echo")(b"ok", timeout=10) == b"ok"
+
+
 def test_an_idle_connection_is_closed_after_the_idle_timeout(tmp_path):
     with EchoServer(tmp_path / "idle.sock", idle_timeout_s=0.5) as server:
         with socket.socket(socket.AF_UNIX) as silent:

@@ -175,6 +175,67 @@ def test_idle_half_sent_header_and_half_sent_body_connections_time_out(start_dae
     assert rawhttp.request(daemon.socket, "GET", "/v2/health/live") == (200, {"live": True})
 
 
+def test_a_client_that_stops_reading_its_answers_is_disconnected(start_daemon):
+    """Pipelined requests whose answers the client never reads: once the daemon's writes have
+    waited idle_timeout_s for the client, the connection is aborted (the answers it holds are
+    freed), and everyone else is served meanwhile."""
+    daemon = start_daemon("[server]\nidle_timeout_s = 1\n")
+    stalled = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.connect(str(daemon.socket))
+    request = b"GET /v2/models/vibration HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    sender = threading.Thread(target=lambda: _send_quietly(stalled, request * 20000), daemon=True)
+    sender.start()
+    try:
+        time.sleep(4)  # the daemon's writes stall on the unread answers for longer than 1 s
+        assert rawhttp.request(daemon.socket, "GET", "/v2/health/live") == (200, {"live": True})
+        one_answer = len(rawhttp_raw_answer(daemon.socket, request))
+        received, closed = _read_until_closed(stalled, 20)
+        assert closed and received < 20000 * one_answer / 4, (
+            f"the daemon went on answering a client that does not read: {received} bytes, closed={closed}")
+    finally:
+        stalled.close()
+    assert "Traceback" not in daemon.log_text()
+
+
+def rawhttp_raw_answer(path, request: bytes) -> bytes:
+    with connect(path) as s:
+        s.sendall(request)
+        s.settimeout(10)
+        data = b""
+        while b"\r\n\r\n" not in data or len(data) < data.index(b"\r\n\r\n") + 4 + _content_length(data):
+            data += s.recv(65536)
+        return data
+
+
+def _content_length(data: bytes) -> int:
+    head = data.split(b"\r\n\r\n", 1)[0].decode().lower()
+    return int(head.split("content-length:", 1)[1].split("\r\n", 1)[0])
+
+
+def _read_until_closed(s: socket.socket, within_s: float) -> tuple[int, bool]:
+    received, deadline = 0, time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        s.settimeout(max(deadline - time.monotonic(), 0.01))
+        try:
+            chunk = s.recv(65536)
+        except TimeoutError:
+            return received, False
+        except ConnectionResetError:
+            return received, True
+        if not chunk:
+            return received, True
+        received += len(chunk)
+    return received, False
+
+
+def _send_quietly(s: socket.socket, data: bytes) -> None:
+    try:
+        s.sendall(data)
+    except OSError:
+        pass  # the daemon closed it: what the test waits for
+
+
 # --------------------------------------------------------------------------- framing, disconnects
 
 

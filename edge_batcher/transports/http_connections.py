@@ -13,7 +13,9 @@ connection. Malformed framing is answered like other bad input, 400 with `{"erro
 DEBUG, not aiohttp's plain-text page and a traceback. A connection that does not complete a
 request header within idle_timeout_s of connecting or of its last answer is closed (here, since
 aiohttp's `keepalive_timeout` covers the time after connecting only from 3.14 on); a request
-*body* has its own deadline (`http_body.py`).
+*body* has its own deadline (`http_body.py`). A client that stops reading its answers is
+disconnected once the daemon's writes have waited idle_timeout_s for it: its answers and the
+requests it pipelined behind them are freed, not kept for ever.
 """
 
 from __future__ import annotations
@@ -172,6 +174,7 @@ class GuardedRequestHandler(RequestHandler):
         self._refused = False
         self._lingering: asyncio.TimerHandle | None = None
         self._handshake: asyncio.Task | None = None  # TLS being started on the raw connection
+        self._write_stall: asyncio.TimerHandle | None = None  # while the client reads none of our answers
 
     def evictable(self, now: float) -> bool:
         """Idle for EVICT_AFTER_IDLE_S, with no request anywhere in the connection."""
@@ -242,6 +245,25 @@ class GuardedRequestHandler(RequestHandler):
         else:
             self._check_idle_later(self.idle_timeout_s - idle_for)
 
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        self._write_stall = self._loop.call_later(self.idle_timeout_s, self._abort_stalled)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._write_stall is not None:
+            self._write_stall.cancel()
+            self._write_stall = None
+
+    def _abort_stalled(self) -> None:
+        """Our answers have waited idle_timeout_s in the transport for a client that reads none of
+        them: abort (close() would wait for the unread bytes to leave, for ever)."""
+        self._write_stall = None
+        if self.transport is not None:
+            log.debug("closing a connection whose client read none of its answers for %.1f s (idle_timeout_s)",
+                      self.idle_timeout_s)
+            self.transport.abort()  # type: ignore[attr-defined]
+
     def force_close(self) -> None:
         if self._handshake is not None:  # evicted during its handshake
             self._handshake.cancel()
@@ -274,9 +296,10 @@ class GuardedRequestHandler(RequestHandler):
                 self.guard.refusals_answering -= 1
             return
         self.guard.closed(self)
-        if self._idle_check is not None:
-            self._idle_check.cancel()
-            self._idle_check = None
+        for timer in (self._idle_check, self._write_stall):
+            if timer is not None:
+                timer.cancel()
+        self._idle_check = self._write_stall = None
         super().connection_lost(exc)
 
     def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,

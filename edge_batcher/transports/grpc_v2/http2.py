@@ -4,7 +4,8 @@ HEADERS frame that opens a stream becomes a `Call` handed to `dispatch`; the cal
 read only when its handler asks for it (`Call.read_message`), so a client may have at most one
 64 KiB stream window of a message sent before the edge has checked the call. Responses are written
 with static header blocks (no dynamic table), the message split to the peer's frame size and
-windows. Why this and not grpc.aio: docs/benchmarks.md, "gRPC against HTTP".
+windows; a client that reads none of them for idle_timeout_s is disconnected. Why this and not
+grpc.aio: docs/benchmarks.md, "gRPC against HTTP".
 """
 
 from __future__ import annotations
@@ -160,6 +161,7 @@ class GrpcConnection(asyncio.Protocol):
         self.send_window = DEFAULT_WINDOW  # the connection-level window the peer grants us
         self._window_grown: asyncio.Future | None = None
         self._drained: asyncio.Future | None = None  # set while the transport's buffer is full
+        self._write_stall: asyncio.TimerHandle | None = None  # aborts a client that reads nothing meanwhile
         self._buf = bytearray()
         self._preface = False
         self._headers: tuple[int, int, bytearray] | None = None  # (stream, flags, block) awaiting CONTINUATION
@@ -192,8 +194,9 @@ class GrpcConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed(self)
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
+        for timer in (self._idle_timer, self._write_stall):
+            if timer is not None:
+                timer.cancel()
         for call in list(self.streams.values()):
             self._abandon(call)
         self.streams.clear()
@@ -204,12 +207,26 @@ class GrpcConnection(asyncio.Protocol):
             self.gone.set_result(None)
 
     def pause_writing(self) -> None:
-        self._drained = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        self._drained = loop.create_future()
+        self._write_stall = loop.call_later(self.idle_timeout_s, self._abort_stalled)
 
     def resume_writing(self) -> None:
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
         self._drained = None
+        if self._write_stall is not None:
+            self._write_stall.cancel()
+            self._write_stall = None
+
+    def _abort_stalled(self) -> None:
+        """Our answers have waited idle_timeout_s for a client that reads none of them: abort, and
+        the calls waiting to write are abandoned (close() would wait for the unread bytes)."""
+        self._write_stall = None
+        if self.transport is not None:
+            log.debug("gRPC connection from %s: its client read none of our answers for %.1f s (idle_timeout_s)",
+                      self.peer, self.idle_timeout_s)
+            self.transport.abort()
 
     def go_away(self) -> None:
         """Take no new calls (those open are answered); close once none is left."""
