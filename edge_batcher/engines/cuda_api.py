@@ -5,7 +5,8 @@ samples use since TensorRT 10; wheels for x86-64 and aarch64) and pycuda (compil
 device; many Jetson setups already have it). Both reach the same CUDA driver, so one small
 interface covers what edge-batcher does with them: the device's primary context (retained,
 pushed and popped around every call, the context the CUDA runtime and TensorRT share), device
-buffers, page-locked host buffers, streams, asynchronous copies, and free/total memory.
+buffers, page-locked host buffers, streams, asynchronous copies, free/total memory, and CUDA
+graphs captured from a stream (cuda-python only: pycuda has no stream capture).
 `load_cuda_api()` picks cuda-python when it imports and pycuda otherwise
 (EDGE_BATCHER_CUDA_BINDING=pycuda|cuda-python forces one); `cuda_api_from()` wraps a module or
 fake a caller passes in (tests pass tests/fakes' FakeCuda and FakeCudaDriver).
@@ -88,6 +89,24 @@ class Stream:
         self._close()
 
 
+@dataclass
+class CudaGraph:
+    """An instantiated CUDA graph: launch(stream) replays the captured work on `stream` (the same
+    device addresses, the same shapes); destroy() frees it (idempotent)."""
+
+    _launch: Callable[[Stream], None]
+    _destroy: Callable[[], None]
+    destroyed: bool = False
+
+    def launch(self, stream: Stream) -> None:
+        self._launch(stream)
+
+    def destroy(self) -> None:
+        if not self.destroyed:
+            self.destroyed = True
+            self._destroy()
+
+
 class DeviceContext:
     """A retained primary context of one device: push() makes it current on this thread, pop()
     undoes that, release() drops the reference (after the last pop)."""
@@ -114,6 +133,7 @@ class CudaApi(ABC):
     a binding that lacks one of these cannot be instantiated."""
 
     name = "?"
+    can_capture = False  # whether capture() works (cuda-python: yes; pycuda has no stream capture)
 
     @abstractmethod
     def init(self) -> None: ...
@@ -153,6 +173,13 @@ class CudaApi(ABC):
     def mem_get_info(self) -> tuple[int, int]:  # (free, total) bytes
         ...
 
+    def capture(self, stream: Stream, enqueue: Callable[[], None]) -> CudaGraph:
+        """What `enqueue` puts on `stream`, captured (not run) as an instantiated graph. CudaError
+        (code NOT_SUPPORTED) where the binding cannot capture; the stream is usable afterwards
+        whatever `enqueue` raised."""
+        raise CudaError(f"{self.name} cannot capture CUDA graphs (stream capture needs cuda-python: "
+                        "pip install cuda-bindings)", "NOT_SUPPORTED")
+
     def is_out_of_memory(self, exc: BaseException) -> bool:
         if isinstance(exc, CudaError) and exc.code == "CUDA_ERROR_OUT_OF_MEMORY":
             return True
@@ -173,6 +200,7 @@ class CudaPythonApi(CudaApi):
     """cuda-python's driver API (`cuda.bindings.driver`): every call returns (CUresult, values...)."""
 
     name = "cuda-python"
+    can_capture = True
 
     def __init__(self, driver: Any):
         self.d = driver
@@ -262,6 +290,26 @@ class CudaPythonApi(CudaApi):
     def mem_get_info(self) -> tuple[int, int]:
         free, total = self._call("cuMemGetInfo", self.d.cuMemGetInfo())
         return int(free), int(total)
+
+    def capture(self, stream: Stream, enqueue: Callable[[], None]) -> CudaGraph:
+        # thread-local: other threads' CUDA calls (another engine's) neither join nor break the capture
+        mode = self.d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        self._call("cuStreamBeginCapture", self.d.cuStreamBeginCapture(stream.raw, mode))
+        try:
+            enqueue()
+        except BaseException:
+            err, graph = self.d.cuStreamEndCapture(stream.raw)  # ended whatever happened: the stream stays usable
+            if int(err) == 0 and graph is not None:
+                self.d.cuGraphDestroy(graph)
+            raise
+        graph = self._call("cuStreamEndCapture", self.d.cuStreamEndCapture(stream.raw))
+        try:
+            executable = self._call("cuGraphInstantiate", self.d.cuGraphInstantiate(graph, 0))
+        finally:
+            self._call("cuGraphDestroy", self.d.cuGraphDestroy(graph))  # the executable keeps what it needs
+        return CudaGraph(
+            lambda on: self._call("cuGraphLaunch", self.d.cuGraphLaunch(executable, on.raw)),
+            lambda: self._call("cuGraphExecDestroy", self.d.cuGraphExecDestroy(executable)))
 
 
 # --------------------------------------------------------------------------- pycuda

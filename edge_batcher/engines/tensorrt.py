@@ -26,6 +26,7 @@ from .trt_api import (
     make_logger,
     tensorrt_capabilities,  # noqa: F401 - re-exported: tools/jetson_selftest.py imports it here
 )
+from .trt_graphs import GraphKey, TrtGraphs
 from .trt_settings import TensorRTSettings, plan_info_path, read_plan_info, rebuild_command, tensorrt_settings
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class TensorRTEngine:
         self._weights = 0
         self._activations: list[int] = []
         self._io_per_profile: list[dict[str, int]] = []
+        self.graphs: TrtGraphs | None = None  # captured batches by shape ([tensorrt] cuda_graphs)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -125,6 +127,7 @@ class TensorRTEngine:
                 raise OutOfMemory(f"model {c.name!r}: out of memory loading {path}: {exc}") from exc
             raise EngineError(f"model {c.name!r}: loading {path} failed: {exc}") from exc
         self._cuda_context.pop()
+        self.graphs = TrtGraphs.for_engine(c.name, self.settings.cuda_graphs, cuda, self.settings.dla_core)
         log.info(
             "model %s: TensorRT %s plan %s, %d profile(s), device memory %d B (activations) + %d B (I/O)%s",
             c.name, self.trt_version, path.name, len(self.profiles), max(self._activations),
@@ -302,6 +305,9 @@ class TensorRTEngine:
 
     def _release(self) -> None:
         """Free everything load() allocated; the primary context must be current."""
+        if self.graphs is not None:  # the graphs before the buffers and context they use
+            self.graphs.close()
+            self.graphs = None
         for buf in self._buffers.values():
             buf.device.free()
             buf.pinned.free()
@@ -319,13 +325,25 @@ class TensorRTEngine:
 
     # ------------------------------------------------------------------ inference
 
+    @property
+    def cuda_graphs(self) -> bool:
+        return self.graphs is not None
+
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self._run(inputs, replay=True)
+
+    def infer_without_graphs(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """execute_async_v3 whatever is captured: the reference `edge-batcher bench` measures
+        graph replay against (the same context, buffers and copies)."""
+        return self._run(inputs, replay=False)
+
+    def _run(self, inputs: dict[str, np.ndarray], replay: bool) -> dict[str, np.ndarray]:
         if self._context is None:
             raise EngineError(f"model {self.config.name!r}: infer() before load() or after close()")
         assert self._cuda is not None  # load() set it before the context
         self._cuda_context.push()
         try:
-            return self._infer(inputs)
+            return self._infer(inputs, replay)
         except EngineError:
             raise
         except Exception as exc:
@@ -335,7 +353,7 @@ class TensorRTEngine:
         finally:
             self._cuda_context.pop()
 
-    def _infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _infer(self, inputs: dict[str, np.ndarray], replay: bool) -> dict[str, np.ndarray]:
         c, cuda, context, stream = self.config, self._cuda, self._context, self._stream
         assert cuda is not None  # infer() checked
         arrays = {}
@@ -351,29 +369,51 @@ class TensorRTEngine:
                 f"model {c.name!r}: batch shapes {', '.join(f'{n} {list(s)}' for n, s in shapes.items())} are outside "
                 f"every optimization profile of the plan ({'; '.join(p.describe() for p in self.profiles)})"
             )
-        self._select_profile(profile)
+        key: GraphKey = (profile, tuple((name, tuple(shape)) for name, shape in shapes.items()))
+        captured = self.graphs.get(key) if self.graphs is not None and replay else None
+        if captured is None:
+            self._select_profile(profile)
         for name, array in arrays.items():
             buf = self._buffers[name]
-            self._check(context.set_input_shape(name, array.shape), f"set_input_shape({name}, {list(array.shape)})")
+            if captured is None:
+                self._check(context.set_input_shape(name, array.shape), f"set_input_shape({name}, {list(array.shape)})")
             host = buf.host[: array.size].reshape(array.shape)
             np.copyto(host, array)
             cuda.copy_htod_async(buf.device, host, stream)
-        out_views = {}
-        for name in self._output_names:
-            buf = self._buffers[name]
-            shape = tuple(int(d) for d in context.get_tensor_shape(name))
-            count = int(np.prod(shape, dtype=np.int64))
-            if any(d < 0 for d in shape) or count * buf.dtype.itemsize > buf.nbytes:
-                raise EngineError(f"model {c.name!r}: output {name!r} shape {shape} does not fit its buffer")
-            out_views[name] = buf.host[:count].reshape(shape)
-        for name, buf in self._buffers.items():
-            self._check(context.set_tensor_address(name, buf.device.ptr), f"set_tensor_address({name})")
-        self._check(context.execute_async_v3(stream.handle), "execute_async_v3")
+        out_shapes = captured.output_shapes if captured is not None else self._output_shapes()
+        out_views = {name: self._buffers[name].host[:int(np.prod(shape, dtype=np.int64))].reshape(shape)
+                     for name, shape in out_shapes.items()}
+        if captured is not None:
+            captured.graph.launch(stream)  # the shapes and addresses it was captured with: this batch's
+        else:
+            for name, buf in self._buffers.items():
+                self._check(context.set_tensor_address(name, buf.device.ptr), f"set_tensor_address({name})")
+            self._check(context.execute_async_v3(stream.handle), "execute_async_v3")
         for name, view in out_views.items():
             cuda.copy_dtoh_async(view, self._buffers[name].device, stream)
         stream.synchronize()
         # Copies: the pinned buffers are reused by the next batch while the runner still splits these.
-        return {name: view.copy() for name, view in out_views.items()}
+        results = {name: view.copy() for name, view in out_views.items()}
+        if captured is None and replay and self.graphs is not None:
+            # the context now holds this shape and the buffers' addresses: what the graph replays
+            def enqueue() -> None:
+                self._check(context.execute_async_v3(stream.handle), "execute_async_v3 (captured)")
+
+            if not self.graphs.capture(key, out_shapes, stream, enqueue):
+                self.graphs = None
+        return results
+
+    def _output_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each output's shape for the input shapes just set, checked against its buffer."""
+        shapes = {}
+        for name in self._output_names:
+            buf = self._buffers[name]
+            shape = tuple(int(d) for d in self._context.get_tensor_shape(name))
+            count = int(np.prod(shape, dtype=np.int64))
+            if any(d < 0 for d in shape) or count * buf.dtype.itemsize > buf.nbytes:
+                raise EngineError(f"model {self.config.name!r}: output {name!r} shape {shape} does not fit its buffer")
+            shapes[name] = shape
+        return shapes
 
     def _select_profile(self, index: int) -> None:
         if index != self._current_profile:

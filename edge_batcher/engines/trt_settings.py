@@ -32,6 +32,7 @@ class TensorRTSettings:
 
     device: int = 0  # CUDA device index (Jetsons have one: 0)
     dla_core: int = -1  # >= 0: run on this DLA core (plan built for DLA; Orin NX / AGX Orin only)
+    cuda_graphs: str = "auto"  # auto | on | off: replay each batch shape as a captured CUDA graph (trt_graphs.py)
     # How model.plan was built (written by build-engine, used for the rebuild command):
     onnx: str = ""  # source ONNX model, relative to the model directory or absolute
     precision: str = "fp32"  # fp32 | fp16 | int8
@@ -48,6 +49,8 @@ def validate_tensorrt_settings(s: Any, where: str) -> None:
         raise ConfigError(f"{where}: [tensorrt] device: expected >= 0, got {s.device}")
     if s.dla_core < -1:
         raise ConfigError(f"{where}: [tensorrt] dla_core: expected -1 (GPU) or a DLA core >= 0, got {s.dla_core}")
+    if s.cuda_graphs not in ("auto", "on", "off"):
+        raise ConfigError(f"{where}: [tensorrt] cuda_graphs: expected auto, on or off, got {s.cuda_graphs!r}")
     if s.precision not in PRECISIONS:
         raise ConfigError(
             f"{where}: [tensorrt] precision: expected one of {', '.join(PRECISIONS)}, got {s.precision!r}"

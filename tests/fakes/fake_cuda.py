@@ -231,7 +231,7 @@ class FakeCuda:
         if stream is None:
             op()
         else:
-            stream.pending.append(op)
+            stream.enqueue(op)
 
     def stream_by_handle(self, handle: int) -> FakeStream | None:
         return self.streams.get(int(handle))
@@ -277,9 +277,16 @@ class FakeStream:
         self._cuda = cuda
         self.handle = handle
         self.pending: list = []
+        self.capture: list | None = None  # while capturing (cuda-python's cuStreamBeginCapture): recorded, not run
+
+    def enqueue(self, op) -> None:
+        (self.pending if self.capture is None else self.capture).append(op)
 
     def synchronize(self) -> None:
         self._cuda.require_context("cuStreamSynchronize")
+        if self.capture is not None:
+            raise CudaLogicError("cuStreamSynchronize: the stream is capturing a graph "
+                                 "(CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED)")
         ops, self.pending = self.pending, []
         for op in ops:
             op()

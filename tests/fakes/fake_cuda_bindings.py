@@ -13,6 +13,9 @@ context fail with CUDA_ERROR_INVALID_CONTEXT when none is current on the thread,
 cuInit with CUDA_ERROR_NOT_INITIALIZED, allocations beyond the fake device's memory with
 CUDA_ERROR_OUT_OF_MEMORY. Stricter than the driver: the host side of an async copy must be
 memory from cuMemAllocHost (the driver also takes pageable memory, silently synchronously).
+Stream capture records the work enqueued on the stream (each operation already bound to its
+addresses and shapes, as a captured kernel is) instead of running it; a launched graph enqueues
+that work again; synchronizing a capturing stream fails as the driver's does.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_INVALID_DEVICE = 101
     CUDA_ERROR_INVALID_CONTEXT = 201
     CUDA_ERROR_INVALID_HANDLE = 400
+    CUDA_ERROR_ILLEGAL_STATE = 401
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900
 
 
 class CUdevice_attribute(enum.IntEnum):  # noqa: N801 - cuda-python's name
@@ -44,6 +49,12 @@ class CUdevice_attribute(enum.IntEnum):  # noqa: N801 - cuda-python's name
 class CUstream_flags(enum.IntEnum):  # noqa: N801
     CU_STREAM_DEFAULT = 0
     CU_STREAM_NON_BLOCKING = 1
+
+
+class CUstreamCaptureMode(enum.IntEnum):  # noqa: N801
+    CU_STREAM_CAPTURE_MODE_GLOBAL = 0
+    CU_STREAM_CAPTURE_MODE_THREAD_LOCAL = 1
+    CU_STREAM_CAPTURE_MODE_RELAXED = 2
 
 
 class _Handle:
@@ -76,6 +87,14 @@ class CUcontext(_Handle):
     pass
 
 
+class CUgraph(_Handle):
+    pass
+
+
+class CUgraphExec(_Handle):
+    pass
+
+
 _OK = CUresult.CUDA_SUCCESS
 
 
@@ -90,11 +109,18 @@ class FakeCudaDriver:
     CUdeviceptr = CUdeviceptr
     CUstream = CUstream
     CUcontext = CUcontext
+    CUstreamCaptureMode = CUstreamCaptureMode
 
     def __init__(self, gpu: FakeCuda):
         self.gpu = gpu
         self._host: dict[int, np.ndarray] = {}  # cuMemAllocHost address -> its bytes
-        self.counters = {"cuMemAlloc": 0, "cuMemAllocHost": 0, "cuMemFree": 0, "cuMemFreeHost": 0}
+        self.counters = {"cuMemAlloc": 0, "cuMemAllocHost": 0, "cuMemFree": 0, "cuMemFreeHost": 0,
+                         "cuStreamBeginCapture": 0, "cuGraphLaunch": 0}
+        # Graphs as the work their capture recorded (each op bound to its addresses and shapes
+        # when it was enqueued, as a captured kernel is); executables are copies of them.
+        self._graphs: dict[int, list] = {}
+        self._executables: dict[int, list] = {}
+        self._next_graph = 0x6000
 
     # ------------------------------------------------------------------ errors
 
@@ -252,9 +278,9 @@ class FakeCudaDriver:
         key = "memcpy_htod" if to_device else "memcpy_dtoh"
         self.gpu.counters[key] += 1
         if to_device:
-            s.pending.append(lambda: self.gpu.write(int(device), view))
+            s.enqueue(lambda: self.gpu.write(int(device), view))
         else:
-            s.pending.append(lambda: view.__setitem__(slice(None), self.gpu.read(int(device), int(nbytes))))
+            s.enqueue(lambda: view.__setitem__(slice(None), self.gpu.read(int(device), int(nbytes))))
         return (_OK,)
 
     def cuMemcpyHtoDAsync(self, dstDevice, srcHost, ByteCount: int, hStream):  # noqa: N802, N803
@@ -262,6 +288,60 @@ class FakeCudaDriver:
 
     def cuMemcpyDtoHAsync(self, dstHost, srcDevice, ByteCount: int, hStream):  # noqa: N802, N803
         return self._copy("cuMemcpyDtoHAsync", dstHost, srcDevice, ByteCount, hStream, False)
+
+
+    # ------------------------------------------------------------------ graphs
+
+    def cuStreamBeginCapture(self, hStream, mode):  # noqa: N802, N803
+        s = self._stream(hStream)
+        if s is None:
+            return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+        if s.capture is not None:
+            return (CUresult.CUDA_ERROR_ILLEGAL_STATE,)
+        self.counters["cuStreamBeginCapture"] += 1
+        s.capture = []
+        return (_OK,)
+
+    def cuStreamEndCapture(self, hStream):  # noqa: N802, N803
+        s = self._stream(hStream)
+        if s is None:
+            return CUresult.CUDA_ERROR_INVALID_HANDLE, None
+        if s.capture is None:
+            return CUresult.CUDA_ERROR_ILLEGAL_STATE, None
+        ops, s.capture = s.capture, None
+        self._next_graph += 1
+        self._graphs[self._next_graph] = ops
+        return _OK, CUgraph(self._next_graph)
+
+    def cuGraphInstantiate(self, hGraph, flags: int):  # noqa: N802, N803
+        ops = self._graphs.get(int(hGraph))
+        if ops is None:
+            return CUresult.CUDA_ERROR_INVALID_HANDLE, None
+        self._next_graph += 1
+        self._executables[self._next_graph] = list(ops)
+        return _OK, CUgraphExec(self._next_graph)
+
+    def cuGraphLaunch(self, hGraphExec, hStream):  # noqa: N802, N803
+        ops, s = self._executables.get(int(hGraphExec)), self._stream(hStream)
+        if ops is None or s is None:
+            return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+        self.counters["cuGraphLaunch"] += 1
+        for op in ops:
+            s.enqueue(op)
+        return (_OK,)
+
+    def cuGraphDestroy(self, hGraph):  # noqa: N802, N803
+        return (_OK,) if self._graphs.pop(int(hGraph), None) is not None else (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+
+    def cuGraphExecDestroy(self, hGraphExec):  # noqa: N802, N803
+        if self._executables.pop(int(hGraphExec), None) is None:
+            return (CUresult.CUDA_ERROR_INVALID_HANDLE,)
+        return (_OK,)
+
+    @property
+    def live_graphs(self) -> int:
+        """Graphs and executables not destroyed yet (a test checks that close() frees them)."""
+        return len(self._graphs) + len(self._executables)
 
 
 def fake_cuda_module(binding: str, gpu: FakeCuda) -> Any:

@@ -107,7 +107,9 @@ class FakeTensorRT:
     version: the TensorRT version this fake claims; a plan built by another version will not
     deserialize. Its major version picks the API generation (see the module docstring).
     num_dla_cores: 0 like an Orin Nano, 2 like an AGX Orin. engine_stats: whether
-    ICudaEngine.get_engine_stat exists (only newer TensorRT 10 releases have it).
+    ICudaEngine.get_engine_stat exists (only newer TensorRT 10 releases have it). capturable:
+    whether execute_async_v3 may be captured into a CUDA graph (engines with data-dependent
+    shapes or host-side work cannot).
     """
 
     IS_FAKE = True
@@ -122,8 +124,10 @@ class FakeTensorRT:
     DeviceType = DeviceType
     IProgressMonitor = IProgressMonitor
 
-    def __init__(self, cuda: FakeCuda, version: str = "10.3.0", num_dla_cores: int = 0, engine_stats: bool = True):
+    def __init__(self, cuda: FakeCuda, version: str = "10.3.0", num_dla_cores: int = 0, engine_stats: bool = True,
+                 capturable: bool = True):
         self.cuda = cuda
+        self.capturable = capturable  # False: enqueueV3 fails while its stream captures a CUDA graph
         # What the code under test asked TensorRT to do, for tests to check behaviour at this
         # boundary: ("set_optimization_profile_async", index), ("set_input_shape", name, shape),
         # ("execute_async_v3", profile, {input: shape}), ("deserialize_cuda_engine", version).

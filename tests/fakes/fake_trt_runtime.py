@@ -428,10 +428,15 @@ class _Context(Generational):
                     raise CudaLaunchError(f"FakeTensorRT: output {name} came out {value.shape}, expected {shape}")
                 cuda.write(ptr, value.astype(dtype, copy=False))
 
-        engine._trt.calls.append(("execute_async_v3", self._profile, dict(self._shapes)))
+        capturing = stream is not None and stream.capture is not None
+        if capturing and not engine._trt.capturable:
+            return self._error("enqueueV3: this engine's work cannot be captured into a CUDA graph "
+                               "(FakeTensorRT(capturable=False))")
+        engine._trt.calls.append(("capture_execute_async_v3" if capturing else "execute_async_v3", self._profile,
+                                  dict(self._shapes)))
         if stream is None:
             log_to(self._logger, Severity.WARNING, "FakeTensorRT enqueueV3: using the default stream")
             run()
         else:
-            stream.pending.append(run)
+            stream.enqueue(run)
         return True
