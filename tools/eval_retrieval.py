@@ -7,12 +7,16 @@ every ranking on every set, side by side, and the search time per question (docs
     .venv/bin/python tools/eval_retrieval.py --test     # add the test splits and the held-out set (once)
     .venv/bin/python tools/eval_retrieval.py --misses   # also list the questions the shipped default ranks wrong
     .venv/bin/python tools/eval_retrieval.py --tune     # grid over lexical weight and coverage exponent, dev only
+    .venv/bin/python tools/eval_retrieval.py --tune-heading  # heading weight grid on every set, cross-validated
+    .venv/bin/python tools/eval_retrieval.py --test --questions FILE.json  # plus a blind set, as its own column
 
 The corpus is split and embedded here exactly as `edge-batcher index add` does, with the minilm
 model of --model-repo (default ./engines; built by `make models`). Each question file holds
 {"questions": [{"question", "passage", "split"?}]}; "split" is "dev" (may be used for choosing
 settings), "test" or "holdout" (never used for choosing: evaluated with --test, once, after the
-settings were fixed); the shipped ten have none and count as dev.
+settings were fixed); the shipped ten have none and count as dev. A file given with --questions
+(same format, "passage" naming a passage id of the corpus) counts as held out whatever its
+splits say and is reported as a column of its own, named after the file.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 
 from edge_batcher.config import load_model_config  # noqa: E402
 from edge_batcher.rag.embed import TextEmbeddingEngine  # noqa: E402
-from edge_batcher.rag.fusion import EQUAL_WEIGHTS, Fusion, minmax  # noqa: E402
+from edge_batcher.rag.fusion import COVERAGE_ONLY, EQUAL_WEIGHTS, Fusion, minmax  # noqa: E402
 from edge_batcher.rag.index import Index, embed_passages  # noqa: E402
 from edge_batcher.rag.passages import split_file  # noqa: E402
 
@@ -54,24 +58,30 @@ DEV_SETS = ("shipped ten", "technician dev", "paraphrase dev")
 Ranking = Callable[[Index, np.ndarray, list[str]], list[list[str]]]
 
 
-def load_questions(corpus: Path = CORPUS, files=QUESTION_FILES) -> list[dict]:
+def load_questions(corpus: Path = CORPUS, files=QUESTION_FILES, extra: tuple[Path, ...] = ()) -> list[dict]:
+    """The questions of `files` in `corpus`, then those of the `extra` files (split "holdout",
+    file: the path as given)."""
     out = []
     for name in files:
         for q in json.loads((corpus / name).read_text(encoding="utf-8"))["questions"]:
             out.append({"split": "dev", **q, "file": name})
+    for path in extra:
+        for q in json.loads(Path(path).read_text(encoding="utf-8"))["questions"]:
+            out.append({**q, "split": "holdout", "file": str(path)})
     return out
 
 
-def in_set(question: dict, name: str) -> bool:
-    file, split = SETS[name]
+def in_set(question: dict, name: str, sets: dict | None = None) -> bool:
+    file, split = (sets or SETS)[name]
     return question["file"] == file and (split is None or question["split"] == split)
 
 
 def build_index(embedder: TextEmbeddingEngine, corpus: Path = CORPUS) -> Index:
-    """The corpus as `edge-batcher index add` builds it: passages, their vectors and their sentences'."""
+    """The corpus as `edge-batcher index add` builds it: passages, their vectors, their sentences'
+    and their headings'."""
     passages = [p for path in sorted(corpus.glob("*.md")) for p in split_file(path)]
-    vectors, sentences = embed_passages(passages, embedder.embed)
-    return Index(passages, vectors, {}, sentences=sentences)
+    vectors, sentences, headings = embed_passages(passages, embedder.embed)
+    return Index(passages, vectors, {}, sentences=sentences, headings=headings)
 
 
 def fused(fusion: Fusion) -> Ranking:
@@ -129,6 +139,10 @@ def rankings(configured: Fusion) -> dict[str, Ranking]:
             "hybrid + feedback (Rocchio 0.2)": feedback(0.2),
             "round 1 choice: 0.5 x coverage^0.5 (chosen on dev)": fused(Fusion(lexical_weight=0.5,
                                                                                coverage_exponent=0.5)),
+            "round 2: 1 x coverage^0.5 (default before the heading)": fused(COVERAGE_ONLY),
+            "round 2 + heading 1 (equal weight)": fused(Fusion(coverage_exponent=0.5, heading_weight=1.0)),
+            "round 2 + heading 0.5": fused(Fusion(coverage_exponent=0.5, heading_weight=0.5)),
+            "round 2 + heading 0.25": fused(Fusion(coverage_exponent=0.5, heading_weight=0.25)),
             "shipped default (as configured)": fused(configured)}
 
 
@@ -170,18 +184,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model-repo", type=Path, default=ROOT / "engines")
     parser.add_argument("--test", action="store_true", help="add the test splits and held-out sets (once, at the end)")
     parser.add_argument("--tune", action="store_true", help="grid over lexical weight and coverage exponent, dev only")
+    parser.add_argument("--tune-heading", action="store_true",
+                        help="heading weight grid on every question file, cross-validated between the files")
     parser.add_argument("--misses", action="store_true")
+    parser.add_argument("--questions", type=Path, action="append", default=[], metavar="FILE",
+                        help="a further question file, evaluated as held out in a column of its own (repeatable)")
     args = parser.parse_args(argv)
     from edge_batcher.rag.settings import fusion_from, rag_settings
 
     embedder = TextEmbeddingEngine(load_model_config(args.model_repo / "minilm"))
     embedder.load()
     index = build_index(embedder)
-    questions = load_questions()
+    questions = load_questions(extra=tuple(args.questions))
+    known = {p.id for p in index.passages}
+    for q in questions:
+        if q["passage"] not in known:
+            parser.error(f"{q['file']}: {q['question']!r} names passage {q['passage']!r}, "
+                         "which the corpus does not have")
     vectors = embedder.embed([q["question"] for q in questions])
     configured = fusion_from(rag_settings(load_model_config(args.model_repo / "rag")))
-    columns = list(SETS) if args.test else list(DEV_SETS)
-    members = {name: [i for i, q in enumerate(questions) if in_set(q, name)] for name in columns}
+    sets = dict(SETS)
+    for path in args.questions:
+        sets[f"{path.stem} (given)"] = (str(path), None)
+    columns = (list(SETS) if args.test else list(DEV_SETS)) + [name for name in sets if name not in SETS]
+    members = {name: [i for i, q in enumerate(questions) if in_set(q, name, sets)] for name in columns}
 
     def score(rank: Ranking, name: str) -> tuple[int, int]:
         idx = members[name]
@@ -195,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
                   ", ".join(f"{n} {t1}/{len(members[n])} (top-3 {t3})" for n, (t1, t3) in zip(DEV_SETS, cells)) +
                   f"; dev top-1 {sum(t1 for t1, _ in cells)}")
         return 0
+    if args.tune_heading:
+        return tune_heading(index, vectors, questions)
     print(f"shipped default = {configured}")
     print("| ranking | " + " | ".join(f"{name} ({len(members[name])})" for name in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
@@ -212,12 +240,48 @@ def main(argv: list[str] | None = None) -> int:
                 if ids[0] != questions[i]["passage"]:
                     print(f"  {name} miss: {questions[i]['question']!r} -> {ids} (expected {questions[i]['passage']})")
     texts = [q["question"] for q in questions]
-    medians = search_time(index, vectors, texts, {"old default": EQUAL_WEIGHTS, "configured": configured})
+    medians = search_time(index, vectors, texts, {"old default": EQUAL_WEIGHTS, "before heading": COVERAGE_ONLY,
+                                                  "configured": configured})
     embed = embed_time(embedder, texts[:40])
-    old, new = medians["old default"], medians["configured"]
+    old, before, new = medians["old default"], medians["before heading"], medians["configured"]
     print(f"\nper question, median over {len(texts)} questions x 5, side by side: search old default "
-          f"{old * 1e3:.3f} ms, configured {new * 1e3:.3f} ms (ratio {new / old:.2f}); embedding the question "
-          f"{embed * 1e3:.2f} ms; embed + search {(embed + old) * 1e3:.2f} -> {(embed + new) * 1e3:.2f} ms")
+          f"{old * 1e3:.3f} ms, before the heading {before * 1e3:.3f} ms, configured {new * 1e3:.3f} ms (ratio to "
+          f"before the heading {new / before:.2f}); embedding the question {embed * 1e3:.2f} ms; embed + search "
+          f"{(embed + before) * 1e3:.2f} -> {(embed + new) * 1e3:.2f} ms ({(embed + new) / (embed + before):.3f}x)")
+    return 0
+
+
+HEADING_GRID = (0.0, 0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.75, 1.0)
+
+
+def tune_heading(index: Index, vectors: np.ndarray, questions: list[dict]) -> int:
+    """Top-1 per question file for each heading weight (on top of the coverage-weighted hybrid),
+    and the weight each half of the files would choose, checked on the other half, both ways; then
+    leaving out one file at a time. Every seen file takes part (issue 29's second round)."""
+    files = list(QUESTION_FILES)
+    texts = [q["question"] for q in questions]
+    right: dict[float, np.ndarray] = {}
+    for weight in HEADING_GRID:
+        ranked = fused(Fusion(coverage_exponent=0.5, heading_weight=weight))(index, vectors, texts)
+        right[weight] = np.array([ids[0] == q["passage"] for ids, q in zip(ranked, questions)])
+    of = np.array([q["file"] for q in questions])
+    for weight in HEADING_GRID:
+        print(f"heading_weight={weight}: " + ", ".join(f"{f} {int(right[weight][of == f].sum())}/{int((of == f).sum())}"
+                                                      for f in files) + f"; all {int(right[weight].sum())}")
+
+    def choose(mask: np.ndarray) -> float:  # the best on `mask`, ties to the smaller weight
+        return max(HEADING_GRID, key=lambda w: (int(right[w][mask].sum()), -w))
+
+    first = np.isin(of, files[:3])
+    for name, train in (("shipped ten + technician + paraphrase", first), ("the two held-out files", ~first)):
+        weight = choose(train)
+        print(f"chosen on {name}: {weight} ({int(right[weight][train].sum())} vs {int(right[0.0][train].sum())} "
+              f"without); on the other files {int(right[weight][~train].sum())} vs {int(right[0.0][~train].sum())} "
+              f"without, of {int((~train).sum())}")
+    for f in files:
+        weight = choose(of != f)
+        print(f"leaving out {f}: chosen {weight}; on it {int(right[weight][of == f].sum())} vs "
+              f"{int(right[0.0][of == f].sum())} without, of {int((of == f).sum())}")
     return 0
 
 

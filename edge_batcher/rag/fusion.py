@@ -1,8 +1,10 @@
 """Hybrid ranking: the passage cosine, the best sentence's cosine and BM25 fused into one score.
 
-Three signals rank the passages for a question: **dense** (cosine of the question to the whole
+Four signals rank the passages for a question: **dense** (cosine of the question to the whole
 passage), **sentence** (cosine to the passage's best sentence: a passage that answers in one
-sentence among four others is not diluted by them) and **lexical** (BM25, exact terms). They
+sentence among four others is not diluted by them), **heading** (cosine to the passage's own
+heading alone, "Correcting imbalance": it tells a passage on what a fault looks like from the
+one on how to fix it, which share most words) and **lexical** (BM25, exact terms). They
 have nothing in common in scale (cosines in [-1, 1], BM25 unbounded), so each is first brought
 to [0, 1] over the passages of this question (min-max: the best passage 1, the worst 0) and the
 results are added with their weights (CombSUM, Fox & Shaw 1994; a convex combination of
@@ -40,13 +42,17 @@ class Fusion:
     sentence_weight: float = 1.0  # 0: the passage cosine alone is the dense signal
     coverage_exponent: float = 0.0  # lexical weight x coverage ** this; 0: a fixed weight
     ambiguous_margin: float = 0.05  # a first passage leading the second by less is marked ambiguous
+    heading_weight: float = 0.0  # weight of the cosine to the passage's own heading alone; 0: not used
 
 
 # The shipped defaults ([rag] retrieval settings): equal weights, BM25's scaled by the square root
-# of the question's coverage; chosen on the seen question sets, checked on a held-out one (docs/rag.md).
-DEFAULT_FUSION = Fusion(coverage_exponent=0.5)
+# of the question's coverage, and the heading's cosine at a quarter weight; chosen on the seen
+# question sets, cross-validated between them (docs/rag.md, "Retrieval quality").
+DEFAULT_FUSION = Fusion(coverage_exponent=0.5, heading_weight=0.25)
 # The default before issue 29 (equal fixed weights), kept for the comparison in tools/eval_retrieval.py.
 EQUAL_WEIGHTS = Fusion()
+# The default between the two rounds of issue 29 (BM25 weighted by coverage, no heading signal).
+COVERAGE_ONLY = Fusion(coverage_exponent=0.5)
 
 
 def ranks(scores: np.ndarray) -> np.ndarray:
@@ -69,16 +75,20 @@ def minmax(scores: np.ndarray) -> np.ndarray:
 
 
 def fused_scores(dense: np.ndarray, lexical: np.ndarray, fusion: Fusion,
-                 sentence: np.ndarray | None = None, coverage: float = 1.0) -> np.ndarray:
+                 sentence: np.ndarray | None = None, coverage: float = 1.0,
+                 heading: np.ndarray | None = None) -> np.ndarray:
     """The score each passage is ranked by under `fusion` (higher is better). `sentence` is each
     passage's best sentence cosine, None when the index has no sentence vectors; `coverage` is
-    the share of the question's terms the passages know (Bm25.coverage)."""
+    the share of the question's terms the passages know (Bm25.coverage); `heading` the cosine to
+    each passage's own heading, None when the index has no heading vectors."""
     if fusion.mode == "lexical":
         # Passages with no shared term fall back to their dense order, behind every lexical match.
         return np.where(lexical > 0, lexical + 2.0, dense.astype(np.float64))
     signals: list[tuple[np.ndarray, float, np.ndarray | None]] = [(dense, fusion.dense_weight, None)]
     if sentence is not None and fusion.sentence_weight > 0:
         signals.append((sentence, fusion.sentence_weight, None))
+    if heading is not None and fusion.heading_weight > 0:
+        signals.append((heading, fusion.heading_weight, None))
     lexical_weight = fusion.lexical_weight * coverage ** fusion.coverage_exponent
     if fusion.mode == "hybrid" and lexical_weight > 0:
         signals.append((lexical, lexical_weight, lexical > 0))

@@ -8,9 +8,12 @@ On disk, in the index directory::
     lexical.json      the BM25 statistics: each passage's term counts (lexical.py)
     sentences.npz     "vectors" float32 [sentences, dim] (normalised) and "passage" int64 [sentences]:
                       every sentence of every passage, embedded under its heading (sentences.py)
+    headings.npy      float32 [passages, dim], unit rows: each passage's own heading embedded alone
+                      (a passage without a heading: its passage vector)
     meta.json         {"format", "version", "embedding_model", "dim", "count", "sources", "updated",
-                       "lexical": {"analyzer"}, "sentences": count, "sha256": {"embeddings.npy": ...,
-                       "passages.jsonl": ..., "lexical.json": ..., "sentences.npz": ...}}
+                       "lexical": {"analyzer"}, "sentences": count, "headings": count,
+                       "sha256": {"embeddings.npy": ..., "passages.jsonl": ..., "lexical.json": ...,
+                                  "sentences.npz": ..., "headings.npy": ...}}
 
 Writing is atomic per file (written next to the target, fsynced, os.replace) and meta.json is
 replaced last. A reader checks the hashes in meta.json against the data files, so one that
@@ -20,10 +23,10 @@ next query); it never serves embeddings of one build with passages of another.
 The RAG service notices a rebuilt index by the (inode, size, mtime) of meta.json, one stat()
 per query, and reloads it off the event loop.
 
-Search ranks by the passage cosine and the best sentence's cosine (dense), by BM25 (lexical)
-or by all three fused (fusion.py). An index written before lexical.json existed gets its BM25
-statistics computed when it is loaded; one written before sentences.npz ranks by the passage
-cosine alone until it is rebuilt.
+Search ranks by the passage cosine, the best sentence's cosine and the heading's (dense), by
+BM25 (lexical) or by all of them fused (fusion.py). An index written before lexical.json existed
+gets its BM25 statistics computed when it is loaded; one written before sentences.npz or
+headings.npy ranks without those signals until the next `index add`, which embeds what is missing.
 """
 
 from __future__ import annotations
@@ -42,13 +45,14 @@ from ..errors import Unavailable
 from .fusion import Fusion, fused_scores
 from .lexical import ANALYZER, Bm25
 from .passages import Passage
-from .sentences import embed_text, split_sentences
+from .sentences import embed_text, heading, split_sentences
 
 FORMAT = 1
 EMBEDDINGS = "embeddings.npy"
 PASSAGES = "passages.jsonl"
 LEXICAL = "lexical.json"
 SENTENCES = "sentences.npz"
+HEADINGS = "headings.npy"
 META = "meta.json"
 
 
@@ -96,12 +100,45 @@ def sentence_texts(passages: list[Passage]) -> tuple[list[int], list[str]]:
     return owners, texts
 
 
-def embed_passages(passages: list[Passage], embed) -> tuple[np.ndarray, SentenceVectors]:
-    """The passages' embeddings and their sentences', with `embed` (texts -> unit rows)."""
+def heading_texts(passages: list[Passage]) -> tuple[list[str], list[int]]:
+    """The distinct headings of the passages, and for each passage the position of its heading
+    among them (-1: the passage has none)."""
+    distinct: dict[str, int] = {}
+    where = []
+    for p in passages:
+        h = heading(p.title).strip()
+        where.append(distinct.setdefault(h, len(distinct)) if h else -1)
+    return list(distinct), where
+
+
+def embed_passages(passages: list[Passage], embed) -> tuple[np.ndarray, SentenceVectors, np.ndarray]:
+    """The passages' embeddings, their sentences' and their headings' (headings_of()), with
+    `embed` (texts -> unit rows), in one call of `embed`."""
     owners, texts = sentence_texts(passages)
-    vectors = embed([p.embed_text() for p in passages] + texts) if passages else np.zeros((0, 0), np.float32)
-    vectors = np.asarray(vectors, dtype=np.float32)
-    return vectors[: len(passages)], SentenceVectors(vectors[len(passages):], np.asarray(owners, dtype=np.int64))
+    headings, where = heading_texts(passages)
+    if not passages:
+        empty = np.zeros((0, 0), np.float32)
+        return empty, SentenceVectors(empty, np.zeros(0, np.int64)), empty
+    vectors = np.asarray(embed([p.embed_text() for p in passages] + texts + headings), dtype=np.float32)
+    n, m = len(passages), len(passages) + len(texts)
+    sentences = SentenceVectors(vectors[n:m], np.asarray(owners, dtype=np.int64))
+    return vectors[:n], sentences, headings_of(vectors[:n], vectors[m:], where)
+
+
+def embed_headings(passages: list[Passage], passage_vectors: np.ndarray, embed) -> np.ndarray:
+    """The passages' heading vectors alone (for an index written before them)."""
+    headings, where = heading_texts(passages)
+    vectors = np.asarray(embed(headings), dtype=np.float32) if headings else np.zeros((0, 0), np.float32)
+    return headings_of(passage_vectors, vectors, where)
+
+
+def headings_of(passage_vectors: np.ndarray, heading_vectors: np.ndarray, where: list[int]) -> np.ndarray:
+    """[passages, dim]: each passage's heading vector (heading_texts()), its own vector where it has no heading."""
+    out = np.array(passage_vectors, dtype=np.float32, copy=True)
+    for i, h in enumerate(where):
+        if h >= 0:
+            out[i] = heading_vectors[h]
+    return out
 
 
 # --------------------------------------------------------------------------- the index
@@ -115,6 +152,7 @@ class Hit:
     lexical: float | None = None  # BM25 score, when the lexical ranking took part
     fused: float | None = None  # the fused score it was ranked by (fusion.py)
     sentence: float | None = None  # cosine of its best sentence, when the index has sentence vectors
+    heading: float | None = None  # cosine of its heading alone, when the index has heading vectors
     margin: float | None = None  # first hit only: its lead over the second in fused score (lead())
     ambiguous: bool | None = None  # first hit only: margin below the fusion's ambiguous_margin
 
@@ -125,6 +163,8 @@ class Hit:
             out["bm25"] = round(self.lexical, 4)
         if self.sentence is not None:
             out["sentence"] = round(self.sentence, 4)
+        if self.heading is not None:
+            out["heading"] = round(self.heading, 4)
         if self.fused is not None:
             out["fused"] = round(self.fused, 6)
         if self.margin is not None:
@@ -135,10 +175,11 @@ class Hit:
 
 
 class Index:
-    """Passages, their unit-length embeddings, their sentences' and their BM25 statistics, in memory."""
+    """Passages, their unit-length embeddings, their sentences' and headings', and their BM25
+    statistics, in memory."""
 
     def __init__(self, passages: list[Passage], embeddings: np.ndarray, meta: dict, lexical: Bm25 | None = None,
-                 sentences: SentenceVectors | None = None):
+                 sentences: SentenceVectors | None = None, headings: np.ndarray | None = None):
         if embeddings.ndim != 2 or len(passages) != embeddings.shape[0]:
             raise ValueError(f"{len(passages)} passages but embeddings of shape {list(embeddings.shape)}")
         self.passages = passages
@@ -153,6 +194,12 @@ class Index:
             raise ValueError(f"sentence vectors of shape {list(sentences.vectors.shape)} do not fit "
                              f"{len(passages)} passages of dimension {self.dim}")
         self.sentences = sentences
+        if headings is not None:
+            headings = np.ascontiguousarray(headings, dtype=np.float32)
+            if headings.shape != self.embeddings.shape:
+                raise ValueError(f"heading vectors of shape {list(headings.shape)} do not fit "
+                                 f"{len(passages)} passages of dimension {self.dim}")
+        self.headings = headings
 
     @property
     def dim(self) -> int:
@@ -191,7 +238,8 @@ class Index:
         """Top-k for each question by `fusion` of its passage cosines, best-sentence cosines (query
         vectors) and BM25 scores (question texts). Best first. Every passage and sentence is
         scored: O(passages + sentences) per question."""
-        if fusion.mode == "dense" and (self.sentences is None or fusion.sentence_weight <= 0):
+        if fusion.mode == "dense" and (self.sentences is None or fusion.sentence_weight <= 0) and (
+                self.headings is None or fusion.heading_weight <= 0):
             return self.search(queries, k)
         queries = np.asarray(queries, dtype=np.float32).reshape(-1, self.dim)
         if len(texts) != len(queries):
@@ -200,16 +248,20 @@ class Index:
         k = min(k, len(self.passages))
         dense_rows = queries @ self.embeddings.T
         sentence_rows = self.best_sentence(dense_rows, queries) if fusion.mode != "lexical" else None
+        heading_rows = queries @ self.headings.T if self.headings is not None and fusion.mode != "lexical" else None
         out = []
         for n, (dense, text) in enumerate(zip(dense_rows, texts)):
             lexical = self.lexical.scores(text)
             sentence = sentence_rows[n] if sentence_rows is not None else None
+            heading_row = heading_rows[n] if heading_rows is not None else None
             coverage = self.lexical.coverage(text) if fusion.coverage_exponent > 0 else 1.0
-            fused = fused_scores(dense, lexical, fusion, sentence, coverage)
+            fused = fused_scores(dense, lexical, fusion, sentence, coverage, heading_row)
             order = np.argsort(-fused, kind="stable")
             row = [Hit(self.passages[i], float(dense[i]), r + 1, float(lexical[i]),
                        float(fused[i]) if fusion.mode != "lexical" else None,
-                       float(sentence[i]) if sentence is not None else None) for r, i in enumerate(order[:k])]
+                       float(sentence[i]) if sentence is not None else None,
+                       heading=float(heading_row[i]) if heading_row is not None else None)
+                   for r, i in enumerate(order[:k])]
             if row and fusion.mode != "lexical":
                 row[0].margin = lead(fused, order)
                 row[0].ambiguous = row[0].margin < fusion.ambiguous_margin
@@ -255,8 +307,8 @@ def load_index(directory: Path) -> Index | None:
     hashes = meta.get("sha256", {})
     lexical = None
     try:
-        for name in (EMBEDDINGS, PASSAGES, LEXICAL, SENTENCES):
-            if name in (LEXICAL, SENTENCES) and name not in hashes:
+        for name in (EMBEDDINGS, PASSAGES, LEXICAL, SENTENCES, HEADINGS):
+            if name in (LEXICAL, SENTENCES, HEADINGS) and name not in hashes:
                 continue  # written before that file existed: computed below, or done without
             if _sha256(directory / name) != hashes.get(name):
                 raise Unavailable(f"index {directory}: {name} does not match {META} (a rebuild in progress?)")
@@ -271,22 +323,25 @@ def load_index(directory: Path) -> Index | None:
         if SENTENCES in hashes:
             with np.load(directory / SENTENCES, allow_pickle=False) as stored:
                 sentences = SentenceVectors(stored["vectors"].astype(np.float32), stored["passage"].astype(np.int64))
+        headings = np.load(directory / HEADINGS, allow_pickle=False) if HEADINGS in hashes else None
     except FileNotFoundError as exc:
         raise Unavailable(f"index {directory}: {exc.filename} is missing; rebuild the index") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise Unavailable(
-            f"index {directory}: {LEXICAL} or {SENTENCES} cannot be read: {exc}; rebuild the index"
+            f"index {directory}: {LEXICAL}, {SENTENCES} or {HEADINGS} cannot be read: {exc}; rebuild it "
+            f"(edge-batcher index add --rebuild)"
         ) from None
     try:
-        return Index(passages, embeddings, meta, lexical, sentences)
+        return Index(passages, embeddings, meta, lexical, sentences, headings)
     except ValueError as exc:
         raise Unavailable(f"index {directory}: {exc}") from None
 
 
 def write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray, *, embedding_model: str,
-                sources: dict[str, dict] | None = None, sentences: SentenceVectors | None = None) -> dict:
+                sources: dict[str, dict] | None = None, sentences: SentenceVectors | None = None,
+                headings: np.ndarray | None = None) -> dict:
     """Replace the index in `directory` (created if needed); returns the new meta. Without
-    `sentences` no sentence vectors are written (and search uses the passage cosine alone)."""
+    `sentences` (`headings`) no sentence (heading) vectors are written, and search does without them."""
     directory.mkdir(parents=True, exist_ok=True)
     embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
     if embeddings.shape[0] != len(passages):
@@ -304,6 +359,11 @@ def write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray
             staged[SENTENCES] = _stage(directory, SENTENCES, lambda fh: np.savez(
                 fh, vectors=np.asarray(sentences.vectors, dtype=np.float32),
                 passage=np.asarray(sentences.passage, dtype=np.int64)))
+        if headings is not None:
+            heading_rows = np.ascontiguousarray(headings, dtype=np.float32)
+            if heading_rows.shape[0] != len(passages):
+                raise ValueError(f"{len(passages)} passages but {heading_rows.shape[0]} heading vectors")
+            staged[HEADINGS] = _stage(directory, HEADINGS, lambda fh: np.save(fh, heading_rows, allow_pickle=False))
         meta = {
             "format": FORMAT,
             "version": int(previous.get("version", 0)) + 1,
@@ -314,14 +374,16 @@ def write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray
             "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "lexical": {"analyzer": ANALYZER, "k1": lexical.k1, "b": lexical.b},
             "sentences": len(sentences.passage) if sentences is not None else 0,
+            "headings": len(headings) if headings is not None else 0,
             "sha256": {name: _sha256(path) for name, path in staged.items()},
         }
         staged[META] = _stage(directory, META, lambda fh: fh.write(json.dumps(meta, indent=2).encode()))
-        for name in (EMBEDDINGS, PASSAGES, LEXICAL, SENTENCES, META):  # meta last: it vouches for the others
+        for name in (EMBEDDINGS, PASSAGES, LEXICAL, SENTENCES, HEADINGS, META):  # meta last: it vouches for the others
             if name in staged:
                 os.replace(staged.pop(name), directory / name)
-        if sentences is None:
-            (directory / SENTENCES).unlink(missing_ok=True)  # stale: the new meta.json does not vouch for it
+        for name, given in ((SENTENCES, sentences), (HEADINGS, headings)):
+            if given is None:
+                (directory / name).unlink(missing_ok=True)  # stale: the new meta.json does not vouch for it
     finally:
         for path in staged.values():
             path.unlink(missing_ok=True)

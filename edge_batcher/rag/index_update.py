@@ -4,8 +4,9 @@ model it serves and writes its own index (pipeline.py, `POST /v2/models/{rag}/in
 
 A document is a source name and its text, split like a file of that name (markdown for .md and
 .markdown, plain text otherwise); adding a source again replaces its passages. `embed(texts)`
-returns the texts' vectors; it is called for the new passages and their sentences (and for the
-kept passages' sentences of an index written before sentence vectors). Blocking: files and
+returns the texts' vectors; it is called for the new passages, their sentences and headings (and
+for the kept passages' sentences and headings of an index written before sentence or heading
+vectors). Blocking: files and
 embedding; the daemon runs it off the event loop.
 """
 
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from .index import SentenceVectors, embed_passages, load_index, write_index
+from .index import SentenceVectors, embed_headings, embed_passages, load_index, write_index
 from .passages import Passage, split_markdown, split_text
 
 Embed = Callable[[list[str]], np.ndarray]
@@ -48,7 +49,7 @@ def add_documents(index_dir: Path, documents: list[Document], embed: Embed, *, e
     """Split, embed and add `documents` (replacing earlier versions of the same sources); write the
     index. Returns {"added", "replaced", "count", "version", "empty"}: "empty" names documents with
     no text to index."""
-    passages, embeddings, meta, sentences = _current(index_dir, rebuild)
+    passages, embeddings, meta, sentences, headings = _current(index_dir, rebuild)
     if meta and meta.get("embedding_model") != embedding_model:
         raise ConfigError(f"index {index_dir} was built with embedding model {meta.get('embedding_model')!r}, not "
                           f"{embedding_model!r}: rebuild it to re-embed everything with {embedding_model!r}")
@@ -63,13 +64,22 @@ def add_documents(index_dir: Path, documents: list[Document], embed: Embed, *, e
         sources[document.source] = {"passages": len(parts), "added": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     replaced_sources = {d.source for d in documents}
     keep = [i for i, p in enumerate(passages) if p.source not in replaced_sources]
-    vectors, new_sentences = embed_passages(new, embed)
+    vectors, new_sentences, new_headings = embed_passages(new, embed)
     vectors = vectors.reshape(len(new), dim)
+    new_headings = new_headings.reshape(len(new), dim)
+    kept = embeddings[keep].reshape(-1, dim) if len(keep) else np.zeros((0, dim), np.float32)
+    kept_passages = [passages[i] for i in keep]
+    again = None
     if sentences is None:  # an index written before sentence vectors: embed the kept passages' too
-        keep_sentences = embed_passages([passages[i] for i in keep], embed)[1]
+        _, keep_sentences, again = embed_passages(kept_passages, embed)
     else:
         keep_sentences = sentences.select(keep)
-    kept = embeddings[keep].reshape(-1, dim) if len(keep) else np.zeros((0, dim), np.float32)
+    if headings is not None:
+        keep_headings = headings[keep].reshape(-1, dim)
+    elif again is not None:
+        keep_headings = again.reshape(len(keep), dim)
+    else:  # written before heading vectors: only the kept passages' headings are missing
+        keep_headings = embed_headings(kept_passages, kept, embed).reshape(len(keep), dim)
     used = {passages[i].id for i in keep}  # ids stay unique: a later clashing id gets a suffix
     for p in new:
         base, n = p.id, 2
@@ -79,27 +89,30 @@ def add_documents(index_dir: Path, documents: list[Document], embed: Embed, *, e
         used.add(p.id)
     written = write_index(index_dir, [passages[i] for i in keep] + new, np.concatenate([kept, vectors], axis=0),
                           embedding_model=embedding_model, sources=sources,
-                          sentences=keep_sentences.after(new_sentences, len(keep)))
+                          sentences=keep_sentences.after(new_sentences, len(keep)),
+                          headings=np.concatenate([keep_headings, new_headings], axis=0))
     return {"added": len(new), "replaced": len(passages) - len(keep), "count": written["count"],
             "version": written["version"], "empty": empty}
 
 
 def remove_documents(index_dir: Path, sources: set[str]) -> dict[str, Any] | None:
     """Remove the passages of `sources`; write the index. None when there is no index."""
-    passages, embeddings, meta, sentences = _current(index_dir, rebuild=False)
+    passages, embeddings, meta, sentences, headings = _current(index_dir, rebuild=False)
     if not meta:
         return None
     keep = [i for i, p in enumerate(passages) if p.source not in sources]
     kept_sources = {k: v for k, v in meta.get("sources", {}).items() if k not in sources}
     written = write_index(index_dir, [passages[i] for i in keep], embeddings[keep].reshape(len(keep), -1)
                           if keep else embeddings[:0], embedding_model=meta["embedding_model"], sources=kept_sources,
-                          sentences=sentences.select(keep) if sentences is not None else None)
+                          sentences=sentences.select(keep) if sentences is not None else None,
+                          headings=headings[keep] if headings is not None else None)
     return {"removed": len(passages) - len(keep), "count": written["count"], "version": written["version"],
             "unknown": sorted(sources - set(meta.get("sources", {})))}
 
 
-def _current(index_dir: Path, rebuild: bool) -> tuple[list[Passage], np.ndarray, dict, SentenceVectors | None]:
+def _current(index_dir: Path, rebuild: bool) -> tuple[list[Passage], np.ndarray, dict, SentenceVectors | None,
+                                                     np.ndarray | None]:
     index = None if rebuild else load_index(index_dir)
     if index is None:
-        return [], np.zeros((0, 0), dtype=np.float32), {}, None
-    return list(index.passages), index.embeddings, index.meta, index.sentences
+        return [], np.zeros((0, 0), dtype=np.float32), {}, None, None
+    return list(index.passages), index.embeddings, index.meta, index.sentences, index.headings

@@ -411,7 +411,9 @@ class RagService(ServiceAccounting):
                           "dense_weight": self.fusion.dense_weight, "sentence_weight": self.fusion.sentence_weight,
                           "lexical_weight": self.fusion.lexical_weight, "rrf_k": self.fusion.rrf_k,
                           "coverage_exponent": self.fusion.coverage_exponent,
-                          "sentence_vectors": bool(index is not None and index.sentences is not None)},
+                          "heading_weight": self.fusion.heading_weight,
+                          "sentence_vectors": bool(index is not None and index.sentences is not None),
+                          "heading_vectors": bool(index is not None and index.headings is not None)},
             "passages_returned": c["passages_returned"],
             "sentences_embedded": c["sentences_embedded"],  # extractive answers' sentences, ranked by embedding model
             "stage_ns": {"embed": c["embed_ns"], "search": c["search_ns"], "generate": c["generate_ns"],

@@ -31,6 +31,7 @@ class RagSettings:
     fusion: str = DEFAULT_FUSION.method  # "minmax" (normalised scores added) or "rrf" (reciprocal rank fusion)
     dense_weight: float = DEFAULT_FUSION.dense_weight  # weight of the passage cosine
     sentence_weight: float = DEFAULT_FUSION.sentence_weight  # ... of the best sentence's cosine
+    heading_weight: float = DEFAULT_FUSION.heading_weight  # ... of the cosine to the passage's heading alone
     lexical_weight: float = DEFAULT_FUSION.lexical_weight  # ... of BM25, times coverage ** coverage_exponent
     coverage_exponent: float = DEFAULT_FUSION.coverage_exponent  # 0: BM25's weight does not depend on the question
     rrf_k: float = DEFAULT_FUSION.rrf_k  # "rrf" only: rank offset; small values let the first places dominate
@@ -42,7 +43,7 @@ class RagSettings:
 
 def fusion_from(s: RagSettings) -> Fusion:
     return Fusion(s.retrieval, s.dense_weight, s.lexical_weight, s.rrf_k, s.fusion, s.sentence_weight,
-                  s.coverage_exponent, s.ambiguous_margin)
+                  s.coverage_exponent, s.ambiguous_margin, s.heading_weight)
 
 
 def rag_settings(config: ModelConfig) -> RagSettings:
@@ -56,10 +57,11 @@ def rag_settings(config: ModelConfig) -> RagSettings:
         raise ConfigError(f"{where} retrieval: expected one of {', '.join(MODES)}, got {s.retrieval!r}")
     if s.fusion not in METHODS:
         raise ConfigError(f"{where} fusion: expected one of {', '.join(METHODS)}, got {s.fusion!r}")
-    weights = (s.dense_weight, s.sentence_weight, s.lexical_weight)
+    weights = (s.dense_weight, s.sentence_weight, s.lexical_weight, s.heading_weight)
     if min(weights) < 0 or sum(weights) <= 0 or s.rrf_k < 0:
-        raise ConfigError(f"{where} dense_weight, sentence_weight, lexical_weight and rrf_k must be >= 0 (and one "
-                          f"weight > 0), got {s.dense_weight}, {s.sentence_weight}, {s.lexical_weight}, {s.rrf_k}")
+        raise ConfigError(f"{where} dense_weight, sentence_weight, lexical_weight, heading_weight and rrf_k must be "
+                          f">= 0 (and one weight > 0), got {s.dense_weight}, {s.sentence_weight}, {s.lexical_weight}, "
+                          f"{s.heading_weight}, {s.rrf_k}")
     if s.coverage_exponent < 0 or not 0 <= s.ambiguous_margin <= 1:
         raise ConfigError(f"{where} coverage_exponent must be >= 0 and ambiguous_margin in [0, 1], "
                           f"got {s.coverage_exponent}, {s.ambiguous_margin}")

@@ -33,9 +33,10 @@ def test_index_add_cuts_a_line_without_spaces_and_reports_its_progress(tmp_path,
     assert index_cli.main(["add", str(line), *common]) == 0
     err = capsys.readouterr().err
     steps = re.findall(r"index add: embedding new passages (\d+)/20: (\d+)/(\d+) texts", err)
-    # 50 passages and their one sentence each: 7 chunks of at most 16 texts, a line each.
-    assert [(int(step), int(done)) for step, done, _ in steps] == [
-        (3, 16), (6, 32), (9, 48), (12, 64), (16, 80), (19, 96), (20, 100)], err
+    # 50 passages, their one sentence each and their one heading (the file's name, embedded once):
+    # 7 chunks of at most 16 texts, a line each.
+    assert [(int(step), int(done), int(total)) for step, done, total in steps] == [
+        (3, 16, 101), (6, 32, 101), (9, 48, 101), (12, 64, 101), (15, 80, 101), (19, 96, 101), (20, 101, 101)], err
 
     assert index_cli.main(["list", "--json", *common]) == 0
     listed = json.loads(capsys.readouterr().out)

@@ -1,12 +1,14 @@
-"""Hybrid retrieval (passage cosine + best sentence cosine + BM25 weighted by the question's
-term coverage, min-max fusion) on every question set, against every single method.
+"""Hybrid retrieval (passage cosine + best sentence cosine + heading cosine + BM25 weighted by the
+question's term coverage, min-max fusion) on every question set, against every single method.
 
 Every set was written before anything was measured on it. The technician set's dev split and the
 paraphrase set's dev split (docs/corpus/questions-paraphrase.json) were used to choose; their test
-splits and questions-holdout.json were evaluated once; the final setting was then checked once on
-questions-paraphrase-holdout.json. The thresholds are the figures measured (docs/rag.md), less
-one question of margin, so a regression in splitting, analysing, sentence scoring or fusing shows
-up here.
+splits and questions-holdout.json were evaluated once; the coverage setting was then checked once
+on questions-paraphrase-holdout.json. The heading weight was chosen on all five files, cross-validated
+between them (docs/rag.md); a blind set written since is evaluated with
+`tools/eval_retrieval.py --test --questions FILE`. The thresholds are the figures measured, less
+one question of margin, so a regression in splitting, analysing, sentence or heading scoring or
+fusing shows up here.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ import pytest
 from edge_batcher.config import load_model_config
 from edge_batcher.rag import index_cli
 from edge_batcher.rag.embed import TextEmbeddingEngine
-from edge_batcher.rag.fusion import DEFAULT_FUSION, Fusion, fused_scores, ranks
-from edge_batcher.rag.index import Index, embed_passages, lead, load_index, read_meta, write_index
+from edge_batcher.rag.fusion import COVERAGE_ONLY, DEFAULT_FUSION, Fusion, fused_scores, ranks
+from edge_batcher.rag.index import Index, embed_passages, heading_texts, lead, load_index, read_meta, write_index
 from edge_batcher.rag.lexical import Bm25, analyze
 from edge_batcher.rag.passages import Passage, split_file
 from tests.rag.conftest import CORPUS, _tool
@@ -28,6 +30,7 @@ from tests.rag.conftest import CORPUS, _tool
 SINGLE = ("dense (passage cosine)", "dense + best sentence", "lexical (BM25)")
 SHIPPED = "shipped default (as configured)"
 OLD = "hybrid, equal weights (old default)"
+ROUND_2 = "round 2: 1 x coverage^0.5 (default before the heading)"
 
 
 @pytest.fixture(scope="module")
@@ -80,9 +83,9 @@ def test_every_ranking_on_every_question_set(evaluation):
     table = _table(tool, index, questions, vectors)
     shipped = table[SHIPPED]
     # Measured (docs/rag.md): (top-1, top-3) of the shipped default per set.
-    measured = {"questions.json": (10, 10), "questions-technician.json": (71, 80),
-                "questions-paraphrase.json": (25, 33), "questions-holdout.json": (35, 38),
-                "questions-paraphrase-holdout.json": (28, 31)}
+    measured = {"questions.json": (10, 10), "questions-technician.json": (75, 79),
+                "questions-paraphrase.json": (28, 33), "questions-holdout.json": (36, 38),
+                "questions-paraphrase-holdout.json": (29, 31)}
     for file, (top1, top3) in measured.items():
         got = shipped[file]
         assert got[0] >= top1 - 1 and got[1] >= top3 - 1, (file, got)
@@ -92,14 +95,19 @@ def test_every_ranking_on_every_question_set(evaluation):
         best_single = max(table[name][file][0] for name in SINGLE)
         assert shipped[file][0] >= best_single, (file, shipped[file], {n: table[n][file] for n in SINGLE})
         assert shipped[file][0] >= table[OLD][file][0], (file, shipped[file], table[OLD][file])
-    # Where the question's words are not the manual's, it gains over the old default (22 -> 25, 25 -> 28).
+        assert shipped[file][0] >= table[ROUND_2][file][0], (file, shipped[file], table[ROUND_2][file])
+    # Where the question's words are not the manual's, it gains over the old default (25 -> 28, 25 -> 29)
+    # and over the default before the heading signal (25 -> 28, 28 -> 29).
     for file in ("questions-paraphrase.json", "questions-paraphrase-holdout.json"):
         assert shipped[file][0] > table[OLD][file][0]
+        assert shipped[file][0] > table[ROUND_2][file][0]
 
 
 def test_close_calls_are_marked_ambiguous(evaluation):
-    """The first source's lead over the second predicts a wrong first passage: most first passages
-    marked ambiguous are wrong, few of the others are."""
+    """The first source's lead over the second predicts a wrong first passage: first passages marked
+    ambiguous are wrong more often than the others. (Before the heading signal 15 of 31 flagged were
+    wrong; the heading settles most close calls rightly, so now 6 of 27 are, against 16 of 173 of
+    the others: a weaker, still useful, hint. docs/rag.md.)"""
     tool, index, questions, vectors = evaluation
     rows = index.search_fused(vectors, [q["question"] for q in questions], 3, DEFAULT_FUSION)
     flagged = [row[0].passage.id == q["passage"] for q, row in zip(questions, rows) if row[0].ambiguous]
@@ -109,7 +117,7 @@ def test_close_calls_are_marked_ambiguous(evaluation):
           f"of {len(clear)}")
     wrong_flagged = flagged.count(False) / len(flagged)
     wrong_clear = clear.count(False) / len(clear)
-    assert wrong_flagged >= 0.4 and wrong_clear <= 0.12 and wrong_flagged > 3 * wrong_clear
+    assert wrong_flagged >= 0.18 and wrong_clear <= 0.1 and wrong_flagged > 2 * wrong_clear
 
 
 def test_the_lexical_weight_follows_the_questions_term_coverage():
@@ -178,10 +186,11 @@ def test_a_passage_is_scored_by_its_best_sentence():
             for sentence, axis in axes.items():
                 if sentence in text:
                     v += axis
-            rows.append(v / np.linalg.norm(v))
+            rows.append(v / max(np.linalg.norm(v), 1e-12))  # a heading alone: no sentence, zero
         return np.array(rows, dtype=np.float32)
 
-    vectors, sentences = embed_passages(passages, embed)
+    vectors, sentences, headings = embed_passages(passages, embed)
+    assert headings.shape == vectors.shape and not headings.any()
     assert list(sentences.passage) == [0, 0, 0, 1, 2]
     index = Index(passages, vectors, {}, sentences=sentences)
     query = np.array([[1.0, 0, 0, 0.7, 0]], dtype=np.float32)
@@ -266,3 +275,129 @@ def test_the_query_aware_settings_are_read_and_checked(tmp_path):
     for bad in ("coverage_exponent = -1", "ambiguous_margin = 1.5"):
         with pytest.raises(ConfigError, match="coverage_exponent must be >= 0 and ambiguous_margin in"):
             settings(bad)
+
+
+# --------------------------------------------------------------------------- the heading signal (issue 29)
+
+
+def test_the_heading_signal_is_one_more_normalised_cosine():
+    dense = np.array([0.9, 0.8, 0.4])
+    heading = np.array([0.3, 0.7, 0.1])  # min-max over the passages: [1/3, 1, 0]
+    lexical = np.zeros(3)
+    with_heading = Fusion(heading_weight=0.25)
+    np.testing.assert_allclose(fused_scores(dense, lexical, with_heading, heading=heading),
+                               [1.0 + 0.25 / 3, 0.8 + 0.25, 0.0])
+    np.testing.assert_allclose(fused_scores(dense, lexical, with_heading, heading=None), [1.0, 0.8, 0.0])  # none stored
+    np.testing.assert_allclose(fused_scores(dense, lexical, Fusion(), heading=heading), [1.0, 0.8, 0.0])  # weight 0
+    assert DEFAULT_FUSION == Fusion(coverage_exponent=0.5, heading_weight=0.25)
+    assert COVERAGE_ONLY.heading_weight == 0.0
+
+
+def test_passages_of_one_heading_share_its_vector_and_one_without_keeps_its_own():
+    passages = [Passage("m#a", "Manual > Battery", "Replace it."),
+                Passage("m#a/2", "Manual > Battery", "Store it dry."),
+                Passage("t#p1", "", "Plain text."), Passage("m#b", "Manual > Mounting", "Torque 5 N·m.")]
+    assert heading_texts(passages) == (["Battery", "Mounting"], [0, 0, -1, 1])
+    embedded: list[str] = []
+
+    def embed(texts):
+        embedded.extend(texts)
+        return np.eye(len(texts), 16, dtype=np.float32)
+
+    vectors, sentences, headings = embed_passages(passages, embed)
+    assert embedded[-2:] == ["Battery", "Mounting"] and embedded.count("Battery") == 1  # once, in the same call
+    np.testing.assert_array_equal(headings[0], headings[1])
+    np.testing.assert_array_equal(headings[2], vectors[2])  # no heading: the passage's own vector
+    assert not np.array_equal(headings[3], vectors[3])
+
+
+def test_the_heading_tells_what_a_fault_looks_like_from_how_to_fix_it(evaluation):
+    """Imbalance and Correcting imbalance share most of their words; the question asks about the
+    cause, and only the headings alone differ in that."""
+    tool, index, questions, vectors = evaluation
+    question = "what usually makes a fan wheel go out of balance?"  # questions-paraphrase-holdout.json
+    n = next(i for i, q in enumerate(questions) if q["question"] == question)
+    before = index.search_fused(vectors[n:n + 1], [question], 3, COVERAGE_ONLY)[0]
+    after = index.search_fused(vectors[n:n + 1], [question], 3, DEFAULT_FUSION)[0]
+    assert before[0].passage.id == "vibration-sensor-manual#correcting-imbalance" and before[0].heading is not None
+    assert after[0].passage.id == "vibration-sensor-manual#imbalance"
+    assert after[0].heading > next(h.heading for h in after if h.passage.id.endswith("#correcting-imbalance"))
+    assert "heading" in after[0].to_json()
+
+
+def _markdown(tmp_path, name: str, heading: str, text: str):
+    path = tmp_path / name
+    path.write_text(f"# {name}\n\n## {heading}\n\n{text}\n")
+    return path
+
+
+def test_heading_vectors_are_stored_and_follow_index_add_and_remove(tmp_path, minilm_dir):
+    _, _, common = _two_files(tmp_path, minilm_dir, "unused")
+    a = _markdown(tmp_path, "spares.md", "Spare parts", "The spare sensors are kept in cabinet B4.")
+    b = _markdown(tmp_path, "keys.md", "Keys", "The forklift key hangs in the workshop office.")
+    assert index_cli.main(["add", str(a), str(b), *common]) == 0
+    meta = read_meta(tmp_path / "idx")
+    assert "headings.npy" in meta["sha256"] and meta["headings"] == 2
+    index = load_index(tmp_path / "idx")
+    engine = TextEmbeddingEngine(load_model_config(minilm_dir))
+    engine.load()
+    try:
+        expected = engine.embed(["Keys"])[0]
+    finally:
+        engine.close()
+    row = [p.source for p in index.passages].index(str(b.resolve()))
+    np.testing.assert_allclose(index.headings[row], expected, atol=1e-5)  # the heading alone, as a question is
+    assert index_cli.main(["remove", str(a), *common]) == 0
+    index = load_index(tmp_path / "idx")
+    assert index.headings.shape == (1, index.dim)
+    np.testing.assert_allclose(index.headings[0], expected, atol=1e-5)
+
+
+def test_an_index_without_heading_vectors_loads_and_index_add_embeds_only_the_missing_headings(tmp_path, minilm_dir):
+    from edge_batcher.rag.index_update import Document, add_documents
+
+    index_dir = tmp_path / "idx"
+    engine = TextEmbeddingEngine(load_model_config(minilm_dir))
+    engine.load()
+    embedded: list[str] = []
+
+    def embed(texts):
+        embedded.extend(texts)
+        return engine.embed(texts)
+
+    try:
+        first = Document("spares.md", "# Store\n\n## Spare parts\n\nThe spare sensors are kept in cabinet B4. Ask the "
+                                      "foreman for the key.\n")
+        add_documents(index_dir, [first], embed, embedding_model="minilm", dim=engine.dim, max_chars=600)
+        old = load_index(index_dir)
+        write_index(index_dir, old.passages, old.embeddings, embedding_model="minilm",
+                    sentences=old.sentences)  # as written before heading vectors
+        assert not (index_dir / "headings.npy").exists()
+        loaded = load_index(index_dir)
+        assert loaded.headings is None
+        hits = loaded.search_fused(old.embeddings[:1], ["spare sensors"], 1, DEFAULT_FUSION)[0]
+        assert hits[0].heading is None and hits[0].sentence is not None  # ranked without the heading signal
+        embedded.clear()
+        second = Document("keys.md", "# Store\n\n## Keys\n\nThe forklift key hangs in the workshop office.\n")
+        add_documents(index_dir, [second], embed, embedding_model="minilm", dim=engine.dim, max_chars=600)
+    finally:
+        engine.close()
+    # the new passage, its sentence and heading; of the kept passage only its heading
+    assert sorted(embedded) == sorted(["Keys\nThe forklift key hangs in the workshop office.",
+                                       "Keys: The forklift key hangs in the workshop office.", "Keys", "Spare parts"])
+    index = load_index(index_dir)
+    assert index.headings.shape == (2, index.dim)
+    np.testing.assert_array_equal(index.embeddings[0], old.embeddings[0])
+    np.testing.assert_array_equal(index.sentences.vectors[:2], old.sentences.vectors)
+
+
+def test_the_heading_weight_is_read_and_checked(tmp_path):
+    from edge_batcher.config import load_model_config
+    from edge_batcher.errors import ConfigError
+    from edge_batcher.rag.settings import fusion_from, rag_settings
+
+    (tmp_path / "model.toml").write_text('backend = "rag"\n[rag]\nembedding_model = "minilm"\nheading_weight = 0.0\n')
+    assert fusion_from(rag_settings(load_model_config(tmp_path))) == COVERAGE_ONLY
+    (tmp_path / "model.toml").write_text('backend = "rag"\n[rag]\nembedding_model = "minilm"\nheading_weight = -0.1\n')
+    with pytest.raises(ConfigError, match="heading_weight"):
+        rag_settings(load_model_config(tmp_path))
