@@ -95,3 +95,20 @@ def test_nan_and_infinity_are_refused_where_orjson_would_write_null(value):
 def test_what_json_cannot_write_raises_jsons_error(value):
     with pytest.raises(TypeError):
         json_text.dumps(value)
+
+
+@pytest.mark.parametrize("text, by_json", [
+    (b'{"data": [0.0012345678901234567, -0.00012345678901234567]}', False),  # fractions: 19 and 20 digits
+    (b'{"data": [1.2345678901234567e-05, 0.12345678901234567]}', False),
+    (b'{"data": [1, 12345678901234567890]}', True),  # an integer beyond 64 bits
+    (b'{"data": -98765432109876543210}', True),
+    (b'12345678901234567890', True),
+])  # fmt: skip
+def test_only_integers_that_may_leave_64_bits_take_the_slow_parser(text, by_json, monkeypatch):
+    """A float32 reading such as 0.0012345678901234567 has a run of 19 digits: it must not send
+    the whole body to `json` (4x slower), only a long integer must."""
+    calls = []
+    slow = json.loads
+    monkeypatch.setattr(json_text.json, "loads", lambda data: calls.append(data) or slow(data))
+    assert same(json_text.loads(text), slow(text))
+    assert bool(calls) is by_json
