@@ -163,10 +163,29 @@ def test_a_region_unregistered_while_a_request_holds_it_closes_when_the_request_
         with tensor.devices.on(0) as api:
             api.copy_dtoh(out, tensor.ptr)
         np.testing.assert_array_equal(out[0], np.arange(16, dtype=np.float32))
+        del tensor  # the request's batch is done with it
+    assert closes_soon(gpu)  # on the registry's own thread
+
+
+def closes_soon(gpu: FakeCuda) -> bool:
     deadline = time.monotonic() + 5
-    while gpu.open_ipc_mappings() and time.monotonic() < deadline:  # closed on the registry's own thread
+    while gpu.open_ipc_mappings() and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert gpu.open_ipc_mappings() == 0
+    return gpu.open_ipc_mappings() == 0
+
+
+def test_a_request_whose_client_went_away_keeps_the_region_open_while_its_batch_may_read_it(gpu, registry):
+    """The lease ends when the handler ends, even if the client disconnected and the request is
+    still queued or in a batch: the region stays open until its DeviceTensor is gone too."""
+    registry.register("x", FakeCudaIpc(gpu).export(64).handle, 0, 64)
+    with Lease(RegionRegistry(), registry) as lease:
+        queued = lease.read_input("FP32", [1, 16], {"shared_memory_region": "x", "shared_memory_byte_size": 64},
+                                  "input 'x'")
+    registry.unregister("x")
+    time.sleep(0.05)
+    assert gpu.open_ipc_mappings() == 1  # lease over, unregistered, but a batch may still read it
+    del queued
+    assert closes_soon(gpu)
 
 
 @pytest.mark.parametrize("params, match", [

@@ -4,22 +4,25 @@ rules of the system shared memory registry (regions.py): bounded count and bytes
 shm_max_regions / shm_max_bytes, counted for CUDA regions by themselves), one namespace with the
 system regions (as in Triton, a request names a region without saying which kind), and reference
 counts so that an unregister while a request reads the region closes the IPC mapping only when the
-last request using it ends. Where CUDA IPC cannot work, registration is refused with the reason:
-no CUDA binding or driver, a device_id this machine does not have, or an integrated GPU (a
-Jetson), whose GPU reads system shared memory directly. Every method that calls CUDA blocks:
-transports call them on a thread, never on the event loop.
+last request using it ends and the last DeviceTensor on it is gone (a request whose client went
+away leaves its batch running; the batch may still read the region). Where CUDA IPC cannot work,
+registration is refused with the reason: no CUDA binding or driver, a device_id this machine does
+not have, or an integrated GPU (a Jetson), whose GPU reads system shared memory directly. Every
+method that calls CUDA blocks: transports call them on a thread, never on the event loop.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from ..engines.cuda_api import IPC_HANDLE_SIZE, CudaApi, DeviceContext, IpcMemory, load_cuda_api
 from ..errors import InvalidInput, Overloaded
+from .device_tensor import DeviceTensor
 from .regions import MAX_KEY_LENGTH, RegionLimits, RegionRegistry
 
 log = logging.getLogger(__name__)
@@ -99,7 +102,12 @@ class CudaRegion:
         self.name, self.device_id, self.byte_size = name, device_id, byte_size
         self.memory = memory
         self.users = 0  # requests holding it now
+        self.tensors = 0  # DeviceTensors on it still alive (queued or in a batch)
         self.registered = True
+
+    @property
+    def unused(self) -> bool:
+        return self.users == 0 and self.tensors == 0 and not self.registered
 
     def address(self, offset: int, byte_size: int, where: str) -> int:
         """The device address of byte_size bytes at `offset` in the region (InvalidInput when out of range)."""
@@ -185,7 +193,7 @@ class CudaRegionRegistry:
             gone = [self._regions.pop(n) for n in names]
             for region in gone:
                 region.registered = False
-            closing = [r for r in gone if r.users == 0]
+            closing = [r for r in gone if r.unused]
         for region in closing:
             self._close(region)
 
@@ -215,12 +223,31 @@ class CudaRegionRegistry:
     def release(self, region: CudaRegion) -> None:
         with self._lock:
             region.users -= 1
-            close = region.users == 0 and not region.registered
+            close = region.unused
         if close:
-            try:
-                self._closer.submit(self._close, region)
-            except RuntimeError:  # after close(): no loop to keep free any more
-                self._close(region)
+            self._close_later(region)
+
+    def track(self, region: CudaRegion, tensor: DeviceTensor) -> None:
+        """Keep `region` open while `tensor` lives: the request's lease may end (its client gone)
+        while its batch still reads the region on a worker thread."""
+        with self._lock:
+            region.tensors += 1
+        finalizer = weakref.finalize(tensor, self._untrack, region)
+        finalizer.atexit = False  # at interpreter exit the process's mappings go with it: no CUDA then
+
+    def _untrack(self, region: CudaRegion) -> None:
+        with self._lock:
+            region.tensors -= 1
+            close = region.unused
+        if close:
+            self._close_later(region)
+
+    def _close_later(self, region: CudaRegion) -> None:
+        """Close on the registry's thread: the last user may let go on the event loop."""
+        try:
+            self._closer.submit(self._close, region)
+        except RuntimeError:  # after close(): no loop to keep free any more
+            self._close(region)
 
     def _close(self, region: CudaRegion) -> None:
         try:

@@ -100,6 +100,7 @@ class Lease:
             assert self._cuda is not None
             tensor = DeviceTensor(region.address(offset, size, where), region.device_id, DATATYPE_TO_NUMPY[datatype],
                                   tuple(shape), self._cuda.devices, region.name)
+            self._cuda.track(region, tensor)
             return cast("np.ndarray", tensor)  # travels where arrays do; readers check for DeviceTensor
         return from_binary(region.view(offset, size, where).toreadonly(), datatype, shape, where)
 
