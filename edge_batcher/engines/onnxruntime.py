@@ -199,7 +199,8 @@ class OnnxRuntimeEngine(Engine):
         binding = self.session.io_binding()
         for name, value in inputs.items():
             if isinstance(value, DeviceArray):
-                binding.bind_input(name, "cuda", value.device_id, value.dtype, list(value.shape), value.ptr)
+                # element_type as ONNX Runtime's examples give it: the numpy scalar type (np.float32)
+                binding.bind_input(name, "cuda", value.device_id, value.dtype.type, list(value.shape), value.ptr)
             else:
                 binding.bind_cpu_input(name, np.ascontiguousarray(value))
         for spec in self.outputs:
