@@ -28,6 +28,7 @@ from .cpu_affinity import pin_this_thread
 from .errors import ConfigError
 from .runtime import Runtime
 from .scheduler.runner import WORKER_ON_EVERY_CPU_FROM_S
+from .shared_memory.cuda_regions import CudaRegionRegistry, link_namespaces
 from .shared_memory.regions import RegionLimits, RegionRegistry
 from .systemd import Notifier, listen_fds, watchdog_interval
 from .transports.auth import bearer_auth_middleware, tls_context
@@ -78,8 +79,11 @@ class Daemon:
         self._tasks: list[asyncio.Task] = []
         self.grpc: GrpcServer | None = None  # transports/grpc_v2/server.py's GrpcServer when [server] grpc is set
         s = config.server  # the shared memory regions HTTP and gRPC register and read (unmapped at the end)
-        self.shared_memory = RegionRegistry(RegionLimits(s.shm_max_regions, s.shm_max_bytes,
-                                                         frozenset(s.shm_allowed_uids)))
+        limits = RegionLimits(s.shm_max_regions, s.shm_max_bytes, frozenset(s.shm_allowed_uids))
+        self.shared_memory = RegionRegistry(limits)
+        # CUDA regions: the same limits, counted by themselves; CUDA is loaded at the first registration.
+        self.cuda_shared_memory = CudaRegionRegistry(limits)
+        link_namespaces(self.shared_memory, self.cuda_shared_memory)
         self._tls: ssl.SSLContext | None = None  # the TCP listener's, when [server] tls_cert is set
         # The limits every listener shares, and the token: an unreadable token file stops start-up here.
         self.edge = build_edge(config.server, offload_peers=len(config.offload.peers) if config.offload.enabled else 0)
@@ -182,6 +186,7 @@ class Daemon:
                 await self.grpc.stop(0)  # at once after an error; already stopped after a drain
             await self.runtime.close()
             self.shared_memory.close()  # after the drain: no request reads a region any more
+            await loop.run_in_executor(None, self.cuda_shared_memory.close)  # IPC mappings closed: CUDA calls
             if self._socket_file is not None:
                 remove_socket_file(*self._socket_file)
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
@@ -236,7 +241,8 @@ class Daemon:
         s = self.config.server
         middlewares: tuple = (bearer_auth_middleware(self.edge.token),) if s.http else ()  # create_app's
         app = create_app(self.runtime, max_body_bytes=s.max_body_bytes, health_checks=self.health_checks,
-                         middlewares=middlewares, body_budget=self.edge.budget, shared_memory=self.shared_memory)
+                         middlewares=middlewares, body_budget=self.edge.budget, shared_memory=self.shared_memory,
+                         cuda_shared_memory=self.cuda_shared_memory)
         # Handlers still running at cleanup were already answered by the drain; don't wait long.
         # idle_timeout_s bounds the time to send a request header, after connecting or an answer
         # (http_connections.py); lingering_time: how long a body we answered without reading is drained.
@@ -265,7 +271,8 @@ class Daemon:
                 "[server] grpc has a TCP address: a bearer token is required on TCP; set token_file (or token)"
             )
         self.grpc = GrpcServer(self.runtime, s.grpc, limits=self.edge,
-                               tls=(s.tls_cert, s.tls_key) if s.tls_cert else None, shared_memory=self.shared_memory)
+                               tls=(s.tls_cert, s.tls_key) if s.tls_cert else None, shared_memory=self.shared_memory,
+                               cuda_shared_memory=self.cuda_shared_memory)
         self.grpc.bind()
 
     async def _add_site(self, site: web.BaseSite) -> None:

@@ -27,6 +27,7 @@ from .model_config import models_used_by, repository_models
 from .offload.remote_model import RemoteModel, declared_specs
 from .scheduler.runner import ModelRunner
 from .servable import Servable
+from .shared_memory.device_tensor import holds_device_tensor
 from .types import InferRequest, InferResponse
 
 __all__ = ["Runtime", "discover_models", "load_runner", "model_fingerprint"]
@@ -357,7 +358,11 @@ class Runtime:
             raise ModelNotFound(f"unknown model {name!r}; loaded models: {known}") from None
 
     async def infer(self, request: InferRequest) -> InferResponse:
-        return await self.runner(request.model).infer(request)
+        servable = self.runner(request.model)
+        if not isinstance(servable, ModelRunner) and holds_device_tensor(request.inputs):
+            raise InvalidInput(f"model {request.model!r} is not run by a local engine here: inputs in CUDA shared "
+                               "memory are taken only by models with one; send the data or use system shared memory")
+        return await servable.infer(request)
 
     async def drain(self, timeout: float) -> None:
         self.ready = False

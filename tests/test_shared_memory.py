@@ -6,6 +6,7 @@ no descriptor or mapping left behind after 10,000 register/unregister cycles."""
 
 from __future__ import annotations
 
+import base64
 import os
 import signal
 import subprocess
@@ -116,14 +117,23 @@ def test_tritonclient_http_with_its_shared_memory_utilities(shm_daemon):
         tshm.destroy_shared_memory_region(h_out)
 
 
-def test_cuda_shared_memory_is_refused_with_the_reason_and_lists_nothing(shm_daemon):
+def test_cuda_shared_memory_without_a_usable_gpu_is_refused_with_the_reason(shm_daemon):
+    """The daemon's real CUDA path: here no binding or GPU (refused, naming why); on a GPU machine
+    the zero handle is no IPC handle (refused, naming that). tests/test_cuda_shared_memory*.py
+    cover registration that succeeds."""
     client = th.InferenceServerClient(shm_daemon.tcp)
     assert client.get_cuda_shared_memory_status(headers=AUTH) == []
+    zero_handle = base64.b64encode(bytes(64)).decode()
+    status, body = rawhttp.request(shm_daemon.socket, "POST", "/v2/cudasharedmemory/region/gpu/register",
+                                   f'{{"raw_handle": {{"b64": "{zero_handle}"}}, "device_id": 0, "byte_size": 16}}')
+    assert status == 400
+    assert ("needs a discrete CUDA GPU" in body["error"] and "system shared memory" in body["error"]
+            or "cannot open the CUDA IPC handle" in body["error"]), body
     status, body = rawhttp.request(shm_daemon.socket, "POST", "/v2/cudasharedmemory/region/gpu/register",
                                    '{"raw_handle": {"b64": "AAAA"}, "device_id": 0, "byte_size": 16}')
-    assert status == 400
-    assert "discrete CUDA GPU" in body["error"] and "Jetson" in body["error"], body
+    assert status == 400 and "64 bytes of a cudaIpcMemHandle_t" in body["error"], body
     assert rawhttp.request(shm_daemon.socket, "POST", "/v2/cudasharedmemory/unregister")[0] == 200
+    assert client.get_cuda_shared_memory_status(headers=AUTH) == []
 
 
 def test_the_project_client_over_the_unix_socket(shm_daemon):

@@ -7,7 +7,7 @@ the preferred sizes). It never sees the event loop.
 
 Besides the four required members, `Engine` declares the optional hooks with their defaults
 (`batch_inputs`, `prepare`, `memory_footprint`, `tokenizer`, `token_padding`,
-`accepts_any_length`): an engine that subclasses it inherits them; `with_hook_defaults` gives
+`accepts_any_length`, `device_inputs`): an engine that subclasses it inherits them; `with_hook_defaults` gives
 an engine that only duck-types the protocol (a user's backend, a test's fake) the same
 defaults once, at creation, so callers read the hooks directly instead of probing with getattr.
 """
@@ -15,6 +15,7 @@ defaults once, at creation, so callers read the hooks directly instead of probin
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -30,6 +31,17 @@ DEVICE_PROVIDERS = frozenset({"CUDAExecutionProvider", "TensorrtExecutionProvide
 PrepareHook = Callable[[dict[str, np.ndarray]], "tuple[dict[str, np.ndarray], int]"]
 # memory_footprint(batch, seq_len) -> {"resident": bytes, "per_batch": bytes}
 FootprintHook = Callable[[int, "int | None"], "dict[str, int]"]
+
+
+@dataclass(frozen=True)
+class DeviceArray:
+    """A batch input assembled in device memory (scheduler/device_batch.py), handed to an engine
+    whose `device_inputs` names its device: `ptr` is valid until infer() returns."""
+
+    ptr: int
+    device_id: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
 
 
 @runtime_checkable
@@ -48,6 +60,9 @@ class Engine(Protocol):
     # True: a sequence input may have any length, so a batch is padded only to its longest member
     # (scheduler/batch.py); False: only the bucket lengths (TensorRT optimisation profiles).
     accepts_any_length: bool = False
+    # The CUDA device whose memory infer() takes as input (a DeviceArray in place of an array, bound
+    # with IOBinding): batches of inputs in CUDA shared memory are assembled there. None: host only.
+    device_inputs: int | None = None
 
     def __init__(self, config: ModelConfig) -> None: ...
 
@@ -63,7 +78,7 @@ class Engine(Protocol):
 
 HOOK_DEFAULTS: dict[str, Any] = {
     "batch_inputs": None, "prepare": None, "memory_footprint": None, "tokenizer": None, "token_padding": None,
-    "accepts_any_length": False,
+    "accepts_any_length": False, "device_inputs": None,
 }
 
 

@@ -5,8 +5,10 @@ samples use since TensorRT 10; wheels for x86-64 and aarch64) and pycuda (compil
 device; many Jetson setups already have it). Both reach the same CUDA driver, so one small
 interface covers what edge-batcher does with them: the device's primary context (retained,
 pushed and popped around every call, the context the CUDA runtime and TensorRT share), device
-buffers, page-locked host buffers, streams, asynchronous copies, free/total memory, and CUDA
-graphs captured from a stream (cuda-python only: pycuda has no stream capture).
+buffers, page-locked host buffers, streams, asynchronous copies, free/total memory, CUDA
+graphs captured from a stream (cuda-python only: pycuda has no stream capture), and for
+CUDA shared memory (shared_memory/cuda_regions.py) IPC handles opened and closed,
+synchronous copies and whether a device is integrated (a Jetson: no CUDA IPC).
 `load_cuda_api()` picks cuda-python when it imports and pycuda otherwise
 (EDGE_BATCHER_CUDA_BINDING=pycuda|cuda-python forces one); `cuda_api_from()` wraps a module or
 fake a caller passes in (tests pass tests/fakes' FakeCuda and FakeCudaDriver).
@@ -107,6 +109,25 @@ class CudaGraph:
             self._destroy()
 
 
+# cudaIpcMemHandle_t / CUipcMemHandle: an opaque 64 bytes (CU_IPC_HANDLE_SIZE)
+IPC_HANDLE_SIZE = 64
+
+
+@dataclass
+class IpcMemory:
+    """Another process's device memory opened from its IPC handle: `ptr` is its address in this
+    process; close() unmaps it (idempotent). The exporter's allocation stays theirs."""
+
+    ptr: int
+    _close: Callable[[], None]
+    closed: bool = False
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._close()
+
+
 class DeviceContext:
     """A retained primary context of one device: push() makes it current on this thread, pop()
     undoes that, release() drops the reference (after the last pop)."""
@@ -179,6 +200,32 @@ class CudaApi(ABC):
         whatever `enqueue` raised."""
         raise CudaError(f"{self.name} cannot capture CUDA graphs (stream capture needs cuda-python: "
                         "pip install cuda-bindings)", "NOT_SUPPORTED")
+
+    # CUDA shared memory: the calls below need the device's context pushed, as above. The copies
+    # are synchronous (the null stream): a region is another process's, and the batch that reads
+    # it must see the bytes before the engine runs; pageable host memory is fine for them.
+
+    @abstractmethod
+    def is_integrated(self, index: int) -> bool:  # CU_DEVICE_ATTRIBUTE_INTEGRATED: a Jetson's iGPU
+        ...
+
+    @abstractmethod
+    def ipc_open(self, handle: bytes) -> IpcMemory: ...
+
+    @abstractmethod
+    def copy_dtod(self, dst: int, src: int, nbytes: int) -> None: ...
+
+    @abstractmethod
+    def copy_dtoh(self, dst: np.ndarray, src: int) -> None:  # dst: C-contiguous, its nbytes copied
+        ...
+
+    @abstractmethod
+    def copy_htod(self, dst: int, src: np.ndarray) -> None:  # src: C-contiguous
+        ...
+
+    @abstractmethod
+    def synchronize(self) -> None:  # the current context's work done (device-to-device copies return early)
+        ...
 
     def is_out_of_memory(self, exc: BaseException) -> bool:
         if isinstance(exc, CudaError) and exc.code == "CUDA_ERROR_OUT_OF_MEMORY":
@@ -311,6 +358,32 @@ class CudaPythonApi(CudaApi):
             lambda on: self._call("cuGraphLaunch", self.d.cuGraphLaunch(executable, on.raw)),
             lambda: self._call("cuGraphExecDestroy", self.d.cuGraphExecDestroy(executable)))
 
+    def is_integrated(self, index: int) -> bool:
+        attr = self.d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_INTEGRATED
+        return bool(self._call("cuDeviceGetAttribute", self.d.cuDeviceGetAttribute(attr, self._device(index))))
+
+    def ipc_open(self, handle: bytes) -> IpcMemory:
+        raw = self.d.CUipcMemHandle()
+        if hasattr(raw, "reserved"):
+            raw.reserved = bytes(handle)
+        else:  # cuda-bindings 13 dropped `reserved`: the struct's 64 bytes are at getPtr()
+            ctypes.memmove(raw.getPtr(), bytes(handle), IPC_HANDLE_SIZE)
+        flags = self.d.CUipcMem_flags.CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS
+        ptr = self._call("cuIpcOpenMemHandle", self.d.cuIpcOpenMemHandle(raw, flags))
+        return IpcMemory(int(ptr), lambda: self._call("cuIpcCloseMemHandle", self.d.cuIpcCloseMemHandle(ptr)))
+
+    def copy_dtod(self, dst: int, src: int, nbytes: int) -> None:
+        self._call("cuMemcpyDtoD", self.d.cuMemcpyDtoD(dst, src, nbytes))
+
+    def copy_dtoh(self, dst: np.ndarray, src: int) -> None:
+        self._call("cuMemcpyDtoH", self.d.cuMemcpyDtoH(dst.__array_interface__["data"][0], src, dst.nbytes))
+
+    def copy_htod(self, dst: int, src: np.ndarray) -> None:
+        self._call("cuMemcpyHtoD", self.d.cuMemcpyHtoD(dst, src.__array_interface__["data"][0], src.nbytes))
+
+    def synchronize(self) -> None:
+        self._call("cuCtxSynchronize", self.d.cuCtxSynchronize())
+
 
 # --------------------------------------------------------------------------- pycuda
 
@@ -365,6 +438,25 @@ class PycudaApi(CudaApi):
     def mem_get_info(self) -> tuple[int, int]:
         free, total = self.d.mem_get_info()
         return int(free), int(total)
+
+    def is_integrated(self, index: int) -> bool:
+        return bool(self.d.Device(index).get_attribute(self.d.device_attribute.INTEGRATED))
+
+    def ipc_open(self, handle: bytes) -> IpcMemory:
+        opened = self.d.IPCMemoryHandle(bytes(handle), self.d.ipc_mem_flags.LAZY_ENABLE_PEER_ACCESS)
+        return IpcMemory(int(opened), opened.close)
+
+    def copy_dtod(self, dst: int, src: int, nbytes: int) -> None:
+        self.d.memcpy_dtod(dst, src, nbytes)
+
+    def copy_dtoh(self, dst: np.ndarray, src: int) -> None:
+        self.d.memcpy_dtoh(dst, src)
+
+    def copy_htod(self, dst: int, src: np.ndarray) -> None:
+        self.d.memcpy_htod(dst, src)
+
+    def synchronize(self) -> None:
+        self.d.Context.synchronize()
 
     def is_out_of_memory(self, exc: BaseException) -> bool:
         oom = getattr(self.d, "MemoryError", None)

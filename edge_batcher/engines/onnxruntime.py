@@ -17,7 +17,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ConfigError, EngineError, OutOfMemory
 from ..types import TensorSpec
-from .base import DEVICE_PROVIDERS, Engine, apply_overrides
+from .base import DEVICE_PROVIDERS, DeviceArray, Engine, apply_overrides
 from .ort_graphs import BoundSession, outside_graphs
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,7 @@ class OnnxRuntimeEngine(Engine):
         # The CUDA EP's arena cap in bytes; set from the memory budget before load() (memory/device.py).
         self.device_memory_limit: int | None = None
         self.bound: BoundSession | None = None  # CUDA graphs per batch shape (ort_graphs.py), when in use
+        self.device_inputs: int | None = None  # the CUDA EP's device once loaded on it (base.py)
         self._chain: list[tuple[str, dict]] = []  # the providers and their options, as opened
 
     @property
@@ -130,6 +131,8 @@ class OnnxRuntimeEngine(Engine):
         self._open_session(ort, path, chain)
         if graphs and self.providers[0] == "CUDAExecutionProvider":
             self.bound = BoundSession(self.session, "cuda", graphs=True)
+        if self.providers[0] == "CUDAExecutionProvider":  # its device: the EP's device_id option (default 0)
+            self.device_inputs = int(dict(chain)["CUDAExecutionProvider"].get("device_id", 0))
         self.inputs = apply_overrides(
             [_spec(i) for i in self.session.get_inputs()], self.config.inputs, "input", self.config.name
         )
@@ -168,7 +171,9 @@ class OnnxRuntimeEngine(Engine):
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         assert self.session is not None, "infer() before load()"
         try:
-            if self.bound is not None:
+            if any(isinstance(value, DeviceArray) for value in inputs.values()):
+                values = self._run_device_inputs(inputs)
+            elif self.bound is not None:
                 try:
                     values = self.bound.run(inputs)
                 except Exception as exc:
@@ -185,6 +190,23 @@ class OnnxRuntimeEngine(Engine):
                 raise OutOfMemory(f"model {self.config.name!r}: out of memory: {text}") from exc
             raise EngineError(f"model {self.config.name!r}: onnxruntime failed: {text}") from exc
         return {spec.name: value for spec, value in zip(self.outputs, values)}
+
+    def _run_device_inputs(self, inputs: dict[str, Any]) -> list[np.ndarray]:
+        """One run with the device batches bound where they are (IOBinding, no copy) and the
+        others from the host; outputs come back to the host, where the batch is cut per request.
+        A binding of its own, outside any CUDA graph: a graph replays fixed buffers, and these
+        change with every batch."""
+        binding = self.session.io_binding()
+        for name, value in inputs.items():
+            if isinstance(value, DeviceArray):
+                # element_type as ONNX Runtime's examples give it: the numpy scalar type (np.float32)
+                binding.bind_input(name, "cuda", value.device_id, value.dtype.type, list(value.shape), value.ptr)
+            else:
+                binding.bind_cpu_input(name, np.ascontiguousarray(value))
+        for spec in self.outputs:
+            binding.bind_output(spec.name, "cpu")
+        self.session.run_with_iobinding(binding, outside_graphs())
+        return list(binding.copy_outputs_to_cpu())
 
     def infer_without_graphs(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """A plain session.run, no bound buffers or graph: the reference `edge-batcher bench`

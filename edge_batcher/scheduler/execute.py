@@ -1,7 +1,7 @@
 """A local batch, and what an engine instance's worker thread does with it: assemble the
-padded batch from its requests' tensors (batch.py), run the engine, cut the outputs per
-request. The only scheduler code that runs off the event loop (runner.py hands batches to the
-workers of worker.py and answers them on the loop).
+padded batch from its requests' tensors (batch.py; device_batch.py when some are in CUDA shared
+memory), run the engine, cut the outputs per request. The only scheduler code that runs off the
+event loop (runner.py hands batches to the workers of worker.py and answers them on the loop).
 """
 
 from __future__ import annotations
@@ -9,12 +9,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from ..engines.base import Engine
 from ..types import TensorSpec
 from . import batch as batching
-from . import policy
+from . import device_batch, policy
 from .queues import Pending
 
 Outcome = tuple[batching.Outputs, float, float]  # outputs per request, seconds, engine seconds
@@ -55,14 +55,27 @@ class BatchExecutor:
         if not live:
             return [None] * len(requests), 0.0, 0.0
         engine = self.engines[batch.instance]
-        inputs = {
-            spec.name: batching.stack([r.inputs[spec.name] for r in live], plan.size, self.seq_axis(spec.name),
-                                      plan.bucket, self.pad_value, engine.accepts_any_length)
-            for spec in self.batch_inputs
-        }
-        t1 = time.perf_counter()
-        outputs = engine.infer(inputs)
-        engine_seconds = time.perf_counter() - t1
+        inputs: dict[str, Any] = {}
+        releases: list[device_batch.Release] = []  # batches assembled on a device, freed after the run
+        try:
+            for spec in self.batch_inputs:
+                parts = [r.inputs[spec.name] for r in live]
+                seq_axis = self.seq_axis(spec.name)
+                if device_batch.has_device_part(parts):
+                    inputs[spec.name], release = device_batch.assemble(
+                        parts, plan.size, seq_axis, plan.bucket, self.pad_value, engine.accepts_any_length,
+                        engine.device_inputs)
+                    if release is not None:
+                        releases.append(release)
+                else:
+                    inputs[spec.name] = batching.stack(parts, plan.size, seq_axis, plan.bucket, self.pad_value,
+                                                       engine.accepts_any_length)
+            t1 = time.perf_counter()
+            outputs = engine.infer(inputs)
+            engine_seconds = time.perf_counter() - t1
+        finally:
+            for release in releases:
+                release()
         batching.check_outputs(outputs, self.output_names, sum(r.rows for r in live), self.model)
         results = batching.split_rows(outputs, [r.rows if r.deadline > now else None for r in requests])
         return results, time.perf_counter() - t0, engine_seconds

@@ -17,6 +17,7 @@ from typing import Protocol, cast
 import numpy as np
 
 from ..errors import EdgeBatcherError, Unavailable
+from ..shared_memory.device_tensor import holds_device_tensor
 from ..types import InferResponse, TensorSpec
 from .policy import BatchPlan, OffloadView, Reason
 from .queues import Pending
@@ -73,6 +74,8 @@ class Offloader:
         requests = cast("list[Pending]", plan.requests)  # a runner queues only Pending
 
         async def send(r: Pending) -> None:
+            if holds_device_tensor(r.request.inputs):  # not the head of the queue when planned: back to local
+                raise Unavailable("its inputs are in CUDA shared memory, which a peer cannot read")
             outputs, _ = await self.port.infer(self.model, r.request.inputs, r.deadline - loop.time(),
                                                conform_to=self.outputs)
             self._stats.count_offload(plan.reason, "ok", 1)

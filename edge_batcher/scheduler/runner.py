@@ -35,6 +35,7 @@ from ..errors import (
     Unavailable,
 )  # fmt: skip
 from ..metrics import Metrics
+from ..shared_memory.device_tensor import holds_device_tensor
 from ..types import InferRequest, InferResponse, TensorSpec
 from . import batch as batching
 from . import policy
@@ -201,14 +202,20 @@ class ModelRunner:
             raise Unavailable(f"model {self.name!r} is not serving yet")
         validator = self.validator
         inputs, rows, seq_len = validator.validate(request, check_length=self._prepare is None)
+        # Inputs in CUDA shared memory are read on the worker thread only: never by a prepare hook
+        # on the loop, never by a peer (another machine cannot read this one's device memory).
+        on_device = holds_device_tensor(inputs)
         if self._prepare is not None:
+            if on_device:
+                raise InvalidInput(f"model {self.name!r} prepares its inputs on the host (text -> tokens): "
+                                   "send them as data or in system shared memory, not CUDA shared memory")
             inputs, seq_len = self._prepare(inputs)
             validator.check_seq_len(seq_len)
         priority, timeout_s = validator.priority(request), validator.timeout_s(request)
         now = loop.time()
         future = loop.create_future()
         pending = Pending(priority, now, now + timeout_s, rows, validator.bucket(seq_len),
-                          request=request, inputs=inputs, future=future)
+                          request=request, inputs=inputs, future=future, local_only=on_device)
         if rows > self.settings.max_batch_size:
             self._submit_oversized(pending)
             return future
@@ -223,6 +230,9 @@ class ModelRunner:
     def _submit_oversized(self, queued: Pending) -> None:
         """More rows than the local engine takes: straight to a peer, or a clear error."""
         view = self._offload_view()
+        if queued.local_only:  # inputs in CUDA shared memory: no peer can take it
+            raise InvalidInput(f"request has {queued.rows} rows, more than model {self.name!r} max_batch_size "
+                               f"{self.settings.max_batch_size}; split it into smaller requests")
         if self._offloads is None or not policy.sends_oversized_to_peer(queued.rows, self.settings, view):
             peer_note = ""
             if self.offload is not None:

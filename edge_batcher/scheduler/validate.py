@@ -3,7 +3,8 @@
 `RequestValidator` is built once per model from its input specs and [sequence] settings; on the
 event loop it checks each request's names, datatypes, ranks, fixed dimensions, batch dimension
 and sequence length, that floating-point inputs hold no NaN or Infinity (unless the model allows
-them), and maps a length to its bucket. Every failure is an InvalidInput naming
+them; not for inputs in CUDA shared memory, whose bytes the loop cannot read), and maps a length
+to its bucket. Every failure is an InvalidInput naming
 the input and what the model expects (the transports answer it as a 400).
 """
 
@@ -15,6 +16,7 @@ import numpy as np
 
 from ..config import BatchingSettings, SequenceSettings
 from ..errors import DeadlineExceeded, InvalidInput
+from ..shared_memory.device_tensor import DeviceTensor
 from ..types import DATATYPE_TO_NUMPY, InferRequest, TensorSpec
 
 
@@ -118,7 +120,7 @@ class RequestValidator:
                 if seq_len and length != seq_len:
                     raise InvalidInput(f"sequence inputs disagree on length: {name!r} has {length}, others {seq_len}")
                 seq_len = length
-            if dtype.kind == "f" and not self.allow_non_finite:
+            if dtype.kind == "f" and not self.allow_non_finite and not isinstance(array, DeviceTensor):
                 self._check_finite(name, array)
             inputs[name] = array
         if len(given) != len(inputs):

@@ -1,11 +1,14 @@
-"""One request's use of shared memory regions: inputs read as views of the mappings (no copy:
-the batch assembly's concatenation is the one copy, or none for a batch of one), requested
-outputs written into the regions they name. Every region the request touches is held until the
-lease ends, so an unregister meanwhile cannot unmap memory a batch still reads.
+"""One request's use of shared memory regions, system or CUDA: inputs read as views of a system
+region's mapping (no copy: the batch assembly's concatenation is the one copy, or none for a batch
+of one) or as DeviceTensors naming a CUDA region's device memory (copied once, on the engine's
+worker thread: scheduler/device_batch.py), requested outputs written into the regions they name.
+Every region the request touches is held until the lease ends, so an unregister meanwhile cannot
+unmap memory a batch still reads.
 
 Parameters, as Triton's: `shared_memory_region`, `shared_memory_byte_size` (required) and
 `shared_memory_offset` (default 0), on an input instead of its data, on a requested output to
-have it written there; the response then lists that output without data.
+have it written there; the response then lists that output without data. System and CUDA
+regions share one namespace, so a name says which registry holds it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -22,6 +25,8 @@ from ..protocol.tensor_decode import from_binary
 from ..protocol.tensor_encode import encode_tensors
 from ..protocol.v2 import RequestedOutput
 from ..types import DATATYPE_TO_NUMPY
+from .cuda_regions import CudaRegion, CudaRegionRegistry
+from .device_tensor import DeviceTensor
 from .regions import Region, RegionRegistry
 
 REGION = "shared_memory_region"
@@ -39,17 +44,18 @@ def names_region(parameters: dict[str, Any]) -> bool:
 class Target:
     """Where a requested output goes."""
 
-    region: Region
+    region: Region | CudaRegion
     offset: int
     byte_size: int
 
 
 class Lease:
-    """Use as `with Lease(registry) as lease:` around decoding, inference and the response."""
+    """Use as `with Lease(registry, cuda_registry) as lease:` around decoding, inference and the response."""
 
-    def __init__(self, registry: RegionRegistry):
+    def __init__(self, registry: RegionRegistry, cuda: CudaRegionRegistry | None = None):
         self._registry = registry
-        self._held: list[Region] = []
+        self._cuda = cuda
+        self._held: list[Region | CudaRegion] = []
 
     def __enter__(self) -> Lease:
         return self
@@ -57,24 +63,45 @@ class Lease:
     def __exit__(self, *exc: object) -> None:
         held, self._held = self._held, []
         for region in held:
-            self._registry.release(region)
+            if isinstance(region, CudaRegion):
+                assert self._cuda is not None  # held only when acquired from it
+                self._cuda.release(region)
+            else:
+                self._registry.release(region)
 
-    def _locate(self, params: dict[str, Any], where: str) -> tuple[Region, int, int]:
+    def _locate(self, params: dict[str, Any], where: str) -> tuple[Region | CudaRegion, int, int]:
         offset = _count(params.get(OFFSET, 0), OFFSET, where)
         size = _count(params.get(BYTE_SIZE), BYTE_SIZE, where)
-        region = self._registry.acquire(params[REGION], where)
+        name = params[REGION]
+        if not isinstance(name, str):
+            raise InvalidInput(f"{where}: {REGION} must be a string, got {name!r}")
+        region: Region | CudaRegion | None = self._registry.acquire(name, where)
+        if region is None and self._cuda is not None:
+            region = self._cuda.acquire(name, where)
+        if region is None:
+            raise InvalidInput(f"{where}: no shared memory region {name!r} is registered")
         self._held.append(region)
         return region, offset, size
 
     def read_input(self, datatype: str, shape: list[int], params: dict[str, Any], where: str) -> np.ndarray:
-        """The input a region holds, as a read-only view of the mapping (InvalidInput when the
-        region is unknown, out of range or not the size of `shape` x `datatype`)."""
+        """The input a region holds: a read-only view of a system region's mapping, or a
+        DeviceTensor naming a CUDA region's memory (InvalidInput when the region is unknown, out of
+        range or not the size of `shape` x `datatype`)."""
         region, offset, size = self._locate(params, where)
+        if isinstance(region, CudaRegion) and datatype == "BYTES":
+            raise InvalidInput(f"{where}: BYTES inputs are not read from CUDA shared memory here (their "
+                               "elements are length-prefixed, parsed on the host); use system shared memory")
         if datatype != "BYTES":
             expected = math.prod(shape) * DATATYPE_TO_NUMPY[datatype].itemsize
             if size != expected:
                 raise InvalidInput(f"{where}: {BYTE_SIZE} {size} does not match shape {shape} of {datatype} "
                                    f"({expected} bytes)")
+        if isinstance(region, CudaRegion):
+            assert self._cuda is not None
+            tensor = DeviceTensor(region.address(offset, size, where), region.device_id, DATATYPE_TO_NUMPY[datatype],
+                                  tuple(shape), self._cuda.devices, region.name)
+            self._cuda.track(region, tensor)
+            return cast("np.ndarray", tensor)  # travels where arrays do; readers check for DeviceTensor
         return from_binary(region.view(offset, size, where).toreadonly(), datatype, shape, where)
 
     def output_targets(self, requested: list[RequestedOutput] | None) -> dict[str, Target]:
@@ -84,21 +111,26 @@ class Lease:
             if names_region(out.parameters):
                 where = f"output {out.name!r}"
                 region, offset, size = self._locate(out.parameters, where)
-                region.view(offset, size, where)  # in range now, or refused before running the model
+                if isinstance(region, CudaRegion):
+                    region.address(offset, size, where)  # in range now, or refused before running the model
+                else:
+                    region.view(offset, size, where)
                 targets[out.name] = Target(region, offset, size)
         return targets
 
     async def write_outputs(self, outputs: dict[str, np.ndarray], targets: dict[str, Target]
                             ) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
         """Write the outputs that have a target into it; returns the outputs left to send and the
-        response entries (name, datatype, shape, no data) of those written."""
+        response entries (name, datatype, shape, no data) of those written. Into a CUDA region the
+        write is a host-to-device copy, always on a thread (CUDA never runs on the event loop)."""
         if not targets:
             return outputs, []
         chosen = {name: array for name, array in outputs.items() if name in targets}
-        if sum(a.nbytes for a in chosen.values()) > WRITE_OFF_LOOP_BYTES:
-            entries = await asyncio.get_running_loop().run_in_executor(None, _write, chosen, targets)
+        to_device = any(isinstance(targets[name].region, CudaRegion) for name in chosen)
+        if to_device or sum(a.nbytes for a in chosen.values()) > WRITE_OFF_LOOP_BYTES:
+            entries = await asyncio.get_running_loop().run_in_executor(None, _write, chosen, targets, self._cuda)
         else:
-            entries = _write(chosen, targets)
+            entries = _write(chosen, targets, self._cuda)
         return {n: a for n, a in outputs.items() if n not in targets}, entries
 
 
@@ -109,15 +141,23 @@ def _count(value: Any, what: str, where: str) -> int:
     return value
 
 
-def _write(outputs: dict[str, np.ndarray], targets: dict[str, Target]) -> list[dict[str, Any]]:
+def _write(outputs: dict[str, np.ndarray], targets: dict[str, Target], cuda: CudaRegionRegistry | None
+           ) -> list[dict[str, Any]]:
     entries, chunks = encode_tensors(outputs, "output", all_binary=True, binary_names=None)
     for entry, chunk in zip(entries, chunks, strict=True):
         target = targets[entry["name"]]
         where = f"output {entry['name']!r}"
         if len(chunk) > target.byte_size:
             raise InvalidInput(f"{where} is {len(chunk)} bytes, more than its {BYTE_SIZE} {target.byte_size}")
-        target.region.view(target.offset, len(chunk), where)[:] = chunk
-        entry["parameters"] = {REGION: target.region.name, BYTE_SIZE: len(chunk)}
+        region = target.region
+        if isinstance(region, CudaRegion):
+            assert cuda is not None
+            address = region.address(target.offset, len(chunk), where)
+            with cuda.devices.on(region.device_id) as api:
+                api.copy_htod(address, np.frombuffer(chunk, dtype=np.uint8))
+        else:
+            region.view(target.offset, len(chunk), where)[:] = chunk
+        entry["parameters"] = {REGION: region.name, BYTE_SIZE: len(chunk)}
         if target.offset:
             entry["parameters"][OFFSET] = target.offset
     return entries

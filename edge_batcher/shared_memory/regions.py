@@ -12,6 +12,7 @@ import mmap
 import os
 import stat
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import InvalidInput, Overloaded
@@ -115,6 +116,13 @@ class RegionRegistry:
         self.limits = limits or RegionLimits()
         self._regions: dict[str, Region] = {}
         self._lock = threading.Lock()
+        # Is a name taken by a CUDA region (cuda_regions.py)? One namespace, as in Triton: a
+        # request names a region without saying which kind. The daemon links the two registries.
+        self.other_names: Callable[[str], bool] = lambda name: False
+
+    def __contains__(self, name: object) -> bool:
+        with self._lock:
+            return name in self._regions
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
         _check_name(name)
@@ -136,7 +144,7 @@ class RegionRegistry:
         log.debug("registered shared memory region %r (key %r, %d bytes)", name, key, byte_size)
 
     def _check_room(self, name: str, byte_size: int) -> None:
-        if name in self._regions:
+        if name in self._regions or self.other_names(name):
             raise InvalidInput(f"shared memory region {name!r} is already registered; unregister it first")
         if len(self._regions) >= self.limits.max_regions:
             raise Overloaded(f"{len(self._regions)} shared memory regions are registered, the most "
@@ -170,15 +178,12 @@ class RegionRegistry:
             raise InvalidInput(f"no shared memory region {name!r} is registered")
         return [region.status()]
 
-    def acquire(self, name: object, where: str) -> Region:
-        """The region `name`, held by the caller until release()."""
-        if not isinstance(name, str):
-            raise InvalidInput(f"{where}: shared_memory_region must be a string, got {name!r}")
+    def acquire(self, name: str, where: str) -> Region | None:
+        """The region `name`, held by the caller until release(); None when no system region has that name."""
         with self._lock:
             region = self._regions.get(name)
-            if region is None:
-                raise InvalidInput(f"{where}: no shared memory region {name!r} is registered")
-            region.users += 1
+            if region is not None:
+                region.users += 1
             return region
 
     def release(self, region: Region) -> None:

@@ -20,6 +20,7 @@ from ..errors import EdgeBatcherError
 from ..protocol import v2
 from ..protocol.parameters import to_infer_request
 from ..runtime import Runtime
+from ..shared_memory.cuda_regions import CudaRegionRegistry, link_namespaces
 from ..shared_memory.lease import Lease
 from ..shared_memory.regions import RegionRegistry
 from .body_budget import BodyBudget
@@ -27,7 +28,7 @@ from .http_body import ClientGone, read_body
 from .http_connections import connection_state_middleware
 from .http_generate import add_generate_routes
 from .http_index import add_index_routes
-from .http_keys import BODY_BUDGET, HEALTH_CHECKS, RUNTIME, SHARED_MEMORY
+from .http_keys import BODY_BUDGET, CUDA_SHARED_MEMORY, HEALTH_CHECKS, RUNTIME, SHARED_MEMORY
 from .http_repository import add_repository_routes
 from .http_shared_memory import add_shared_memory_routes
 from .triton_config import MODEL_VERSION, PLATFORMS, model_config, servable_for
@@ -69,11 +70,12 @@ async def error_middleware(request: web.Request, handler):
 def create_app(
     runtime: Runtime, *, max_body_bytes: int, middlewares: tuple = (), health_checks: dict | None = None,
     max_inflight_body_bytes: int | None = None, body_timeout_s: float = 60.0, body_budget: BodyBudget | None = None,
-    shared_memory: RegionRegistry | None = None,
+    shared_memory: RegionRegistry | None = None, cuda_shared_memory: CudaRegionRegistry | None = None,
 ) -> web.Application:
     """The app; `body_budget` is the daemon's one budget shared with the other transports (the
-    edge's), else one of its own from the three body settings; `shared_memory` likewise the
-    daemon's registry of regions (gRPC uses it too), else one of its own."""
+    edge's), else one of its own from the three body settings; `shared_memory` and
+    `cuda_shared_memory` likewise the daemon's registries of regions (gRPC uses them too), else
+    its own."""
     app = web.Application(client_max_size=max_body_bytes,
                           middlewares=[connection_state_middleware, error_middleware, *middlewares])
     app[RUNTIME] = runtime
@@ -81,6 +83,10 @@ def create_app(
                                                  max_inflight_bytes=max_inflight_body_bytes or 4 * max_body_bytes)
     app[HEALTH_CHECKS] = health_checks if health_checks is not None else {}
     app[SHARED_MEMORY] = shared_memory or RegionRegistry()
+    if cuda_shared_memory is None:
+        cuda_shared_memory = CudaRegionRegistry()
+        link_namespaces(app[SHARED_MEMORY], cuda_shared_memory)
+    app[CUDA_SHARED_MEMORY] = cuda_shared_memory
     # aiohttp tries the routes under one path prefix in the order they were added: inference
     # first, so that the hot path matches one pattern instead of five.
     model_routes = ("/v2/models/{model}", "/v2/models/{model}/versions/{version}")  # KServe v2's two forms
@@ -207,7 +213,8 @@ async def infer(request: web.Request) -> web.Response:
     servable.refuse_if_full()  # 429 before reading and decoding the body
     header_length = v2.parse_header_length(request.headers.get(v2.HEADER_LENGTH))
     async with read_body(request.app[BODY_BUDGET], request) as body:  # 413/503/408 before holding it
-        with Lease(request.app[SHARED_MEMORY]) as regions:  # the regions it uses stay mapped until it ends
+        # the regions it uses stay mapped (CUDA ones open) until it ends
+        with Lease(request.app[SHARED_MEMORY], request.app[CUDA_SHARED_MEMORY]) as regions:
             decoded = await decode_request(body, header_length, regions.read_input)
             targets = regions.output_targets(decoded.outputs)
             infer_request = to_infer_request(model, decoded, servable.config.batching.priority_levels)

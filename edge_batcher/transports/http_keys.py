@@ -6,6 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from ..runtime import Runtime
+from ..shared_memory.cuda_regions import CudaRegionRegistry
 from ..shared_memory.regions import RegionRegistry
 from .body_budget import BodyBudget
 
@@ -14,3 +15,4 @@ RUNTIME = web.AppKey("runtime", Runtime)
 HEALTH_CHECKS = web.AppKey("health_checks", dict)
 BODY_BUDGET = web.AppKey("body_budget", BodyBudget)
 SHARED_MEMORY = web.AppKey("shared_memory", RegionRegistry)  # the daemon's one registry, gRPC's too
+CUDA_SHARED_MEMORY = web.AppKey("cuda_shared_memory", CudaRegionRegistry)  # likewise, for CUDA regions

@@ -3,16 +3,21 @@
     POST /v2/systemsharedmemory/region/{name}/register   {"key", "offset", "byte_size"} -> 200 {}
     POST /v2/systemsharedmemory[/region/{name}]/unregister                               -> 200 {}
     GET  /v2/systemsharedmemory[/region/{name}]/status   -> [{"name", "key", "offset", "byte_size"}]
-    POST /v2/cudasharedmemory/region/{name}/register     -> 400: needs a discrete CUDA GPU
-    POST /v2/cudasharedmemory[/region/{name}]/unregister -> 200 {} (nothing is registered)
-    GET  /v2/cudasharedmemory[/region/{name}]/status     -> [] (or 400 naming an unknown region)
+    POST /v2/cudasharedmemory/region/{name}/register     {"raw_handle": {"b64"}, "device_id", "byte_size"} -> 200 {}
+    POST /v2/cudasharedmemory[/region/{name}]/unregister                               -> 200 {}
+    GET  /v2/cudasharedmemory[/region/{name}]/status     -> [{"name", "device_id", "byte_size"}]
 
-The registry (shared_memory/regions.py) is the daemon's one, shared with gRPC; its rules and
-errors are docs/api.md's "Shared memory". The body is read like every other (http_body.py).
+The registries (shared_memory/regions.py, cuda_regions.py) are the daemon's, shared with gRPC;
+their rules and errors are docs/api.md's "Shared memory". CUDA registration and unregistration
+open and close IPC mappings, blocking calls: they run on a thread. The body is read like every
+other (http_body.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import binascii
 import json
 from typing import Any
 
@@ -20,13 +25,10 @@ from aiohttp import web
 
 from ..errors import InvalidInput
 from .http_body import read_body
-from .http_keys import BODY_BUDGET, SHARED_MEMORY
+from .http_keys import BODY_BUDGET, CUDA_SHARED_MEMORY, SHARED_MEMORY
 
 SYSTEM = "/v2/systemsharedmemory"
 CUDA = "/v2/cudasharedmemory"
-CUDA_REFUSED = ("CUDA shared memory needs a discrete CUDA GPU with CUDA IPC, which this daemon does not serve; "
-                "use system shared memory (/v2/systemsharedmemory): on a Jetson the GPU reads host memory "
-                "directly, so system shared memory is the zero-copy path there")
 
 
 def add_shared_memory_routes(app: web.Application) -> None:
@@ -62,20 +64,39 @@ async def status(request: web.Request) -> web.Response:
 
 
 async def cuda_register(request: web.Request) -> web.Response:
-    await _json_object(request, "register")
-    raise InvalidInput(CUDA_REFUSED)
+    name = request.match_info["name"]
+    doc = await _json_object(request, "register")
+    if "raw_handle" not in doc or "device_id" not in doc or "byte_size" not in doc:
+        raise InvalidInput(f"register {name!r}: the body needs \"raw_handle\" ({{\"b64\": the base64 of the "
+                           "cudaIpcMemHandle_t}), \"device_id\" and \"byte_size\"")
+    raw = decode_raw_handle(doc["raw_handle"], name)
+    registry = request.app[CUDA_SHARED_MEMORY]
+    await asyncio.get_running_loop().run_in_executor(None, registry.register, name, raw, doc["device_id"],
+                                                     doc["byte_size"])
+    return web.json_response({})
 
 
 async def cuda_unregister(request: web.Request) -> web.Response:
     await _json_object(request, "unregister")
+    registry = request.app[CUDA_SHARED_MEMORY]
+    await asyncio.get_running_loop().run_in_executor(None, registry.unregister, request.match_info.get("name"))
     return web.json_response({})
 
 
 async def cuda_status(request: web.Request) -> web.Response:
-    name = request.match_info.get("name")
-    if name is not None:
-        raise InvalidInput(f"no CUDA shared memory region {name!r} is registered (none can be: {CUDA_REFUSED})")
-    return web.json_response([])
+    return web.json_response(request.app[CUDA_SHARED_MEMORY].status(request.match_info.get("name")))
+
+
+def decode_raw_handle(raw_handle: Any, name: str) -> bytes:
+    """Triton's {"b64": "..."} -> the handle's bytes (their length is the registry's to check)."""
+    b64 = raw_handle.get("b64") if isinstance(raw_handle, dict) else None
+    if not isinstance(b64, str):
+        raise InvalidInput(f"register {name!r}: raw_handle must be {{\"b64\": the base64 of the cudaIpcMemHandle_t}}, "
+                           f"got {str(raw_handle)[:80]!r}")
+    try:
+        return base64.b64decode(b64, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidInput(f"register {name!r}: raw_handle.b64 is not base64") from None
 
 
 async def _json_object(request: web.Request, what: str) -> dict[str, Any]:

@@ -5,8 +5,12 @@ behave as the TensorRT backend, the builder and the memory probe expect, with th
 CUDA makes cheaply: calls that need a context raise LogicError when none is current on the
 calling thread, mem_alloc beyond the device's memory raises MemoryError, and copies must use
 page-locked host memory. Streams are asynchronous: copies and executions queue and run at
-synchronize(), so reading an output early sees stale data, as on a GPU. fake_cuda_bindings.py
-puts cuda-python's driver API over the same fake device; fake_tensorrt.py explains the family.
+synchronize(), so reading an output early sees stale data, as on a GPU. CUDA IPC (what CUDA
+shared memory registers) is here too: an IPC handle names an allocation another "process" exported
+(fake_cuda_ipc.py's FakeCudaIpc plays that client), IPCMemoryHandle maps it at an address of its
+own over the same bytes, and the synchronous copies are real memcpy. `integrated=True` makes the
+device report CU_DEVICE_ATTRIBUTE_INTEGRATED = 1, as a Jetson does. fake_cuda_bindings.py puts
+cuda-python's driver API over the same fake device; fake_tensorrt.py explains the family.
 """
 
 from __future__ import annotations
@@ -44,8 +48,21 @@ class FakeAllocation:
     ptr: int
     size: int
     data: np.ndarray  # uint8
-    owner: str  # "user" (mem_alloc) or "tensorrt" (a STATIC context's own memory)
+    owner: str  # "user" (mem_alloc), "tensorrt" (a STATIC context's own memory), "client" (an IPC
+    # exporter's), "ipc" (an opened IPC handle: the exporter's bytes at another address, not counted twice)
     live: bool = True
+
+
+class _DeviceAttribute:
+    """pycuda.driver.device_attribute (the one attribute the code reads beyond the capability)."""
+
+    INTEGRATED = 18  # CU_DEVICE_ATTRIBUTE_INTEGRATED
+
+
+class _IpcMemFlags:
+    """pycuda.driver.ipc_mem_flags"""
+
+    LAZY_ENABLE_PEER_ACCESS = 1
 
 
 class FakeCuda:
@@ -57,13 +74,17 @@ class FakeCuda:
     LogicError = CudaLogicError
     LaunchError = CudaLaunchError
     RuntimeError = CudaRuntimeError
+    device_attribute = _DeviceAttribute
+    ipc_mem_flags = _IpcMemFlags
 
     def __init__(self, total_memory: int = 8 << 30, device_name: str = "FakeCuda device (not a GPU)",
-                 compute_capability: tuple[int, int] = (8, 7), device_count: int = 1):
+                 compute_capability: tuple[int, int] = (8, 7), device_count: int = 1, integrated: bool = False):
         self.total_memory = int(total_memory)
         self.device_name = device_name
         self.compute_capability = compute_capability
         self.device_count = device_count
+        self.integrated = integrated
+        self.ipc_exports: dict[bytes, FakeAllocation] = {}  # IPC handle -> the exporter's allocation
         self.initialized = False
         self.allocations: dict[int, FakeAllocation] = {}
         self._next_ptr = 1 << 20
@@ -73,7 +94,8 @@ class FakeCuda:
         self.streams: dict[int, FakeStream] = {}
         self._next_stream = 0x5000
         # Counters a test can read to check behaviour ("no allocation per batch").
-        self.counters = {"mem_alloc": 0, "pagelocked_empty": 0, "memcpy_htod": 0, "memcpy_dtoh": 0, "free": 0}
+        self.counters = {"mem_alloc": 0, "pagelocked_empty": 0, "memcpy_htod": 0, "memcpy_dtoh": 0, "free": 0,
+                         "memcpy_dtod": 0, "ipc_open": 0, "ipc_close": 0}
         self.primary_retained = 0
         self.driver_version = 12060  # cuDriverGetVersion: CUDA 12.6, as JetPack 6.2
         fake = self
@@ -87,6 +109,10 @@ class FakeCuda:
                 if not stack:
                     raise CudaLogicError("cuCtxPopCurrent failed: invalid device context")
                 stack.pop()
+
+            @staticmethod
+            def synchronize() -> None:  # the fake's synchronous copies are done when they return
+                fake.require_context("cuCtxSynchronize")
 
             @staticmethod
             def get_current():
@@ -141,7 +167,11 @@ class FakeCuda:
         return alloc
 
     def used_memory(self) -> int:
-        return sum(a.size for a in self.allocations.values() if a.live)
+        return sum(a.size for a in self.allocations.values() if a.live and a.owner != "ipc")
+
+    def open_ipc_mappings(self) -> int:
+        """IPC handles opened and not closed yet (a test checks that unregister and shutdown close them)."""
+        return sum(1 for a in self.allocations.values() if a.live and a.owner == "ipc")
 
     def mem_alloc(self, nbytes: int) -> DeviceAllocation:
         self.require_context("cuMemAlloc")
@@ -236,6 +266,62 @@ class FakeCuda:
     def stream_by_handle(self, handle: int) -> FakeStream | None:
         return self.streams.get(int(handle))
 
+    # ------------------------------------------------------------------ CUDA IPC and synchronous copies
+
+    def IPCMemoryHandle(self, handle: bytes, flags: int = 1) -> IpcMapping:  # noqa: N802 - pycuda's name
+        """cuIpcOpenMemHandle: the exporter's allocation mapped at a new address of this "process"."""
+        self.require_context("cuIpcOpenMemHandle")
+        exported = self.ipc_exports.get(bytes(handle))
+        if len(bytes(handle)) != 64 or exported is None or not exported.live:
+            raise CudaLogicError("cuIpcOpenMemHandle failed: invalid argument (not an IPC handle of a live allocation)")
+        with self._lock:
+            ptr = self._next_ptr
+            self._next_ptr += (exported.size + ALIGN - 1) // ALIGN * ALIGN + ALIGN
+            alias = FakeAllocation(ptr, exported.size, exported.data, "ipc")  # the same bytes, not a copy
+            self.allocations[ptr] = alias
+        self.counters["ipc_open"] += 1
+        return IpcMapping(self, alias)
+
+    def memcpy_dtod(self, dest, src, size: int) -> None:
+        self.require_context("cuMemcpyDtoD")
+        data = self.read(int(src), int(size))
+        self.write(int(dest), data)
+        self.counters["memcpy_dtod"] += 1
+
+    def memcpy_dtoh(self, dest: np.ndarray, src) -> None:
+        self.require_context("cuMemcpyDtoH")
+        if not isinstance(dest, np.ndarray) or not dest.flags.c_contiguous:
+            raise CudaLogicError("memcpy_dtoh: destination must be a C-contiguous numpy array")
+        dest.reshape(-1).view(np.uint8)[:] = self.read(int(src), dest.nbytes)
+        self.counters["memcpy_dtoh"] += 1
+
+    def memcpy_htod(self, dest, src: np.ndarray) -> None:
+        self.require_context("cuMemcpyHtoD")
+        if not isinstance(src, np.ndarray) or not src.flags.c_contiguous:
+            raise CudaLogicError("memcpy_htod: source must be a C-contiguous numpy array")
+        self.write(int(dest), src)
+        self.counters["memcpy_htod"] += 1
+
+
+class IpcMapping:
+    """pycuda.driver.IPCMemoryHandle: int() is the address; close() is cuIpcCloseMemHandle."""
+
+    def __init__(self, cuda: FakeCuda, alloc: FakeAllocation):
+        self._cuda = cuda
+        self._alloc = alloc
+
+    def __int__(self) -> int:
+        return self._alloc.ptr
+
+    __index__ = __int__
+
+    def close(self) -> None:
+        self._cuda.require_context("cuIpcCloseMemHandle")
+        if not self._alloc.live:
+            raise CudaLogicError("cuIpcCloseMemHandle failed: invalid value (already closed)")
+        self._alloc.live = False
+        self._cuda.counters["ipc_close"] += 1
+
 
 class _DeviceClass:
     """pycuda.driver.Device: called with an ordinal, or count() (a static method in pycuda)."""
@@ -305,6 +391,11 @@ class FakeDevice:
 
     def compute_capability(self) -> tuple[int, int]:
         return self._cuda.compute_capability
+
+    def get_attribute(self, attribute: int) -> int:
+        if attribute == _DeviceAttribute.INTEGRATED:
+            return int(self._cuda.integrated)
+        raise CudaLogicError(f"cuDeviceGetAttribute: FakeCuda does not know attribute {attribute}")
 
     def total_memory(self) -> int:
         return self._cuda.total_memory

@@ -20,12 +20,13 @@ that work again; synchronizing a capturing stream fails as the driver's does.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 from typing import Any
 
 import numpy as np
 
-from tests.fakes.fake_cuda import CudaLogicError, CudaMemoryError, FakeContext, FakeCuda
+from tests.fakes.fake_cuda import CudaLogicError, CudaMemoryError, FakeContext, FakeCuda, IpcMapping
 
 
 class CUresult(enum.IntEnum):
@@ -42,8 +43,43 @@ class CUresult(enum.IntEnum):
 
 
 class CUdevice_attribute(enum.IntEnum):  # noqa: N801 - cuda-python's name
+    CU_DEVICE_ATTRIBUTE_INTEGRATED = 18
     CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75
     CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR = 76
+
+
+class CUipcMem_flags(enum.IntEnum):  # noqa: N801
+    CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1
+
+
+class CUipcMemHandle:
+    """cuda-python's CUipcMemHandle before cuda-bindings 13: its 64 bytes in `reserved` (and at getPtr())."""
+
+    def __init__(self) -> None:
+        self._struct = ctypes.create_string_buffer(64)
+
+    def getPtr(self) -> int:  # noqa: N802 - cuda-python's name
+        return ctypes.addressof(self._struct)
+
+    @property
+    def reserved(self) -> bytes:
+        return self._struct.raw
+
+    @reserved.setter
+    def reserved(self, value: bytes) -> None:
+        if len(value) != 64:
+            raise ValueError("CUipcMemHandle.reserved takes 64 bytes")
+        ctypes.memmove(self._struct, value, 64)
+
+
+class CUipcMemHandle13:
+    """cuda-bindings 13's CUipcMemHandle: no `reserved`, only getPtr() to the struct's 64 bytes."""
+
+    def __init__(self) -> None:
+        self._struct = ctypes.create_string_buffer(64)
+
+    def getPtr(self) -> int:  # noqa: N802
+        return ctypes.addressof(self._struct)
 
 
 class CUstream_flags(enum.IntEnum):  # noqa: N801
@@ -105,6 +141,8 @@ class FakeCudaDriver:
     CUresult = CUresult
     CUdevice_attribute = CUdevice_attribute
     CUstream_flags = CUstream_flags
+    CUipcMem_flags = CUipcMem_flags
+    CUipcMemHandle = CUipcMemHandle
     CUdevice = CUdevice
     CUdeviceptr = CUdeviceptr
     CUstream = CUstream
@@ -114,6 +152,7 @@ class FakeCudaDriver:
     def __init__(self, gpu: FakeCuda):
         self.gpu = gpu
         self._host: dict[int, np.ndarray] = {}  # cuMemAllocHost address -> its bytes
+        self._ipc: dict[int, IpcMapping] = {}  # cuIpcOpenMemHandle address -> its mapping
         self.counters = {"cuMemAlloc": 0, "cuMemAllocHost": 0, "cuMemFree": 0, "cuMemFreeHost": 0,
                          "cuStreamBeginCapture": 0, "cuGraphLaunch": 0}
         # Graphs as the work their capture recorded (each op bound to its addresses and shapes
@@ -169,6 +208,8 @@ class FakeCudaDriver:
         return _OK, dev.obj.name().encode()[: length - 1]
 
     def cuDeviceGetAttribute(self, attrib: CUdevice_attribute, dev: CUdevice):  # noqa: N802
+        if attrib == CUdevice_attribute.CU_DEVICE_ATTRIBUTE_INTEGRATED:
+            return _OK, int(self.gpu.integrated)
         major, minor = dev.obj.compute_capability()
         if attrib == CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR:
             return _OK, major
@@ -288,6 +329,44 @@ class FakeCudaDriver:
 
     def cuMemcpyDtoHAsync(self, dstHost, srcDevice, ByteCount: int, hStream):  # noqa: N802, N803
         return self._copy("cuMemcpyDtoHAsync", dstHost, srcDevice, ByteCount, hStream, False)
+
+    # ------------------------------------------------------------------ CUDA IPC and synchronous copies
+
+    def cuIpcOpenMemHandle(self, handle: CUipcMemHandle, Flags: int):  # noqa: N802, N803
+        def open_():
+            mapping = self.gpu.IPCMemoryHandle(ctypes.string_at(handle.getPtr(), 64), int(Flags))
+            self._ipc[int(mapping)] = mapping
+            return CUdeviceptr(int(mapping))
+        return self._run(open_, 1)
+
+    def cuIpcCloseMemHandle(self, dptr: CUdeviceptr):  # noqa: N802
+        mapping = self._ipc.pop(int(dptr), None)
+        if mapping is None:
+            return (CUresult.CUDA_ERROR_INVALID_VALUE,)
+        return self._run(mapping.close)
+
+    def cuCtxSynchronize(self):  # noqa: N802
+        return self._run(lambda: self.gpu.require_context("cuCtxSynchronize"))
+
+    def cuMemcpyDtoD(self, dstDevice, srcDevice, ByteCount: int):  # noqa: N802, N803
+        return self._run(lambda: self.gpu.memcpy_dtod(int(dstDevice), int(srcDevice), int(ByteCount)))
+
+    def cuMemcpyDtoH(self, dstHost: int, srcDevice, ByteCount: int):  # noqa: N802, N803
+        def copy():  # a real memcpy into the host address, as the driver does (pageable memory allowed)
+            self.gpu.require_context("cuMemcpyDtoH")
+            data = self.gpu.read(int(srcDevice), int(ByteCount))
+            ctypes.memmove(int(dstHost), data.ctypes.data, int(ByteCount))
+            self.gpu.counters["memcpy_dtoh"] += 1
+        return self._run(copy)
+
+    def cuMemcpyHtoD(self, dstDevice, srcHost: int, ByteCount: int):  # noqa: N802, N803
+        def copy():
+            self.gpu.require_context("cuMemcpyHtoD")
+            data = np.empty(int(ByteCount), dtype=np.uint8)
+            ctypes.memmove(data.ctypes.data, int(srcHost), int(ByteCount))
+            self.gpu.write(int(dstDevice), data)
+            self.gpu.counters["memcpy_htod"] += 1
+        return self._run(copy)
 
 
     # ------------------------------------------------------------------ graphs

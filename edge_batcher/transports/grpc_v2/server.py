@@ -28,6 +28,7 @@ from ...config import parse_host_port
 from ...errors import ConfigError, InvalidInput
 from ...protocol.parameters import to_infer_request
 from ...runtime import Runtime
+from ...shared_memory.cuda_regions import CudaRegionRegistry, link_namespaces
 from ...shared_memory.lease import Lease
 from ...shared_memory.regions import RegionRegistry
 from ..edge import EdgeLimits
@@ -59,9 +60,13 @@ class GrpcServer:
     """The listening sockets of `[server] grpc`, each serving HTTP/2 connections to one GrpcEdge."""
 
     def __init__(self, runtime: Runtime, addresses: list[str], *, limits: EdgeLimits, tls: tuple[str, str] | None,
-                 shared_memory: RegionRegistry | None = None):
+                 shared_memory: RegionRegistry | None = None, cuda_shared_memory: CudaRegionRegistry | None = None):
         self.runtime = runtime
         self.shared_memory = shared_memory or RegionRegistry()  # the daemon's, shared with HTTP
+        if cuda_shared_memory is None:
+            cuda_shared_memory = CudaRegionRegistry()
+            link_namespaces(self.shared_memory, cuda_shared_memory)
+        self.cuda_shared_memory = cuda_shared_memory
         self.addresses = addresses
         self.limits = limits
         self._tls = _tls_context(tls) if tls else None
@@ -169,7 +174,7 @@ class GrpcServer:
             "RepositoryModelLoad": (self.repository_model_load, pb.RepositoryModelLoadRequest),
             "RepositoryModelUnload": (self.repository_model_unload, pb.RepositoryModelUnloadRequest),
             "ModelInfer": (self.model_infer, pb.ModelInferRequest),
-            **shared_memory_rpcs(self.shared_memory),
+            **shared_memory_rpcs(self.shared_memory, self.cuda_shared_memory),
         }
 
     # ------------------------------------------------------------------ the RPCs
@@ -243,7 +248,8 @@ class GrpcServer:
         model = request.model_name
         servable = servable_for(self.runtime, model, request.model_version)
         servable.refuse_if_full()
-        with Lease(self.shared_memory) as regions:  # the regions it uses stay mapped until it ends
+        # the regions it uses stay mapped until it ends
+        with Lease(self.shared_memory, self.cuda_shared_memory) as regions:
             decoded = decode_infer_request(request, regions.read_input)
             targets = regions.output_targets(decoded.outputs)
             infer_request = to_infer_request(model, decoded, servable.config.batching.priority_levels)

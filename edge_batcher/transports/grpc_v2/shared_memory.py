@@ -1,22 +1,22 @@
-"""Triton's shared memory RPCs on the gRPC API, on the daemon's one registry (HTTP's too):
-SystemSharedMemoryRegister/Unregister/Status as HTTP's /v2/systemsharedmemory (an empty name
-unregisters every region or lists them all), and the CUDA ones answering as HTTP's
-/v2/cudasharedmemory does here: register refused (INVALID_ARGUMENT: it needs a discrete CUDA
-GPU; system shared memory is the zero-copy path on a Jetson), status empty, unregister a no-op.
+"""Triton's shared memory RPCs on the gRPC API, on the daemon's registries (HTTP's too):
+SystemSharedMemoryRegister/Unregister/Status as HTTP's /v2/systemsharedmemory, and
+CudaSharedMemoryRegister/Unregister/Status as HTTP's /v2/cudasharedmemory (raw_handle carries the
+cudaIpcMemHandle_t's 64 bytes as they are, not base64); an empty name unregisters every region or
+lists them all. CUDA registration and unregistration open and close IPC mappings: on a thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
-from ...errors import InvalidInput
+from ...shared_memory.cuda_regions import CudaRegionRegistry
 from ...shared_memory.regions import RegionRegistry
-from ..http_shared_memory import CUDA_REFUSED
 from . import grpc_service_pb2 as pb
 from .edge import Method
 
 
-def shared_memory_rpcs(registry: RegionRegistry) -> dict[str, tuple[Method, Any]]:
+def shared_memory_rpcs(registry: RegionRegistry, cuda: CudaRegionRegistry) -> dict[str, tuple[Method, Any]]:
     """The RPCs by name, as GrpcServer registers them: (method, request type)."""
 
     async def register(request: pb.SystemSharedMemoryRegisterRequest, context) -> Any:
@@ -35,16 +35,20 @@ def shared_memory_rpcs(registry: RegionRegistry) -> dict[str, tuple[Method, Any]
         return response
 
     async def cuda_register(request: pb.CudaSharedMemoryRegisterRequest, context) -> Any:
-        raise InvalidInput(CUDA_REFUSED)
+        await asyncio.get_running_loop().run_in_executor(
+            None, cuda.register, request.name, bytes(request.raw_handle), request.device_id, request.byte_size)
+        return pb.CudaSharedMemoryRegisterResponse()
 
     async def cuda_unregister(request: pb.CudaSharedMemoryUnregisterRequest, context) -> Any:
+        await asyncio.get_running_loop().run_in_executor(None, cuda.unregister, request.name or None)
         return pb.CudaSharedMemoryUnregisterResponse()
 
     async def cuda_status(request: pb.CudaSharedMemoryStatusRequest, context) -> Any:
-        if request.name:
-            raise InvalidInput(f"no CUDA shared memory region {request.name!r} is registered "
-                               f"(none can be: {CUDA_REFUSED})")
-        return pb.CudaSharedMemoryStatusResponse()
+        response = pb.CudaSharedMemoryStatusResponse()
+        for region in cuda.status(request.name or None):
+            response.regions[str(region["name"])].CopyFrom(
+                pb.CudaSharedMemoryStatusResponse.RegionStatus(**region))  # type: ignore[arg-type]
+        return response
 
     return {
         "SystemSharedMemoryRegister": (register, pb.SystemSharedMemoryRegisterRequest),

@@ -1,0 +1,108 @@
+"""Batch assembly when some requests' inputs live in CUDA shared memory (DeviceTensor), on the
+engine instance's worker thread (the only place their bytes are read). Each request is copied
+once: for an engine that takes device inputs (`Engine.device_inputs`, ONNX Runtime's CUDA EP)
+into one device buffer of the batch on that device (device-to-device for a region, host-to-device
+for an ordinary request), handed to the engine as a DeviceArray and freed after the run; for any
+other engine, or a region on another device, straight into its rows of the host batch
+(device-to-host). Padding rows copy the last real row, as batch.py's do. A sequence input, padded
+on its sequence axis, is brought to the host first and then stacked by batch.py: two copies, the
+one case that takes more than one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from ..engines.base import DeviceArray
+from ..errors import EngineError
+from ..shared_memory.device_tensor import DeviceTensor
+from . import batch as batching
+
+Part = np.ndarray | DeviceTensor
+Release = Callable[[], None]  # frees a batch's device buffer (its context pushed)
+
+
+def has_device_part(parts: Sequence[object]) -> bool:
+    return any(isinstance(part, DeviceTensor) for part in parts)
+
+
+def assemble(parts: Sequence[Part], size: int, seq_axis: int | None, bucket: int, pad_value: float,
+             any_length: bool, engine_device: int | None
+             ) -> tuple[np.ndarray | DeviceArray, Release | None]:
+    """The batch tensor, and what frees its device buffer once the engine has run (None on the host)."""
+    devices_of = {part.device_id for part in parts if isinstance(part, DeviceTensor)}
+    if engine_device is not None and seq_axis is None and devices_of == {engine_device}:
+        return _on_device(parts, size, engine_device)
+    if seq_axis is not None:
+        host = [to_host(part) if isinstance(part, DeviceTensor) else part for part in parts]
+        return batching.stack(host, size, seq_axis, bucket, pad_value, any_length), None
+    return _on_host(parts, size), None
+
+
+def to_host(tensor: DeviceTensor) -> np.ndarray:
+    out = np.empty(tensor.shape, dtype=tensor.dtype)
+    with tensor.devices.on(tensor.device_id) as api:
+        api.copy_dtoh(out, tensor.ptr)
+    return out
+
+
+def _row_shape(parts: Sequence[Part]) -> tuple[int, ...]:
+    shapes = {tuple(part.shape[1:]) for part in parts}
+    if len(shapes) != 1:
+        raise EngineError(f"the batch's requests disagree on their inputs' shape beyond the batch dimension: "
+                          f"{sorted(shapes)}")
+    return shapes.pop()
+
+
+def _on_host(parts: Sequence[Part], size: int) -> np.ndarray:
+    out = np.empty((size, *_row_shape(parts)), dtype=parts[0].dtype)
+    row = 0
+    for part in parts:
+        n = part.shape[0]
+        if isinstance(part, DeviceTensor):
+            with part.devices.on(part.device_id) as api:
+                api.copy_dtoh(out[row:row + n], part.ptr)  # rows of a C-ordered array: contiguous
+        else:
+            out[row:row + n] = part
+        row += n
+    if row < size:
+        out[row:] = out[row - 1]
+    return out
+
+
+def _on_device(parts: Sequence[Part], size: int, device_id: int) -> tuple[DeviceArray, Release]:
+    row_shape = _row_shape(parts)
+    dtype = parts[0].dtype
+    row_bytes = math.prod(row_shape) * dtype.itemsize
+    devices = next(part.devices for part in parts if isinstance(part, DeviceTensor))
+    with devices.on(device_id) as api:
+        # One allocation per batch: simple, and freed at once; a cache per shape would save the
+        # cuMemAlloc but hold device memory the memory plan does not count.
+        buffer = api.mem_alloc(max(size * row_bytes, 1))
+        try:
+            at = buffer.ptr
+            for part in parts:
+                if isinstance(part, DeviceTensor):
+                    api.copy_dtod(at, part.ptr, part.nbytes)
+                else:
+                    api.copy_htod(at, np.ascontiguousarray(part))
+                at += part.nbytes
+            last = at - row_bytes
+            while at < buffer.ptr + size * row_bytes:
+                api.copy_dtod(at, last, row_bytes)
+                at += row_bytes
+            # Device-to-device copies may return before they finish; the engine runs on its own
+            # stream, so they must be done first.
+            api.synchronize()
+        except BaseException:
+            buffer.free()
+            raise
+
+    def release() -> None:
+        with devices.on(device_id):
+            buffer.free()
+
+    return DeviceArray(buffer.ptr, device_id, dtype, (size, *row_shape)), release

@@ -1,0 +1,46 @@
+"""DeviceTensor: a request's input that lives in a CUDA shared memory region (cuda_regions.py),
+named by its device address, device, datatype and shape instead of being copied to the host. It
+travels where a request's numpy arrays do (InferRequest.inputs, the model's queue) and answers
+what the checks before queueing read (dtype, shape, ndim, nbytes); its bytes are read only on an
+engine worker thread, when the batch is assembled (scheduler/device_batch.py), while the request's
+lease (lease.py) still holds the region open.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .cuda_regions import CudaDevices
+
+
+@dataclass(frozen=True, eq=False)
+class DeviceTensor:
+    ptr: int  # device address of the first byte
+    device_id: int
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    devices: CudaDevices  # pushes device_id's context around the copies that read it
+    region: str  # the region's name, for messages
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+
+def holds_device_tensor(inputs: Mapping[str, object]) -> bool:
+    """Whether any of a request's inputs is in a CUDA region."""
+    return any(isinstance(value, DeviceTensor) for value in inputs.values())

@@ -1,0 +1,157 @@
+"""Batch assembly with inputs in CUDA shared memory (scheduler/device_batch.py) over FakeCuda: one
+copy per request, into the host batch (device-to-host) for an engine without device inputs, into
+a device buffer of the batch (device-to-device, host-to-device for an ordinary request) for one
+with them; padding rows; a region on another device; sequence inputs; the buffer freed after the
+run, also when the engine fails (BatchExecutor with an engine that takes device inputs). NOT a
+GPU: the fake's copies are real memcpy of its host-backed "device" memory."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from edge_batcher.engines.base import DeviceArray
+from edge_batcher.engines.cuda_api import cuda_api_from
+from edge_batcher.errors import EngineError
+from edge_batcher.scheduler import device_batch
+from edge_batcher.scheduler.execute import BatchExecutor, LocalBatch
+from edge_batcher.scheduler.policy import BatchPlan, Reason
+from edge_batcher.scheduler.queues import Pending
+from edge_batcher.shared_memory.cuda_regions import CudaDevices
+from edge_batcher.shared_memory.device_tensor import DeviceTensor
+from edge_batcher.types import InferRequest, TensorSpec
+from tests.fakes.fake_cuda import FakeCuda
+from tests.fakes.fake_cuda_bindings import fake_cuda_module
+from tests.fakes.fake_cuda_ipc import FakeCudaIpc
+
+
+@pytest.fixture(params=["pycuda", "cuda-python"])
+def gpu_and_devices(request):
+    gpu = FakeCuda(device_count=2)
+    devices = CudaDevices(lambda: cuda_api_from(fake_cuda_module(request.param, gpu)))
+    yield gpu, devices
+    devices.close()
+
+
+def in_region(gpu: FakeCuda, devices: CudaDevices, array: np.ndarray, device_id: int = 0) -> DeviceTensor:
+    """`array` in a client's exported buffer, opened as the registry would: a DeviceTensor on it."""
+    client = FakeCudaIpc(gpu).export(array.nbytes)
+    client.put(array)
+    with devices.on(device_id) as api:
+        memory = api.ipc_open(client.handle)
+    return DeviceTensor(memory.ptr, device_id, array.dtype, array.shape, devices, "r")
+
+
+def rows(n: int, start: int) -> np.ndarray:
+    return np.arange(start, start + n * 6, dtype=np.float32).reshape(n, 2, 3)
+
+
+def read_device(gpu: FakeCuda, array: DeviceArray) -> np.ndarray:
+    nbytes = int(np.prod(array.shape)) * array.dtype.itemsize
+    return gpu.read(array.ptr, nbytes).view(array.dtype).reshape(array.shape)
+
+
+def test_host_engine_one_device_to_host_copy_per_request_then_padding(gpu_and_devices):
+    gpu, devices = gpu_and_devices
+    a, b, c = rows(1, 0), rows(1, 100), rows(2, 200)
+    parts = [in_region(gpu, devices, a), b, in_region(gpu, devices, c)]
+    before = dict(gpu.counters)
+    batch, release = device_batch.assemble(parts, 8, None, 0, 0.0, False, engine_device=None)
+    assert release is None and isinstance(batch, np.ndarray)
+    expected = np.concatenate([a, b, c] + [c[-1:]] * 4)
+    np.testing.assert_array_equal(batch, expected)
+    assert gpu.counters["memcpy_dtoh"] - before["memcpy_dtoh"] == 2  # one per request in a region
+    assert gpu.counters["memcpy_dtod"] == before["memcpy_dtod"]
+
+
+def test_device_engine_one_copy_per_request_into_a_device_buffer_freed_by_release(gpu_and_devices):
+    gpu, devices = gpu_and_devices
+    a, b, c = rows(1, 0), rows(1, 100), rows(2, 200)
+    parts = [in_region(gpu, devices, a), b, in_region(gpu, devices, c)]
+    used, before = gpu.used_memory(), dict(gpu.counters)
+    batch, release = device_batch.assemble(parts, 8, None, 0, 0.0, False, engine_device=0)
+    assert isinstance(batch, DeviceArray) and batch.shape == (8, 2, 3) and batch.device_id == 0
+    np.testing.assert_array_equal(read_device(gpu, batch), np.concatenate([a, b, c] + [c[-1:]] * 4))
+    counts = {k: gpu.counters[k] - before[k] for k in ("memcpy_dtod", "memcpy_htod", "memcpy_dtoh")}
+    # 2 requests device-to-device, 1 host-to-device, 4 padding rows device-to-device, nothing to the host
+    assert counts == {"memcpy_dtod": 2 + 4, "memcpy_htod": 1, "memcpy_dtoh": 0}
+    assert gpu.used_memory() == used + 8 * 24  # one buffer, the batch's
+    assert release is not None
+    release()
+    assert gpu.used_memory() == used
+
+
+def test_a_region_on_another_device_than_the_engine_takes_the_host_path(gpu_and_devices):
+    gpu, devices = gpu_and_devices
+    a = rows(2, 0)
+    batch, release = device_batch.assemble([in_region(gpu, devices, a, device_id=1)], 2, None, 0, 0.0, False,
+                                           engine_device=0)
+    assert release is None and isinstance(batch, np.ndarray)
+    np.testing.assert_array_equal(batch, a)
+
+
+def test_a_sequence_input_comes_to_the_host_and_is_padded_on_its_axis(gpu_and_devices):
+    gpu, devices = gpu_and_devices
+    short = np.array([[1, 2]], np.int64)
+    long = np.array([[3, 4, 5, 6]], np.int64)
+    batch, release = device_batch.assemble([in_region(gpu, devices, short), long], 2, 1, 8, 0.0, False,
+                                           engine_device=0)
+    assert release is None
+    np.testing.assert_array_equal(batch, [[1, 2, 0, 0, 0, 0, 0, 0], [3, 4, 5, 6, 0, 0, 0, 0]])
+
+
+def test_requests_that_disagree_on_their_row_shape_fail_the_batch_clearly(gpu_and_devices):
+    gpu, devices = gpu_and_devices
+    with pytest.raises(EngineError, match="disagree on their inputs' shape"):
+        device_batch.assemble([in_region(gpu, devices, rows(1, 0)), np.zeros((1, 3, 3), np.float32)], 2, None, 0,
+                              0.0, False, engine_device=None)
+
+
+class DeviceInputEngine:
+    """An engine that takes device inputs on device 0, as ONNX Runtime's CUDA EP does: it reads
+    the DeviceArray through the fake GPU (what IOBinding would hand the kernels) and sums rows."""
+
+    inputs = outputs = []
+    accepts_any_length = False
+    device_inputs = 0
+
+    def __init__(self, gpu: FakeCuda, fail: bool = False):
+        self.gpu, self.fail = gpu, fail
+        self.seen: list[object] = []
+
+    def infer(self, inputs):
+        x = inputs["x"]
+        self.seen.append(x)
+        if self.fail:
+            raise RuntimeError("engine failed")
+        return {"y": read_device(self.gpu, x).reshape(x.shape[0], -1).sum(axis=1)}
+
+
+def _executor_batch(parts, size):
+    loop = asyncio.new_event_loop()
+    far = time.monotonic() + 60
+    requests = [Pending(0, 0.0, far, part.shape[0], request=InferRequest("m", {"x": part}), inputs={"x": part},
+                        future=loop.create_future()) for part in parts]
+    loop.close()
+    return LocalBatch(BatchPlan(requests, sum(p.shape[0] for p in parts), size, 0, Reason.FULL), 0, 0, 0.0, True)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_executor_hands_a_device_engine_its_device_batch_and_frees_it_after_the_run(gpu_and_devices, fail):
+    gpu, devices = gpu_and_devices
+    a, b = rows(1, 0), rows(1, 50)
+    parts = [in_region(gpu, devices, a), in_region(gpu, devices, b)]
+    engine = DeviceInputEngine(gpu, fail)
+    execute = BatchExecutor("m", [engine], [TensorSpec("x", "FP32", (-1, 2, 3))], lambda name: None, 0.0, ["y"])
+    used = gpu.used_memory()
+    if fail:
+        with pytest.raises(RuntimeError, match="engine failed"):
+            execute(_executor_batch(parts, 4))
+    else:
+        results, _, _ = execute(_executor_batch(parts, 4))
+        assert [r["y"].tolist() for r in results] == [[a.sum()], [b.sum()]]
+    assert isinstance(engine.seen[0], DeviceArray) and engine.seen[0].shape == (4, 2, 3)
+    assert gpu.used_memory() == used  # the batch's device buffer is freed, also when the engine fails
