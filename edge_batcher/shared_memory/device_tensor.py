@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .cuda_regions import CudaDevices
+from ..engines.cuda_api import CudaApi
+
+
+class OnDevice(Protocol):
+    """What reads a tensor's bytes needs (cuda_regions.CudaDevices): the API with a device's context pushed."""
+
+    def on(self, device_id: int) -> AbstractContextManager[CudaApi]: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -25,7 +31,7 @@ class DeviceTensor:
     device_id: int
     dtype: np.dtype
     shape: tuple[int, ...]
-    devices: CudaDevices  # pushes device_id's context around the copies that read it
+    devices: OnDevice  # pushes device_id's context around the copies that read it
     region: str  # the region's name, for messages
 
     @property
