@@ -66,6 +66,7 @@ def test_health_metadata_index_and_stats_endpoints(daemon):
     assert status == 200 and body["ready"] is True
     status, body = rawhttp.request(daemon.socket, "GET", "/v2")
     assert status == 200 and "binary_tensor_data" in body["extensions"]
+    assert {"system_shared_memory", "cuda_shared_memory"} <= set(body["extensions"])  # as Triton lists them
     status, body = rawhttp.request(daemon.socket, "POST", "/v2/repository/index", "")
     assert status == 200 and {m["name"] for m in body} == {"vibration", "seqsum", "faulty", "oomy"}
     status, body = rawhttp.request(daemon.socket, "GET", "/v2/models/vibration")

@@ -136,7 +136,7 @@ async def server_metadata(request: web.Request) -> web.Response:
         "name": "edge-batcher",
         "version": __version__,
         "extensions": ["binary_tensor_data", "statistics", "model_repository", "model_configuration", "generate",
-                       "system_shared_memory"],
+                       "system_shared_memory", "cuda_shared_memory"],
     })
 
 

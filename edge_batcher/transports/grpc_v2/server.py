@@ -44,7 +44,8 @@ from .shared_memory import shared_memory_rpcs
 log = logging.getLogger(__name__)
 
 SERVICE = "inference.GRPCInferenceService"
-EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository", "model_configuration", "system_shared_memory"]
+EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository", "model_configuration", "system_shared_memory",
+              "cuda_shared_memory"]
 BACKLOG = 1024  # connections the kernel queues before accept(); each is then admitted or closed at once
 
 
