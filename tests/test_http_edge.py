@@ -198,6 +198,29 @@ def test_a_client_that_stops_reading_its_answers_is_disconnected(start_daemon):
     assert "Traceback" not in daemon.log_text()
 
 
+def test_a_slow_reader_is_not_disconnected_while_it_makes_progress(start_daemon):
+    """The same pipelined answers read 16 KiB at a time every 50 ms, for longer than
+    idle_timeout_s in all: each look finds bytes gone, so the connection stays and every
+    answer arrives."""
+    daemon = start_daemon("[server]\nidle_timeout_s = 1\n")
+    request = b"GET /v2/models/vibration HTTP/1.1\r\nHost: localhost\r\n\r\n"
+    n = 3000
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as slow:
+        slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        slow.connect(str(daemon.socket))
+        threading.Thread(target=lambda: _send_quietly(slow, request * n), daemon=True).start()
+        received, started = b"", time.monotonic()
+        slow.settimeout(10)
+        while received.count(b"HTTP/1.1 200") < n and time.monotonic() - started < 60:
+            chunk = slow.recv(16384)
+            if not chunk:
+                break
+            received += chunk
+            time.sleep(0.05)
+    assert received.count(b"HTTP/1.1 200") == n, f"{received.count(b'HTTP/1.1 200')} of {n} answers"
+    assert time.monotonic() - started > 2  # slower than idle_timeout_s, and not cut
+
+
 def rawhttp_raw_answer(path, request: bytes) -> bytes:
     with connect(path) as s:
         s.sendall(request)

@@ -14,8 +14,8 @@ DEBUG, not aiohttp's plain-text page and a traceback. A connection that does not
 request header within idle_timeout_s of connecting or of its last answer is closed (here, since
 aiohttp's `keepalive_timeout` covers the time after connecting only from 3.14 on); a request
 *body* has its own deadline (`http_body.py`). A client that stops reading its answers is
-disconnected once the daemon's writes have waited idle_timeout_s for it: its answers and the
-requests it pipelined behind them are freed, not kept for ever.
+disconnected once not one byte of its answers has left for idle_timeout_s: its answers and the
+requests it pipelined behind them are freed, not kept for ever (a slow reader is not).
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ class GuardedRequestHandler(RequestHandler):
 
     def pause_writing(self) -> None:
         super().pause_writing()
-        self._write_stall = self._loop.call_later(self.idle_timeout_s, self._abort_stalled)
+        self._watch_stall(None)
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -255,14 +255,20 @@ class GuardedRequestHandler(RequestHandler):
             self._write_stall.cancel()
             self._write_stall = None
 
-    def _abort_stalled(self) -> None:
-        """Our answers have waited idle_timeout_s in the transport for a client that reads none of
-        them: abort (close() would wait for the unread bytes to leave, for ever)."""
+    def _watch_stall(self, unsent_before: int | None) -> None:
+        """While writing is paused: every idle_timeout_s, abort if not one byte of our answers has
+        left since the last look (a slow reader of a large answer makes progress and stays);
+        close() would wait for the unread bytes for ever."""
         self._write_stall = None
-        if self.transport is not None:
+        if self.transport is None:
+            return
+        unsent = self.transport.get_write_buffer_size()  # type: ignore[attr-defined]
+        if unsent_before is not None and unsent >= unsent_before:
             log.debug("closing a connection whose client read none of its answers for %.1f s (idle_timeout_s)",
                       self.idle_timeout_s)
             self.transport.abort()  # type: ignore[attr-defined]
+            return
+        self._write_stall = self._loop.call_later(self.idle_timeout_s, self._watch_stall, unsent)
 
     def force_close(self) -> None:
         if self._handshake is not None:  # evicted during its handshake

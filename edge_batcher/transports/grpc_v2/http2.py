@@ -4,7 +4,7 @@ HEADERS frame that opens a stream becomes a `Call` handed to `dispatch`; the cal
 read only when its handler asks for it (`Call.read_message`), so a client may have at most one
 64 KiB stream window of a message sent before the edge has checked the call. Responses are written
 with static header blocks (no dynamic table), the message split to the peer's frame size and
-windows; a client that reads none of them for idle_timeout_s is disconnected. Why this and not
+windows; a client that reads none of them for idle_timeout_s is disconnected (a slow one is not). Why this and not
 grpc.aio: docs/benchmarks.md, "gRPC against HTTP".
 """
 
@@ -207,9 +207,8 @@ class GrpcConnection(asyncio.Protocol):
             self.gone.set_result(None)
 
     def pause_writing(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._drained = loop.create_future()
-        self._write_stall = loop.call_later(self.idle_timeout_s, self._abort_stalled)
+        self._drained = asyncio.get_running_loop().create_future()
+        self._watch_stall(None)
 
     def resume_writing(self) -> None:
         if self._drained is not None and not self._drained.done():
@@ -219,14 +218,19 @@ class GrpcConnection(asyncio.Protocol):
             self._write_stall.cancel()
             self._write_stall = None
 
-    def _abort_stalled(self) -> None:
-        """Our answers have waited idle_timeout_s for a client that reads none of them: abort, and
-        the calls waiting to write are abandoned (close() would wait for the unread bytes)."""
+    def _watch_stall(self, unsent_before: int | None) -> None:
+        """While writing is paused: every idle_timeout_s, abort (its calls abandoned) if not one
+        byte of our answers has left since the last look; a slow reader makes progress and stays."""
         self._write_stall = None
-        if self.transport is not None:
+        if self.transport is None:
+            return
+        unsent = self.transport.get_write_buffer_size()
+        if unsent_before is not None and unsent >= unsent_before:
             log.debug("gRPC connection from %s: its client read none of our answers for %.1f s (idle_timeout_s)",
                       self.peer, self.idle_timeout_s)
             self.transport.abort()
+            return
+        self._write_stall = asyncio.get_running_loop().call_later(self.idle_timeout_s, self._watch_stall, unsent)
 
     def go_away(self) -> None:
         """Take no new calls (those open are answered); close once none is left."""
