@@ -226,6 +226,36 @@ def test_a_client_that_stops_reading_its_answers_is_disconnected(tmp_path):
             assert channel.unary_unary("/t/Echo")(b"ok", timeout=10) == b"ok"
 
 
+def test_a_slow_reader_keeps_its_connection_while_it_makes_progress(tmp_path):
+    """The same 1,000 answers read 16 KiB at a time every 20 ms (longer in all than idle_timeout_s):
+    bytes leave between every two looks, so nothing is aborted and every answer arrives whole."""
+    hpack = pytest.importorskip("hpack")
+    encoder = hpack.Encoder()
+    message = b"\x00" + (8192).to_bytes(4, "big") + b"x" * 8192
+    calls = bytearray(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0, (0x4).to_bytes(2, "big")
+                                                  + (2**31 - 1).to_bytes(4, "big"))
+                      + http2.frame(http2.WINDOW_UPDATE, 0, 0, (2**31 - 1 - 65535).to_bytes(4, "big")))
+    for stream in range(1, 2001, 2):
+        headers = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t/Echo"),
+                                  (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
+        calls += http2.frame(http2.HEADERS, http2.END_HEADERS, stream, headers)
+        calls += http2.frame(http2.DATA, http2.END_STREAM, stream, message)
+    with EchoServer(tmp_path / "slow.sock", idle_timeout_s=0.5) as server, socket.socket(socket.AF_UNIX) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(str(server.path))
+        s.sendall(calls)
+        s.settimeout(10)
+        received, started = 0, time.monotonic()
+        while received < 1000 * len(message) and time.monotonic() - started < 60:
+            chunk = s.recv(16384)
+            if not chunk:
+                break
+            received += len(chunk)
+            time.sleep(0.02)
+        assert received >= 1000 * len(message), f"{received} bytes of answers before the connection ended"
+        assert time.monotonic() - started > 0.5  # slower than idle_timeout_s, and not cut
+
+
 def test_an_idle_connection_is_closed_after_the_idle_timeout(tmp_path):
     with EchoServer(tmp_path / "idle.sock", idle_timeout_s=0.5) as server:
         with socket.socket(socket.AF_UNIX) as silent:
