@@ -21,9 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 from ..engines.cuda_api import IPC_HANDLE_SIZE, CudaApi, DeviceContext, IpcMemory, load_cuda_api
-from ..errors import InvalidInput, Overloaded
+from ..errors import InvalidInput
 from .device_tensor import DeviceTensor
-from .regions import MAX_KEY_LENGTH, RegionLimits, RegionRegistry
+from .named_regions import NamedRegions, RegionLimits, check_name
+from .regions import RegionRegistry
 
 log = logging.getLogger(__name__)
 
@@ -120,28 +121,24 @@ class CudaRegion:
         return {"name": self.name, "device_id": self.device_id, "byte_size": self.byte_size}
 
 
-class CudaRegionRegistry:
+class CudaRegionRegistry(NamedRegions[CudaRegion]):
     """The daemon's CUDA regions by name; used from the event loop (acquire, release, status) and
     from threads (register, unregister, close: they call CUDA)."""
 
+    kind = "CUDA shared memory"
+    holding = "open"
+
     def __init__(self, limits: RegionLimits | None = None, devices: CudaDevices | None = None,
                  other_names: Callable[[str], bool] = lambda name: False):
-        self.limits = limits or RegionLimits()
+        super().__init__(limits, other_names)
         self.devices = devices or CudaDevices()
-        self.other_names = other_names  # is a name taken by a system region (one namespace)
-        self._regions: dict[str, CudaRegion] = {}
-        self._lock = threading.Lock()
         # A region unregistered while requests held it is closed when the last lets go: on the
         # event loop, where CUDA must not run, so the close goes to this thread.
         self._closer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cuda-shm-close")
 
-    def __contains__(self, name: object) -> bool:
-        with self._lock:
-            return name in self._regions
-
     def register(self, name: str, raw_handle: bytes, device_id: int, byte_size: int) -> None:
         """Open the handle on `device_id` and keep it as `name` (blocking: call it on a thread)."""
-        _check_name(name)
+        check_name(name)
         where = f"CUDA shared memory region {name!r}"
         for what, value in (("device_id", device_id), ("byte_size", byte_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -164,68 +161,14 @@ class CudaRegionRegistry:
             raise InvalidInput(f"{where}: cannot open the CUDA IPC handle on device {device_id} ({exc}); it must "
                                "come from cudaIpcGetMemHandle in a live process on this machine, for memory "
                                f"on device {device_id}") from None
-        region = CudaRegion(name, device_id, byte_size, memory)
-        with self._lock:
-            try:
-                self._check_room(name, byte_size)  # another registration may have come in meanwhile
-            except (InvalidInput, Overloaded):
-                self._close(region)
-                raise
-            self._regions[name] = region
+        self._add(CudaRegion(name, device_id, byte_size, memory))
         log.debug("registered CUDA shared memory region %r (device %d, %d bytes)", name, device_id, byte_size)
-
-    def _check_room(self, name: str, byte_size: int) -> None:
-        if name in self._regions or self.other_names(name):
-            raise InvalidInput(f"shared memory region {name!r} is already registered; unregister it first")
-        if len(self._regions) >= self.limits.max_regions:
-            raise Overloaded(f"{len(self._regions)} CUDA shared memory regions are registered, the most "
-                             "[server] shm_max_regions allows; unregister one first")
-        opened = sum(r.byte_size for r in self._regions.values())
-        if opened + byte_size > self.limits.max_bytes:
-            raise Overloaded(f"registering {byte_size} bytes would open {opened + byte_size} bytes of CUDA shared "
-                             f"memory, more than [server] shm_max_bytes ({self.limits.max_bytes})")
-
-    def unregister(self, name: str | None = None) -> None:
-        """Unregister one region (name; unknown is a no-op, as in Triton) or every one (None).
-        Blocking (closes IPC mappings): call it on a thread."""
-        with self._lock:
-            names = list(self._regions) if name is None else [name] if name in self._regions else []
-            gone = [self._regions.pop(n) for n in names]
-            for region in gone:
-                region.registered = False
-            closing = [r for r in gone if r.unused]
-        for region in closing:
-            self._close(region)
 
     def close(self) -> None:
         """At shutdown, after the drain: every mapping closed, the contexts released. Blocking."""
         self.unregister(None)
         self._closer.shutdown(wait=True)
         self.devices.close()
-
-    def status(self, name: str | None = None) -> list[dict[str, object]]:
-        with self._lock:
-            if name is None:
-                return [r.status() for _, r in sorted(self._regions.items())]
-            region = self._regions.get(name)
-        if region is None:
-            raise InvalidInput(f"no CUDA shared memory region {name!r} is registered")
-        return [region.status()]
-
-    def acquire(self, name: str, where: str) -> CudaRegion | None:
-        """The region `name`, held by the caller until release(); None when no CUDA region has that name."""
-        with self._lock:
-            region = self._regions.get(name)
-            if region is not None:
-                region.users += 1
-            return region
-
-    def release(self, region: CudaRegion) -> None:
-        with self._lock:
-            region.users -= 1
-            close = region.unused
-        if close:
-            self._close_later(region)
 
     def track(self, region: CudaRegion, tensor: DeviceTensor) -> None:
         """Keep `region` open while `tensor` lives: the request's lease may end (its client gone)
@@ -240,9 +183,9 @@ class CudaRegionRegistry:
             region.tensors -= 1
             close = region.unused
         if close:
-            self._close_later(region)
+            self._close_unused(region)
 
-    def _close_later(self, region: CudaRegion) -> None:
+    def _close_unused(self, region: CudaRegion) -> None:
         """Close on the registry's thread: the last user may let go on the event loop."""
         try:
             self._closer.submit(self._close, region)
@@ -262,7 +205,3 @@ def link_namespaces(system: RegionRegistry, cuda: CudaRegionRegistry) -> None:
     system.other_names = cuda.__contains__
     cuda.other_names = system.__contains__
 
-
-def _check_name(name: object) -> None:
-    if not isinstance(name, str) or not name or len(name) > MAX_KEY_LENGTH or "/" in name:
-        raise InvalidInput(f"shared memory region name must be a non-empty string without '/', got {name!r}")

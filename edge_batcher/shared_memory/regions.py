@@ -11,23 +11,15 @@ import logging
 import mmap
 import os
 import stat
-import threading
-from collections.abc import Callable
-from dataclasses import dataclass
 
-from ..errors import InvalidInput, Overloaded
+from ..errors import InvalidInput
+from .named_regions import MAX_KEY_LENGTH, NamedRegions, RegionLimits, check_name
+
+__all__ = ["Region", "RegionLimits", "RegionRegistry", "shm_path"]
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
-MAX_KEY_LENGTH = 255  # NAME_MAX
-
-
-@dataclass(frozen=True)
-class RegionLimits:
-    max_regions: int = 32
-    max_bytes: int = 1 << 30  # the byte_size of every region registered, together
-    allowed_uids: frozenset[int] = frozenset()  # besides the daemon's own user
 
 
 def shm_path(key: str) -> str:
@@ -69,6 +61,10 @@ class Region:
         self.users = 0  # requests holding it now
         self.registered = True
 
+    @property
+    def unused(self) -> bool:
+        return self.users == 0 and not self.registered
+
     def _map_checked(self, allowed_uids: frozenset[int]) -> mmap.mmap:
         st = os.fstat(self._fd)
         where = f"shared memory region {self.name!r} (key {self.key!r})"
@@ -109,23 +105,11 @@ class Region:
         return {"name": self.name, "key": self.key, "offset": self.offset, "byte_size": self.byte_size}
 
 
-class RegionRegistry:
-    """The daemon's regions by name; used from the event loop and the decode threads alike."""
-
-    def __init__(self, limits: RegionLimits | None = None):
-        self.limits = limits or RegionLimits()
-        self._regions: dict[str, Region] = {}
-        self._lock = threading.Lock()
-        # Is a name taken by a CUDA region (cuda_regions.py)? One namespace, as in Triton: a
-        # request names a region without saying which kind. The daemon links the two registries.
-        self.other_names: Callable[[str], bool] = lambda name: False
-
-    def __contains__(self, name: object) -> bool:
-        with self._lock:
-            return name in self._regions
+class RegionRegistry(NamedRegions[Region]):
+    """The daemon's system regions by name; used from the event loop and the decode threads alike."""
 
     def register(self, name: str, key: str, offset: int, byte_size: int) -> None:
-        _check_name(name)
+        check_name(name)
         for what, value in (("offset", offset), ("byte_size", byte_size)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise InvalidInput(f"shared memory region {name!r}: {what} must be an integer >= 0, got {value!r}")
@@ -133,67 +117,12 @@ class RegionRegistry:
             raise InvalidInput(f"shared memory region {name!r}: byte_size must be > 0")
         with self._lock:
             self._check_room(name, byte_size)
-        region = Region(name, key, offset, byte_size, self.limits.allowed_uids)  # opens and maps: outside the lock
-        with self._lock:
-            try:
-                self._check_room(name, byte_size)  # another registration may have come in meanwhile
-            except InvalidInput:
-                region.close()
-                raise
-            self._regions[name] = region
+        self._add(Region(name, key, offset, byte_size, self.limits.allowed_uids))  # opens and maps: outside the lock
         log.debug("registered shared memory region %r (key %r, %d bytes)", name, key, byte_size)
-
-    def _check_room(self, name: str, byte_size: int) -> None:
-        if name in self._regions or self.other_names(name):
-            raise InvalidInput(f"shared memory region {name!r} is already registered; unregister it first")
-        if len(self._regions) >= self.limits.max_regions:
-            raise Overloaded(f"{len(self._regions)} shared memory regions are registered, the most "
-                             f"[server] shm_max_regions allows; unregister one first")
-        mapped = sum(r.byte_size for r in self._regions.values())
-        if mapped + byte_size > self.limits.max_bytes:
-            raise Overloaded(f"registering {byte_size} bytes would map {mapped + byte_size} bytes of shared "
-                             f"memory, more than [server] shm_max_bytes ({self.limits.max_bytes})")
-
-    def unregister(self, name: str | None = None) -> None:
-        """Unregister one region (name; unknown is a no-op, as in Triton) or every one (None)."""
-        with self._lock:
-            names = list(self._regions) if name is None else [name] if name in self._regions else []
-            gone = [self._regions.pop(n) for n in names]
-            for region in gone:
-                region.registered = False
-            closing = [r for r in gone if r.users == 0]
-        for region in closing:
-            region.close()
 
     def close(self) -> None:
         """At shutdown, after the drain: every region unmapped."""
         self.unregister(None)
 
-    def status(self, name: str | None = None) -> list[dict[str, object]]:
-        with self._lock:
-            if name is None:
-                return [r.status() for _, r in sorted(self._regions.items())]
-            region = self._regions.get(name)
-        if region is None:
-            raise InvalidInput(f"no shared memory region {name!r} is registered")
-        return [region.status()]
-
-    def acquire(self, name: str, where: str) -> Region | None:
-        """The region `name`, held by the caller until release(); None when no system region has that name."""
-        with self._lock:
-            region = self._regions.get(name)
-            if region is not None:
-                region.users += 1
-            return region
-
-    def release(self, region: Region) -> None:
-        with self._lock:
-            region.users -= 1
-            close = region.users == 0 and not region.registered
-        if close:
-            region.close()
-
-
-def _check_name(name: object) -> None:
-    if not isinstance(name, str) or not name or len(name) > MAX_KEY_LENGTH or "/" in name:
-        raise InvalidInput(f"shared memory region name must be a non-empty string without '/', got {name!r}")
+    def _close(self, region: Region) -> None:
+        region.close()
