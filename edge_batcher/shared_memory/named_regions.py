@@ -8,6 +8,7 @@ a region unregistered while requests use it is closed when the last one lets go.
 from __future__ import annotations
 
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -41,7 +42,7 @@ class Held(Protocol):
 R = TypeVar("R", bound=Held)
 
 
-class NamedRegions(Generic[R]):
+class NamedRegions(ABC, Generic[R]):
     """Regions of one kind by name; subclasses register them and say how one is closed."""
 
     kind = "shared memory"  # how messages name this registry's regions
@@ -115,8 +116,9 @@ class NamedRegions(Generic[R]):
         if close:
             self._close_unused(region)
 
+    @abstractmethod
     def _close(self, region: R) -> None:
-        raise NotImplementedError
+        """Unmap or close one region no request holds any more."""
 
     def _close_unused(self, region: R) -> None:
         """The last holder let go of an unregistered region (perhaps on the event loop)."""
