@@ -192,20 +192,27 @@ def test_a_client_that_floods_pings_without_reading_the_answers_is_disconnected(
         assert channel.unary_unary("/t/Echo")(b"ok", timeout=10) == b"ok"
 
 
-def test_a_client_that_stops_reading_its_answers_is_disconnected(tmp_path):
-    """1,000 echo calls of 8 KiB whose answers the client never reads (its windows wide open):
-    once the server's writes have waited idle_timeout_s, the connection is aborted."""
+def _echo_calls(n: int) -> tuple[bytes, bytes]:
+    """A raw HTTP/2 client's preface, windows opened wide (so only reading limits our answers) and
+    `n` /t/Echo calls of one 8 KiB message each; and that message as framed."""
     hpack = pytest.importorskip("hpack")
     encoder = hpack.Encoder()
     message = b"\x00" + (8192).to_bytes(4, "big") + b"x" * 8192
     calls = bytearray(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0, (0x4).to_bytes(2, "big")
                                                   + (2**31 - 1).to_bytes(4, "big"))
                       + http2.frame(http2.WINDOW_UPDATE, 0, 0, (2**31 - 1 - 65535).to_bytes(4, "big")))
-    for stream in range(1, 2001, 2):
+    for stream in range(1, 2 * n, 2):
         headers = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t/Echo"),
                                   (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
         calls += http2.frame(http2.HEADERS, http2.END_HEADERS, stream, headers)
         calls += http2.frame(http2.DATA, http2.END_STREAM, stream, message)
+    return bytes(calls), message
+
+
+def test_a_client_that_stops_reading_its_answers_is_disconnected(tmp_path):
+    """1,000 echo calls of 8 KiB whose answers the client never reads (its windows wide open):
+    once the server's writes have waited idle_timeout_s, the connection is aborted."""
+    calls, _ = _echo_calls(1000)
     with EchoServer(tmp_path / "stall.sock", idle_timeout_s=0.5) as server, socket.socket(socket.AF_UNIX) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         s.connect(str(server.path))
@@ -229,17 +236,7 @@ def test_a_client_that_stops_reading_its_answers_is_disconnected(tmp_path):
 def test_a_slow_reader_keeps_its_connection_while_it_makes_progress(tmp_path):
     """The same 1,000 answers read 16 KiB at a time every 20 ms (longer in all than idle_timeout_s):
     bytes leave between every two looks, so nothing is aborted and every answer arrives whole."""
-    hpack = pytest.importorskip("hpack")
-    encoder = hpack.Encoder()
-    message = b"\x00" + (8192).to_bytes(4, "big") + b"x" * 8192
-    calls = bytearray(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0, (0x4).to_bytes(2, "big")
-                                                  + (2**31 - 1).to_bytes(4, "big"))
-                      + http2.frame(http2.WINDOW_UPDATE, 0, 0, (2**31 - 1 - 65535).to_bytes(4, "big")))
-    for stream in range(1, 2001, 2):
-        headers = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t/Echo"),
-                                  (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
-        calls += http2.frame(http2.HEADERS, http2.END_HEADERS, stream, headers)
-        calls += http2.frame(http2.DATA, http2.END_STREAM, stream, message)
+    calls, message = _echo_calls(1000)
     with EchoServer(tmp_path / "slow.sock", idle_timeout_s=0.5) as server, socket.socket(socket.AF_UNIX) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         s.connect(str(server.path))
