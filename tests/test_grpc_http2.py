@@ -16,6 +16,7 @@ import pytest
 
 grpc = pytest.importorskip("grpc", reason="grpcio (a test dependency) is not installed")
 http2 = pytest.importorskip("edge_batcher.transports.grpc_v2.http2", reason="the grpc extra is not installed")
+grpc_headers = pytest.importorskip("edge_batcher.transports.grpc_v2.headers", reason="the grpc extra is not installed")
 from edge_batcher.transports.grpc_v2.call import CallError, Status, StreamReset, parse_grpc_timeout  # noqa: E402
 
 MiB = 1 << 20
@@ -279,7 +280,7 @@ def test_malformed_grpc_timeouts_are_ignored(header):
 
 def test_a_remembered_header_block_is_decoded_again_once_the_table_has_changed():
     hpack = pytest.importorskip("hpack")
-    encoder, decoder = hpack.Encoder(), http2.HeaderDecoder()
+    encoder, decoder = hpack.Encoder(), grpc_headers.HeaderDecoder()
     newest_entry = b"\xbe"  # HPACK index 62: the dynamic table's most recent entry
     first = decoder.decode(encoder.encode([(":path", "/a/B"), ("x-user", "ann")]))  # both indexed: the table changes
     assert first.path == "/a/B" and first.metadata == (("x-user", "ann"),)
@@ -291,10 +292,10 @@ def test_a_remembered_header_block_is_decoded_again_once_the_table_has_changed()
 
 def test_header_blocks_are_read_into_a_calls_path_metadata_deadline_and_refusal():
     hpack = pytest.importorskip("hpack")
-    encoder, decoder = hpack.Encoder(), http2.HeaderDecoder()
+    encoder, decoder = hpack.Encoder(), grpc_headers.HeaderDecoder()
     call = decoder.decode(encoder.encode([(":method", "POST"), (":path", "/s/M"), ("content-type", "application/grpc"),
                                           ("grpc-timeout", "250m"), ("authorization", "Bearer t")]))
-    assert call == http2.CallHeaders("/s/M", (("content-type", "application/grpc"), ("authorization", "Bearer t")),
-                                     None, 0.25)
+    metadata = (("content-type", "application/grpc"), ("authorization", "Bearer t"))
+    assert call == grpc_headers.CallHeaders("/s/M", metadata, None, 0.25)
     refused = decoder.decode(encoder.encode([(":method", "GET"), (":path", "/s/M")]))
     assert refused.refusal == "method GET: gRPC calls are POST"

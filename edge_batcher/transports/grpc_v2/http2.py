@@ -1,6 +1,6 @@
-"""HTTP/2 for gRPC's unary calls, on asyncio: the framing, header compression (the `hpack`
-package), flow control both ways and the connection's lifecycle, with nothing of grpcio. Each
-HEADERS frame that opens a stream becomes a `Call` handed to `dispatch`; the call's message is
+"""HTTP/2 for gRPC's unary calls, on asyncio: the framing, header compression (headers.py, on
+the `hpack` package), flow control both ways and the connection's lifecycle, with nothing of
+grpcio. Each HEADERS frame that opens a stream becomes a `Call` handed to `dispatch`; the call's message is
 read only when its handler asks for it (`Call.read_message`), so a client may have at most one
 64 KiB stream window of a message sent before the edge has checked the call. Responses are written
 with static header blocks (no dynamic table), the message split to the peer's frame size and
@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import struct
-from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from collections.abc import Callable
 
-from hpack import Decoder, HPACKError
+from hpack import HPACKError
 
-from .call import Call, Status, parse_grpc_timeout
+from .call import Call, Status
+from .headers import MAX_HEADER_LIST, HeaderDecoder
 
 log = logging.getLogger(__name__)
 
@@ -33,13 +33,11 @@ SETTINGS_MAX_FRAME_SIZE, SETTINGS_MAX_HEADER_LIST_SIZE = 0x5, 0x6
 
 DEFAULT_WINDOW = 65535  # HTTP/2's initial window: what a client may send before a call is read
 MAX_FRAME = 16384  # the frames we accept (HTTP/2's default, advertised)
-MAX_HEADER_LIST = 16384  # decoded request headers per call
 MAX_STREAMS = 1000  # per connection; a client queues beyond it (the edge refuses by its own count)
 CONNECTION_WINDOW = 1 << 24  # the connection-level window, refilled as DATA arrives
 # Unsent bytes beyond which a client that keeps asking (PING, SETTINGS) without reading the
 # answers is disconnected: a flood of 9-byte frames must not grow our write buffer for ever.
 MAX_UNREAD_CONTROL = 4 << 20
-HEADER_CACHE = 64  # header blocks remembered per connection (cleared when full)
 
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
@@ -80,67 +78,6 @@ def trailers(status: Status, message: str) -> bytes:
 
 
 Dispatch = Callable[[Call], None]
-
-
-class CallHeaders(NamedTuple):
-    """What a call's request headers say: its method's path, metadata, why it is refused, deadline."""
-
-    path: str
-    metadata: tuple[tuple[str, str], ...]
-    refusal: str | None
-    timeout_s: float | None
-
-
-def call_headers(headers: Iterable[tuple[bytes, bytes]]) -> CallHeaders:
-    path, metadata, refusal, timeout_s = "", [], None, None
-    for raw_name, raw_value in headers:
-        name, value = raw_name.decode("latin-1"), raw_value.decode("latin-1")
-        if name == ":path":
-            path = value
-        elif name == ":method" and value != "POST":
-            refusal = f"method {value}: gRPC calls are POST"
-        elif name == "content-type" and not value.startswith("application/grpc"):
-            refusal = f"content-type {value}: gRPC calls are application/grpc"
-        elif name == "grpc-timeout":
-            timeout_s = parse_grpc_timeout(value)
-        elif not name.startswith(":"):
-            metadata.append((name, value))
-    return CallHeaders(path, tuple(metadata), refusal, timeout_s)
-
-
-class HeaderDecoder:
-    """HPACK decoding of request header blocks, with the blocks that left the dynamic table as it was
-    remembered: a client repeating its calls sends the same indexed bytes every time, and while the
-    table is unchanged the same bytes mean the same headers. The pure-Python decoder was ~7% of the
-    daemon's time under perf_analyzer's gRPC load (docs/benchmarks.md)."""
-
-    def __init__(self) -> None:
-        self._decoder = Decoder(max_header_list_size=MAX_HEADER_LIST)
-        self._known: dict[bytes, tuple[tuple[Any, ...], CallHeaders]] = {}
-
-    def _table_state(self) -> tuple[Any, ...]:
-        # every change of the table adds a new head entry (an object this tuple keeps alive, so
-        # compared by identity) or changes its length or size limit
-        table = self._decoder.header_table
-        entries = table.dynamic_entries
-        return len(entries), entries[0] if entries else None, table.maxsize
-
-    def decode(self, block: bytes) -> CallHeaders:
-        """The block's headers (HPACKError when undecodable)."""
-        state = self._table_state()
-        known = self._known.get(block)
-        if known is not None and _same_state(known[0], state):
-            return known[1]
-        headers = call_headers(self._decoder.decode(block, raw=True))
-        if _same_state(self._table_state(), state):
-            if len(self._known) >= HEADER_CACHE:
-                self._known.clear()
-            self._known[block] = (state, headers)
-        return headers
-
-
-def _same_state(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    return a[0] == b[0] and a[1] is b[1] and a[2] == b[2]
 
 
 class GrpcConnection(asyncio.Protocol):
