@@ -32,7 +32,7 @@ from .shared_memory.cuda_regions import CudaRegionRegistry, link_namespaces
 from .shared_memory.regions import RegionLimits, RegionRegistry
 from .systemd import Notifier, listen_fds, watchdog_interval
 from .transports.auth import bearer_auth_middleware, tls_context
-from .transports.descriptors import summarise_accept_errors
+from .transports.descriptors import ACCEPT_BATCH, serve_with_small_accept_batches, summarise_accept_errors
 from .transports.edge import build_edge
 from .transports.http import create_app
 from .transports.http_connections import GuardedAppRunner
@@ -254,7 +254,8 @@ class Daemon:
             if self._tls is not None and sock.family != socket.AF_UNIX:
                 # started per connection, so handshakes count against the limit
                 self._web.serve_tls(sock.getsockname()[1], self._tls, s.idle_timeout_s)
-            await self._add_site(web.SockSite(self._web, sock))
+            await self._add_site(web.SockSite(self._web, sock, backlog=ACCEPT_BATCH))
+            serve_with_small_accept_batches(sock)
             log.info("serving the v2 API on %s", where)
 
     async def _bind_grpc(self) -> None:

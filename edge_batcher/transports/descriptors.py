@@ -4,8 +4,11 @@ fails with EMFILE and the whole daemon goes deaf (issue 31: "Too many open files
 times while even the Unix socket timed out). At start the soft limit is raised as far as the
 hard limit allows to fit `[server] max_connections` plus `RESERVED_FDS` and `FDS_PER_PEER` per
 offload peer; where even the hard limit is too low, the daemon serves fewer connections and says
-so in one warning line, and a limit too low for a single connection stops start-up. Should
-descriptors run out anyway, asyncio's accept errors are summarised in one line per interval
+so in one warning line, and a limit too low for a single connection stops start-up. asyncio
+accepts as many connections per loop turn as the listen() backlog it is given, each holding a
+descriptor until it is admitted or closed, so listeners take `ACCEPT_BATCH` per turn while the
+kernel's queue stays `LISTEN_QUEUE` deep (`serve_with_small_accept_batches`). Should descriptors
+run out anyway, asyncio's accept errors are summarised in one line per interval
 (`summarise_accept_errors`) instead of a traceback per attempt.
 """
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
 from typing import Any
 
 from ..errors import ConfigError
@@ -25,6 +29,11 @@ log = logging.getLogger(__name__)
 # being answered hold theirs briefly (http_connections.MAX_REFUSALS_ANSWERING).
 RESERVED_FDS = 128
 FDS_PER_PEER = 32  # an offload peer's connection pool (offload/client.py: limit=32)
+# A connection refused beyond max_connections still holds its descriptor until the next loop turn
+# or two: with asyncio's batch as large as the kernel's queue (1,024 on the gRPC port), a flood
+# accepted a thousand at once and hit EMFILE below a 1,024 limit (a CI run under load).
+ACCEPT_BATCH = 16  # per listener and loop turn: 4 listeners' batches fit in RESERVED_FDS
+LISTEN_QUEUE = 1024  # connections the kernel queues before accept(): a burst waits, not refused
 ACCEPT_ERROR_LOG_INTERVAL_S = 10.0
 ACCEPT_ERROR = "socket.accept() out of system resource"  # asyncio's message (selector_events.py)
 
@@ -55,6 +64,12 @@ def fit_connections(wanted: int, reserved: int) -> int:
         wanted, soft, "unlimited" if hard == resource.RLIM_INFINITY else hard, reserved, fits, need,
     )
     return fits
+
+
+def serve_with_small_accept_batches(sock: socket.socket) -> None:
+    """After asyncio started serving `sock` with backlog=ACCEPT_BATCH (its accept batch and
+    listen() queue both): deepen the kernel's queue again; asyncio's batch stays small."""
+    sock.listen(LISTEN_QUEUE)
 
 
 def summarise_accept_errors(loop: asyncio.AbstractEventLoop) -> None:

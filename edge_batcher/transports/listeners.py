@@ -19,6 +19,7 @@ import stat
 from pathlib import Path
 
 from ..errors import ConfigError
+from .descriptors import LISTEN_QUEUE
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ def bind_unix_socket(path: Path, mode: int = 0o660) -> socket.socket:
     finally:
         os.umask(old_umask)
     os.chmod(path, mode)
-    sock.listen(512)
+    sock.listen(LISTEN_QUEUE)
     sock.setblocking(False)
     return sock
 
@@ -100,7 +101,7 @@ def bind_tcp_socket(host: str, port: int) -> socket.socket:
     except OSError as exc:
         sock.close()
         raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    sock.listen(512)
+    sock.listen(LISTEN_QUEUE)
     sock.setblocking(False)
     return sock
 

@@ -31,6 +31,7 @@ from ...runtime import Runtime
 from ...shared_memory.cuda_regions import CudaRegionRegistry, link_namespaces
 from ...shared_memory.lease import Lease
 from ...shared_memory.regions import RegionRegistry
+from ..descriptors import ACCEPT_BATCH, serve_with_small_accept_batches
 from ..edge import EdgeLimits
 from ..listeners import check_unix_socket_path, remove_stale_socket
 from ..triton_config import MODEL_VERSION, PLATFORMS, model_config, servable_for
@@ -46,7 +47,6 @@ log = logging.getLogger(__name__)
 SERVICE = "inference.GRPCInferenceService"
 EXTENSIONS = ["binary_tensor_data", "statistics", "model_repository", "model_configuration", "system_shared_memory",
               "cuda_shared_memory"]
-BACKLOG = 1024  # connections the kernel queues before accept(); each is then admitted or closed at once
 
 
 def unix_socket_path(address: str) -> Path | None:
@@ -99,11 +99,12 @@ class GrpcServer:
                                       admit=count.admit, closed=count.closed)
 
             if unix:
-                server = await loop.create_unix_server(connection, sock=sock, backlog=BACKLOG)
+                server = await loop.create_unix_server(connection, sock=sock, backlog=ACCEPT_BATCH)
             else:
                 handshake_s = self.limits.idle_timeout_s if self._tls else None
-                server = await loop.create_server(connection, sock=sock, backlog=BACKLOG, ssl=self._tls,
+                server = await loop.create_server(connection, sock=sock, backlog=ACCEPT_BATCH, ssl=self._tls,
                                                   ssl_handshake_timeout=handshake_s)
+            serve_with_small_accept_batches(sock)
             self._servers.append(server)
         for path in self._socket_files:
             os.chmod(path, self.limits.socket_mode)
