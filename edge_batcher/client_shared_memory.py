@@ -14,6 +14,7 @@ Outputs read from a region are views of it: copy them before the region is writt
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from .errors import InvalidInput
 from .protocol import json_text
 from .protocol.tensor_decode import RegionReader, from_binary
 from .protocol.tensor_encode import encode_tensors
-from .types import datatype_of
+from .types import DATATYPE_TO_NUMPY, datatype_of
 
 SHM_DIR = "/dev/shm"
 
@@ -136,15 +137,33 @@ def encode_request(inputs: dict[str, np.ndarray | RegionInput], output_regions: 
 
 
 def output_reader(output_regions: dict[str, RegionOutput]) -> RegionReader:
-    """Reads the outputs the daemon wrote into this process's regions (views of them)."""
-    by_name = {o.region.name: o for o in output_regions.values()}
+    """Reads the outputs the daemon wrote into this process's regions (views of them). The
+    response lists such an output by name, datatype and shape alone (as Triton's does): where it
+    went is what this request asked, its size what the shape says (BYTES: its length prefixes)."""
 
-    def read(datatype: str, shape: list[int], params: dict[str, Any], where: str) -> np.ndarray:
-        target = by_name.get(params.get("shared_memory_region"))  # type: ignore[arg-type]
-        size = params.get("shared_memory_byte_size")
-        if target is None or not isinstance(size, int):
-            raise InvalidInput(f"{where}: the daemon wrote it into a region this request did not name: {params}")
-        offset = params.get("shared_memory_offset", target.offset)
-        return from_binary(target.region.view(offset, size), datatype, shape, where)
+    def read(name: str, datatype: str, shape: list[int], params: dict[str, Any], where: str) -> np.ndarray:
+        target = output_regions.get(name)
+        if target is None:
+            raise InvalidInput(f"{where} came without data, and this request named no region for it")
+        view = target.region.view(target.offset, target.byte_size)
+        count = math.prod(shape)
+        if datatype == "BYTES":
+            size = _bytes_extent(view, count, where)
+        else:
+            size = count * DATATYPE_TO_NUMPY[datatype].itemsize
+        if size > target.byte_size:
+            raise InvalidInput(f"{where}: shape {shape} of {datatype} needs {size} bytes, more than the "
+                               f"{target.byte_size} its region place holds")
+        return from_binary(view[:size], datatype, shape, where)
 
     return read
+
+
+def _bytes_extent(view: memoryview, count: int, where: str) -> int:
+    """The bytes that `count` length-prefixed BYTES elements take at the start of `view`."""
+    offset = 0
+    for i in range(count):
+        if offset + 4 > len(view):
+            raise InvalidInput(f"{where}: BYTES element {i} is cut off inside its 4-byte length")
+        offset += 4 + int.from_bytes(view[offset:offset + 4], "little")
+    return offset

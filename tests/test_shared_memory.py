@@ -21,6 +21,8 @@ import numpy as np
 import pytest
 
 from edge_batcher.client import ClientError, RegionInput, SharedMemoryRegion
+from edge_batcher.client_shared_memory import output_reader
+from edge_batcher.errors import InvalidInput
 from tests.support import rawhttp
 from tests.support.daemon import DaemonProcess
 from tests.support.frames import expected_brightness, expected_channel_mean
@@ -104,6 +106,8 @@ def test_tritonclient_http_with_its_shared_memory_utilities(shm_daemon):
 
         out = result.get_output("brightness")
         assert out["shape"] == [2] and out["datatype"] == "FP32" and "data" not in out
+        # Triton lists it so: its C++ client (perf_analyzer) wants binary_data_size in any parameters
+        assert "parameters" not in out
         got = tshm.get_contents_as_numpy(h_out, np.float32, [2], offset=16)
         np.testing.assert_allclose(got, expected_brightness(x), rtol=1e-4)
         np.testing.assert_allclose(result.as_numpy("channel_mean"), expected_channel_mean(x), rtol=1e-4)
@@ -150,6 +154,24 @@ def test_the_project_client_over_the_unix_socket(shm_daemon):
         np.testing.assert_allclose(response.outputs["brightness"], expected_brightness(x), rtol=1e-4)
         client.unregister_region("cam")
         assert client.region_status() == []
+
+
+def test_the_client_reads_outputs_listed_without_data_from_the_regions_it_named():
+    # The response names an output in a region by name, datatype and shape alone (as Triton's):
+    # the client finds it where its request asked, sized by the shape (BYTES: its prefixes).
+    words = [b"ok", b"lamp on"]
+    framed = b"".join(len(w).to_bytes(4, "little") + w for w in words)
+    with SharedMemoryRegion("out", key(), 64) as region:
+        region.view(8, len(framed))[:] = framed
+        region.view(40, 8)[:] = np.array([1.5, -2.0], np.float32).tobytes()
+        read = output_reader({"label": region.output(8, 32), "score": region.output(40, 8),
+                              "small": region.output(40, 4)})
+        assert read("label", "BYTES", [2], {}, "output 'label'").tolist() == words
+        np.testing.assert_array_equal(read("score", "FP32", [2], {}, "output 'score'"), [1.5, -2.0])
+        with pytest.raises(InvalidInput, match="needs 8 bytes, more than the 4"):
+            read("small", "FP32", [2], {}, "output 'small'")
+        with pytest.raises(InvalidInput, match="named no region for it"):
+            read("other", "FP32", [2], {}, "output 'other'")
 
 
 def test_the_async_client_batches_region_requests_and_answers_each_its_own(shm_daemon):

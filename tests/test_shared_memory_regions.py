@@ -54,7 +54,7 @@ def test_register_maps_the_object_and_a_lease_reads_it_without_copying(shm_objec
     registry.register("r", key, 1024, 2048)
     assert registry.status() == [{"name": "r", "key": key, "offset": 1024, "byte_size": 2048}]
     with Lease(registry) as lease:
-        array = lease.read_input("UINT8", [2, 512], {"shared_memory_region": "r", "shared_memory_offset": 512,
+        array = lease.read_input("x", "UINT8", [2, 512], {"shared_memory_region": "r", "shared_memory_offset": 512,
                                                      "shared_memory_byte_size": 1024}, "input 'x'")
         np.testing.assert_array_equal(array.reshape(-1), data[1536:2560])
         assert not array.flags.writeable and not array.flags.owndata  # a read-only view of the mapping
@@ -126,11 +126,11 @@ def test_a_region_unregistered_while_a_request_holds_it_stays_mapped_until_the_r
     registry.register("r", key, 0, 4096)
     params = {"shared_memory_region": "r", "shared_memory_byte_size": 4096}
     with Lease(registry) as lease:
-        array = lease.read_input("UINT8", [4096], params, "input 'x'")
+        array = lease.read_input("x", "UINT8", [4096], params, "input 'x'")
         registry.unregister("r")
         assert registry.status() == []  # gone for new requests at once
         with pytest.raises(InvalidInput, match="no shared memory region 'r'"):
-            Lease(registry).read_input("UINT8", [4096], params, "input 'y'")
+            Lease(registry).read_input("x", "UINT8", [4096], params, "input 'y'")
         assert int(array.sum()) == 7 * 4096  # still readable: mapped until the lease ends
         assert key in open("/proc/self/maps").read()
         del array
@@ -143,7 +143,7 @@ def test_a_truncated_object_is_refused_instead_of_crashing_the_daemon(shm_object
     registry.register("r", key, 0, 4096)
     os.truncate(shm_path(key), 100)  # reading past the end of the file would be SIGBUS
     with Lease(registry) as lease, pytest.raises(InvalidInput, match="truncated"):
-        lease.read_input("UINT8", [4096], {"shared_memory_region": "r", "shared_memory_byte_size": 4096}, "input")
+        lease.read_input("x", "UINT8", [4096], {"shared_memory_region": "r", "shared_memory_byte_size": 4096}, "input")
     registry.close()
 
 
@@ -159,5 +159,5 @@ def test_malformed_input_parameters_are_named(shm_object, params, shape, match):
     registry = RegionRegistry()
     registry.register("r", shm_object(), 0, 4096)
     with Lease(registry) as lease, pytest.raises(InvalidInput, match=match):
-        lease.read_input("UINT8", shape, params, "input 'x'")
+        lease.read_input("x", "UINT8", shape, params, "input 'x'")
     registry.close()

@@ -24,9 +24,10 @@ MAX_DIMS = 64 if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else 32
 # numpy refuses arrays whose byte size, counting every non-zero dimension, overflows intp (even
 # when a 0 dimension makes them empty); 16 bytes covers the widest element we create.
 MAX_ELEMENTS = np.iinfo(np.intp).max // 16
-# Reads an input that names a shared memory region instead of carrying data (shared_memory/lease.py):
-# (datatype, shape, parameters, where) -> the array.
-RegionReader = Callable[[str, list[int], dict[str, Any], str], np.ndarray]
+# Reads a tensor that lives in a shared memory region instead of the body: an input that names
+# one (shared_memory/lease.py), an output the server wrote into one (client_shared_memory.py):
+# (name, datatype, shape, parameters, where) -> the array.
+RegionReader = Callable[[str, str, list[int], dict[str, Any], str], np.ndarray]
 # JSON data is flat (row-major) or nested exactly as its shape; anything else is refused so.
 FLAT_OR_AS_SHAPE = "send it flat or nested as the shape"
 
@@ -78,6 +79,8 @@ def decode_tensors(
             if regions is None:
                 raise InvalidInput(f"{where}: shared memory regions are not served on this transport")
             in_regions[name] = params
+        elif kind == "output" and regions is not None and size is None and not has_data:
+            in_regions[name] = params  # written into the region the request named: listed without data
         elif size is not None:
             if isinstance(size, bool) or not isinstance(size, int) or size < 0:
                 raise InvalidInput(
@@ -109,7 +112,7 @@ def decode_tensors(
         where = f"{kind} {preview.repr(name)}"
         if name in in_regions:
             assert regions is not None
-            tensors[name] = regions(datatype, shape, in_regions[name], where)
+            tensors[name] = regions(name, datatype, shape, in_regions[name], where)
         elif size is None:
             tensors[name] = _from_json(data, datatype, shape, where)
         else:

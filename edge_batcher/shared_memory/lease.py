@@ -7,7 +7,7 @@ unmap memory a batch still reads.
 
 Parameters, as Triton's: `shared_memory_region`, `shared_memory_byte_size` (required) and
 `shared_memory_offset` (default 0), on an input instead of its data, on a requested output to
-have it written there; the response then lists that output without data. System and CUDA
+have it written there; the response then lists that output by name, datatype and shape alone. System and CUDA
 regions share one namespace, so a name says which registry holds it.
 """
 
@@ -83,7 +83,8 @@ class Lease:
         self._held.append(region)
         return region, offset, size
 
-    def read_input(self, datatype: str, shape: list[int], params: dict[str, Any], where: str) -> np.ndarray:
+    def read_input(self, name: str, datatype: str, shape: list[int], params: dict[str, Any], where: str
+                   ) -> np.ndarray:
         """The input a region holds: a read-only view of a system region's mapping, or a
         DeviceTensor naming a CUDA region's memory (InvalidInput when the region is unknown, out of
         range or not the size of `shape` x `datatype`)."""
@@ -157,7 +158,6 @@ def _write(outputs: dict[str, np.ndarray], targets: dict[str, Target], cuda: Cud
                 api.copy_htod(address, np.frombuffer(chunk, dtype=np.uint8))
         else:
             region.view(target.offset, len(chunk), where)[:] = chunk
-        entry["parameters"] = {REGION: region.name, BYTE_SIZE: len(chunk)}
-        if target.offset:
-            entry["parameters"][OFFSET] = target.offset
+        entry.pop("parameters", None)  # as Triton: name, datatype and shape only (its C++ client requires
+        # binary_data_size in any output's parameters, perf_analyzer --shared-memory included)
     return entries

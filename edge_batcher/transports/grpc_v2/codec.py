@@ -94,17 +94,14 @@ def encode_infer_response(model: str, request_id: str | None, outputs: dict[str,
                           parameters: dict[str, Any] | None,
                           without_data: list[dict[str, Any]] | None = None) -> pb.ModelInferResponse:
     """The core's outputs as a ModelInferResponse with raw_output_contents; the `without_data`
-    entries (outputs written into shared memory) come last, so that raw_output_contents[i]
-    stays outputs[i]'s, as tritonclient reads them."""
+    entries (outputs written into shared memory) come last with empty contents: as Triton, every
+    output has its raw_output_contents[i], which tritonclient (C++ and Python) index by position."""
     entries, chunks = encode_tensors(outputs, "output", all_binary=True, binary_names=None)
     response = pb.ModelInferResponse(model_name=model, model_version="1", id=request_id or "")
-    for entry in entries:
+    for entry in [*entries, *(without_data or [])]:
         response.outputs.add(name=entry["name"], datatype=entry["datatype"], shape=entry["shape"])
-    for entry in without_data or []:
-        tensor = response.outputs.add(name=entry["name"], datatype=entry["datatype"], shape=entry["shape"])
-        for key, value in entry.get("parameters", {}).items():
-            _set_parameter(tensor.parameters[key], value)
     response.raw_output_contents.extend(chunks)
+    response.raw_output_contents.extend(b"" for _ in without_data or [])
     for key, value in (parameters or {}).items():
         _set_parameter(response.parameters[key], value)
     return response
