@@ -1,16 +1,21 @@
 #!/usr/bin/env python3
-"""gRPC against HTTP with Triton's own load generator: perf_analyzer, on one daemon, in one run.
+"""Transports side by side with Triton's own load generator: perf_analyzer, on one daemon, in one run.
 
 Starts `edge-batcher serve` with HTTP and gRPC on TCP (bearer token) and runs perf_analyzer
-(`-i http` and `-i grpc`, batch 1, random data, synchronous calls) against the same model at
-each `--concurrency`, in rounds that alternate the protocol's order. The table has each
-protocol's median over the rounds (throughput, p50, p99 from perf_analyzer's CSV), gRPC's
-throughput relative to HTTP's in the same round (median and range), and the daemon's CPU time
-per inference (the server's cost, apart from the load generator's, which shares the machine).
-perf_analyzer needs glibc 2.38: tools/fetch_perf_analyzer.sh brings it on Debian 12.
+(batch 1, random data, synchronous calls) against the same model at each `--concurrency`, once
+per variant and round, the variants' order rotating from round to round. A variant is a protocol
+(`http`, `grpc`) with `+shm` for Triton's system shared memory (inputs and outputs in regions
+perf_analyzer creates and registers). The table has each variant's median over the rounds
+(throughput, p50, p99), its throughput relative to the first variant's in the same round (median
+and range), the daemon's CPU time per inference (the server's cost, apart from the load
+generator's, which shares the machine), and each request's mean latency split into the time the
+daemon's statistics count (queue and compute) and the rest: the transport's share (sending,
+reading and decoding the body, the answer's way back). perf_analyzer needs glibc 2.38:
+tools/fetch_perf_analyzer.sh brings it on Debian 12.
 
 Usage: python tools/bench_perf_analyzer.py --perf-analyzer .perf_analyzer/perf_analyzer
            [--concurrency 8 16] [--rounds 3] [--interval-ms 2000] [--model vibration] [--repo engines]
+           [--variants http grpc]        # e.g. --variants http http+shm --model vision
 """
 
 from __future__ import annotations
@@ -34,6 +39,11 @@ from bench_grpc_http import TOKEN, cpu_seconds, start_daemon  # noqa: E402
 
 from edge_batcher.client import Client  # noqa: E402
 
+# perf_analyzer's CSV columns (microseconds of the mean request): the time the server's
+# statistics count, and the rest (its "Network+Server Send/Recv" is the mean latency less all others)
+SERVER_COLUMNS = ("Server Queue", "Server Compute Input", "Server Compute Infer", "Server Compute Output")
+TRANSPORT_COLUMNS = ("Client Send", "Network+Server Send/Recv", "Client Recv")
+
 
 def served(socket_path: Path, model: str) -> int:
     """Inferences the daemon has answered for `model` (its statistics)."""
@@ -41,18 +51,28 @@ def served(socket_path: Path, model: str) -> int:
         return int(client.stats(model)["model_stats"][0]["inference_count"])
 
 
-def run_once(args: argparse.Namespace, protocol: str, url: str, concurrency: int, out: Path) -> dict:
+def label(variant: str) -> str:
+    protocol, _, shm = variant.partition("+")
+    return ("HTTP" if protocol == "http" else "gRPC") + (", shared memory" if shm else "")
+
+
+def run_once(args: argparse.Namespace, variant: str, url: str, concurrency: int, out: Path) -> dict:
+    protocol, _, shm = variant.partition("+")
     cmd = [args.perf_analyzer, "-m", args.model, "-u", url, "-i", protocol,
            "-H", f"authorization: Bearer {TOKEN}", "--concurrency-range", f"{concurrency}:{concurrency}",
            "--measurement-interval", str(args.interval_ms), "--stability-percentage", "50",
            "--max-trials", "6", "-f", str(out)]
+    if shm:
+        cmd += ["--shared-memory", "system", "--output-shared-memory-size", str(args.output_shm_bytes)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if result.returncode != 0:
-        raise SystemExit(f"perf_analyzer -i {protocol} failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+        raise SystemExit(f"perf_analyzer ({variant}) failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
     with open(out) as f:
         row = next(csv.DictReader(f))
+    in_daemon_ms = sum(float(row[c]) for c in SERVER_COLUMNS) / 1e3
+    mean_ms = in_daemon_ms + sum(float(row[c]) for c in TRANSPORT_COLUMNS) / 1e3
     return {"throughput": float(row["Inferences/Second"]), "p50_ms": float(row["p50 latency"]) / 1e3,
-            "p99_ms": float(row["p99 latency"]) / 1e3}
+            "p99_ms": float(row["p99 latency"]) / 1e3, "mean_ms": mean_ms, "in_daemon_ms": in_daemon_ms}
 
 
 def main() -> int:
@@ -63,9 +83,14 @@ def main() -> int:
     parser.add_argument("--interval-ms", type=int, default=2000)
     parser.add_argument("--model", default="vibration")
     parser.add_argument("--repo", default=str(ROOT / "engines"))
+    parser.add_argument("--variants", nargs="+", default=["http", "grpc"],
+                        choices=["http", "grpc", "http+shm", "grpc+shm"],
+                        help="the first is the one the others are compared with")
+    parser.add_argument("--output-shm-bytes", type=int, default=4096,
+                        help="bytes of shared memory perf_analyzer gives each output (+shm variants)")
     args = parser.parse_args()
     runs: dict[tuple[str, int], list[dict]] = {}
-    ratios: dict[int, list[float]] = {c: [] for c in args.concurrency}
+    ratios: dict[tuple[str, int], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="eb-bench-pa-") as tmp:
         home = Path(tmp)
         proc, targets = start_daemon(home, Path(args.repo).resolve(), args.model)
@@ -74,34 +99,36 @@ def main() -> int:
         try:
             for round_ in range(args.rounds):
                 for concurrency in args.concurrency:
-                    order = ["http", "grpc"] if round_ % 2 == 0 else ["grpc", "http"]
+                    shift = round_ % len(args.variants)
                     this_round = {}
-                    for protocol in order:
+                    for variant in args.variants[shift:] + args.variants[:shift]:
                         cpu0, n0 = cpu_seconds(daemon), served(home / "eb.sock", args.model)
-                        r = run_once(args, protocol, urls[protocol], concurrency, home / "pa.csv")
+                        r = run_once(args, variant, urls[variant.partition("+")[0]], concurrency, home / "pa.csv")
                         n = served(home / "eb.sock", args.model) - n0
                         r["cpu_us"] = (cpu_seconds(daemon) - cpu0) / max(n, 1) * 1e6
-                        runs.setdefault((protocol, concurrency), []).append(r)
-                        this_round[protocol] = r["throughput"]
-                    ratios[concurrency].append(this_round["grpc"] / this_round["http"])
+                        runs.setdefault((variant, concurrency), []).append(r)
+                        this_round[variant] = r["throughput"]
+                    for variant in args.variants[1:]:
+                        ratios.setdefault((variant, concurrency), []).append(
+                            this_round[variant] / this_round[args.variants[0]])
         finally:
             proc.terminate()
             proc.wait(30)
     print(f"{args.model}, batch 1, perf_analyzer, {args.rounds} rounds of {args.interval_ms} ms windows "
           f"(medians), {os.cpu_count()} CPUs\n")
-    print("| concurrency | protocol | infer/s | p50 ms | p99 ms | daemon CPU us/infer | gRPC/HTTP (range) |\n"
-          "|---|---|---|---|---|---|---|")
+    print(f"| concurrency | variant | infer/s | vs {label(args.variants[0])} (range) | p50 ms | p99 ms "
+          "| daemon CPU us/infer | mean ms = in the daemon + transport |\n|---|---|---|---|---|---|---|---|")
     for concurrency in args.concurrency:
-        for protocol in ("http", "grpc"):
-            rs = runs[(protocol, concurrency)]
-            ratio = ratios[concurrency]
-            ratio_text = (f"{statistics.median(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f})"
-                          if protocol == "grpc" else "")
-            print(f"| {concurrency} | {protocol.upper() if protocol == 'http' else 'gRPC'} | "
-                  f"{statistics.median(r['throughput'] for r in rs):.0f} | "
-                  f"{statistics.median(r['p50_ms'] for r in rs):.2f} | "
+        for variant in args.variants:
+            rs = runs[(variant, concurrency)]
+            ratio = ratios.get((variant, concurrency))
+            ratio_text = f"{statistics.median(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f})" if ratio else ""
+            mean, in_daemon = (statistics.median(r[k] for r in rs) for k in ("mean_ms", "in_daemon_ms"))
+            print(f"| {concurrency} | {label(variant)} | {statistics.median(r['throughput'] for r in rs):.0f} | "
+                  f"{ratio_text} | {statistics.median(r['p50_ms'] for r in rs):.2f} | "
                   f"{statistics.median(r['p99_ms'] for r in rs):.2f} | "
-                  f"{statistics.median(r['cpu_us'] for r in rs):.0f} | {ratio_text} |")
+                  f"{statistics.median(r['cpu_us'] for r in rs):.0f} | "
+                  f"{mean:.2f} = {in_daemon:.2f} + **{mean - in_daemon:.2f}** |")
     return 0
 
 

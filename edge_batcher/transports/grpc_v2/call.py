@@ -82,6 +82,7 @@ class Call:
         self.ended = False  # the client half-closed the stream
         self.reset = False  # the client reset it, or the connection closed
         self.reading = False  # the handler asked for the message: its window is open
+        self.wanted: int | None = None  # body bytes that complete the message, once its prefix is read
         self.recv_window = conn.stream_window
         self.send_window = conn.peer_initial_window
         self._arrived: asyncio.Future | None = None  # wakes read_message
@@ -130,6 +131,13 @@ class Call:
             message = self.complete_message(max_bytes)
             if message is not None:
                 return message
+            if self.wanted is None and len(self.body) >= 5:
+                # The length is known and allowed: open the window for all of the message at once
+                # rather than a frame at a time (a 0.9 MB frame took ~56 window round trips).
+                self.wanted = 5 + int.from_bytes(self.body[1:5], "big")
+                missing = self.wanted - len(self.body) - self.recv_window
+                if missing > 0:
+                    self.conn.open_window(self, missing)
             self._arrived = asyncio.get_running_loop().create_future()
             await self._arrived
 

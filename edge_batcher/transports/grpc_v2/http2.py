@@ -2,7 +2,8 @@
 the `hpack` package), flow control both ways and the connection's lifecycle, with nothing of
 grpcio. Each HEADERS frame that opens a stream becomes a `Call` handed to `dispatch`; the call's message is
 read only when its handler asks for it (`Call.read_message`), so a client may have at most one
-64 KiB stream window of a message sent before the edge has checked the call. Responses are written
+64 KiB stream window of a message sent before the edge has checked the call; once it is read
+and its length known, the window opens for all of it at once. Responses are written
 with static header blocks (no dynamic table), the message split to the peer's frame size and
 windows; a client that reads none of them for idle_timeout_s is disconnected (a slow one is not). Why this and not
 grpc.aio: docs/benchmarks.md, "gRPC against HTTP".
@@ -291,6 +292,9 @@ class GrpcConnection(asyncio.Protocol):
         call.body += data
         if flags & END_STREAM:
             call.ended = True
+        elif call.wanted is not None:
+            if len(call.body) < call.wanted:
+                return  # its window covers the rest already: wake the reader when all is here
         elif call.reading and payload:
             self.open_window(call, len(payload))
         call._wake()
