@@ -5,7 +5,6 @@ calls than allowed, a message that stalls midway."""
 from __future__ import annotations
 
 import os
-import resource
 import signal
 import socket
 import threading
@@ -18,7 +17,7 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.support.daemon import DaemonProcess
+from tests.support.daemon import DaemonProcess, allow_descriptors
 from tests.support.faulty_engine import HELD, RELEASE_ENV
 from tests.support.rawhttp import UnixConnection
 from tests.support.stall_proxy import StallProxy
@@ -125,11 +124,7 @@ def log_is_quiet(d: DaemonProcess) -> None:
 def test_silent_connections_to_grpc_leave_every_listener_serving(grpc_daemon):
     # Issue 31 row 1: 1,200 silent TCP connections to the gRPC port with a descriptor limit of
     # 1,024 took the whole daemon offline ("Too many open files" logged 677,623 times).
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < 1400:
-        if hard != resource.RLIM_INFINITY and hard < 1400:
-            pytest.skip(f"this test process may open {hard} descriptors, needs 1400")
-        resource.setrlimit(resource.RLIMIT_NOFILE, (1400, hard))
+    allow_descriptors(1400)
     limit = 64
     g = grpc_daemon(f"max_connections = {limit}\nidle_timeout_s = 2\n", nofile=1024)
     proc = psutil.Process(g.daemon.proc.pid)
@@ -164,11 +159,7 @@ def test_a_flood_queued_while_the_daemon_was_stopped_is_accepted_within_the_desc
     # holding a descriptor until closed, and accept() failed with EMFILE below the limit (a CI
     # run under load). SIGSTOP makes "the loop was busy" certain: 900 connections queue in the
     # kernel, then the daemon wakes with a limit of 512 descriptors.
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < 1100:
-        if hard != resource.RLIM_INFINITY and hard < 1100:
-            pytest.skip(f"this test process may open {hard} descriptors, needs 1100")
-        resource.setrlimit(resource.RLIMIT_NOFILE, (1100, hard))
+    allow_descriptors(1100)
     g = grpc_daemon("max_connections = 64\nidle_timeout_s = 2\n", nofile=512)
     host, port = g.tcp.rsplit(":", 1)
     queued = []

@@ -5,7 +5,6 @@ that vanish."""
 from __future__ import annotations
 
 import json
-import resource
 import shutil
 import socket
 import ssl
@@ -21,7 +20,7 @@ import pytest
 
 from edge_batcher.transports.http_connections import EVICT_AFTER_IDLE_S
 from tests.support import rawhttp
-from tests.support.daemon import DaemonProcess
+from tests.support.daemon import DaemonProcess, allow_descriptors
 from tests.support.rawhttp import connect, read_response
 from tests.support.signals import windows
 
@@ -401,11 +400,7 @@ def test_silent_connections_to_https_are_counted_during_their_handshake(tmp_path
     openssl = shutil.which("openssl")
     if openssl is None:
         pytest.skip("openssl is not installed: cannot make a self-signed certificate")
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < 1400:
-        if hard != resource.RLIM_INFINITY and hard < 1400:
-            pytest.skip(f"this test process may open {hard} descriptors, needs 1400")
-        resource.setrlimit(resource.RLIMIT_NOFILE, (1400, hard))
+    allow_descriptors(1400)
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
                     "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
