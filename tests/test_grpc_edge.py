@@ -60,6 +60,13 @@ class GrpcDaemon:
                 return exc.code(), exc.details()
         return grpc.StatusCode.OK, ""
 
+    def wait_until_served(self, within_s: float = 30) -> None:
+        """A real client's call gets through within `within_s` (once a flood has been shed)."""
+        deadline = time.monotonic() + within_s
+        while (status := self.call("ServerReady", b"", timeout=2))[0] != grpc.StatusCode.OK:
+            assert time.monotonic() < deadline, status
+            time.sleep(0.5)
+
     def rss(self) -> int:
         return psutil.Process(self.daemon.proc.pid).memory_info().rss
 
@@ -141,10 +148,7 @@ def test_silent_connections_to_grpc_leave_every_listener_serving(grpc_daemon):
         conn.close()
         assert proc.num_fds() <= baseline_fds + limit + 8, "gRPC connections beyond the limit hold descriptors"
         # Silent connections are closed after idle_timeout_s; a real client then gets through.
-        deadline = time.monotonic() + 30
-        while (status := g.call("ServerReady", b"", timeout=2))[0] != grpc.StatusCode.OK:
-            assert time.monotonic() < deadline, status
-            time.sleep(0.5)
+        g.wait_until_served()
     finally:
         for s in silent:
             s.close()
@@ -170,10 +174,7 @@ def test_a_flood_queued_while_the_daemon_was_stopped_is_accepted_within_the_desc
     finally:
         g.daemon.proc.send_signal(signal.SIGCONT)
     try:
-        deadline = time.monotonic() + 30
-        while (status := g.call("ServerReady", b"", timeout=2))[0] != grpc.StatusCode.OK:
-            assert time.monotonic() < deadline, status
-            time.sleep(0.5)
+        g.wait_until_served()
     finally:
         for s in queued:
             s.close()
