@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import socket
 import ssl
 import subprocess
@@ -444,3 +445,44 @@ def test_silent_connections_to_https_are_counted_during_their_handshake(tmp_path
     log = daemon.log_text()
     assert "Too many open files" not in log and "Traceback" not in log
     assert len(log.splitlines()) < 100, log[-3000:]
+
+
+def test_a_flood_queued_while_the_daemon_was_stopped_is_accepted_within_the_descriptor_limit(tmp_path, model_repo):
+    # As on the gRPC port (test_grpc_edge.py): asyncio accepts as many connections per loop turn
+    # as its listen() backlog, each holding a descriptor until admitted or closed. 900 connections
+    # queue while the daemon is stopped; it wakes with a limit of 512 descriptors.
+    allow_descriptors(1100)
+    (tmp_path / "token").write_text("flood-token\n")
+    (tmp_path / "token").chmod(0o600)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    daemon = DaemonProcess(tmp_path / "d", f'[server]\nhttp = "127.0.0.1:{port}"\ntoken_file = "{tmp_path / "token"}"\n'
+                                          'max_connections = 64\nidle_timeout_s = 2\n[models]\nload = ["vibration"]\n',
+                           repo=model_repo, nofile=512)
+    daemon.start().wait_ready()
+    queued = []
+    try:
+        daemon.proc.send_signal(signal.SIGSTOP)
+        try:
+            for _ in range(900):
+                queued.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        finally:
+            daemon.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while True:  # once the flood is shed, a real client gets through on TCP
+            try:
+                request = urllib.request.Request(f"http://127.0.0.1:{port}/v2/health/ready",
+                                                 headers={"Authorization": "Bearer flood-token"})
+                with urllib.request.urlopen(request, timeout=2) as response:
+                    assert response.status == 200
+                break
+            except OSError as exc:
+                assert time.monotonic() < deadline, exc
+                time.sleep(0.5)
+    finally:
+        for s in queued:
+            s.close()
+        daemon.stop()
+    log = daemon.log_text()
+    assert "Too many open files" not in log and "Traceback" not in log, log[-3000:]
