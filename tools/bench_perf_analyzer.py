@@ -4,14 +4,14 @@
 Starts `edge-batcher serve` with HTTP and gRPC on TCP (bearer token) and runs perf_analyzer
 (batch 1, random data, synchronous calls) against the same model at each `--concurrency`, once
 per variant and round, the variants' order rotating from round to round. A variant is a protocol
-(`http`, `grpc`) with `+shm` for Triton's system shared memory (inputs and outputs in regions
-perf_analyzer creates and registers). The table has each variant's median over the rounds
-(throughput, p50, p99), its throughput relative to the first variant's in the same round (median
-and range), the daemon's CPU time per inference (the server's cost, apart from the load
-generator's, which shares the machine), and each request's mean latency split into the time the
-daemon's statistics count (queue and compute) and the rest: the transport's share (sending,
-reading and decoding the body, the answer's way back). perf_analyzer needs glibc 2.38:
-tools/fetch_perf_analyzer.sh brings it on Debian 12.
+(`http`, `grpc`) with `+shm` for Triton's system shared memory or `+cudashm` for CUDA shared
+memory (a GPU's; inputs and outputs in regions perf_analyzer creates and registers). The table
+has each variant's median over the rounds (throughput, p50, p99), its throughput relative to the
+first variant's in the same round (median and range), the daemon's CPU time per inference (the
+server's cost, apart from the load generator's, which shares the machine), and each request's
+mean latency split into the time the daemon's statistics count (queue and compute) and the
+rest: the transport's share (sending, reading and decoding the body, the answer's way back).
+perf_analyzer needs glibc 2.38: tools/fetch_perf_analyzer.sh brings it on Debian 12.
 
 Usage: python tools/bench_perf_analyzer.py --perf-analyzer .perf_analyzer/perf_analyzer
            [--concurrency 8 16] [--rounds 3] [--interval-ms 2000] [--model vibration] [--repo engines]
@@ -53,7 +53,8 @@ def served(socket_path: Path, model: str) -> int:
 
 def label(variant: str) -> str:
     protocol, _, shm = variant.partition("+")
-    return ("HTTP" if protocol == "http" else "gRPC") + (", shared memory" if shm else "")
+    return ("HTTP" if protocol == "http" else "gRPC") + {"": "", "shm": ", shared memory",
+                                                          "cudashm": ", CUDA shared memory"}[shm]
 
 
 def run_once(args: argparse.Namespace, variant: str, url: str, concurrency: int, out: Path) -> dict:
@@ -63,7 +64,8 @@ def run_once(args: argparse.Namespace, variant: str, url: str, concurrency: int,
            "--measurement-interval", str(args.interval_ms), "--stability-percentage", "50",
            "--max-trials", "6", "-f", str(out)]
     if shm:
-        cmd += ["--shared-memory", "system", "--output-shared-memory-size", str(args.output_shm_bytes)]
+        cmd += ["--shared-memory", "cuda" if shm == "cudashm" else "system",
+                "--output-shared-memory-size", str(args.output_shm_bytes)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if result.returncode != 0:
         raise SystemExit(f"perf_analyzer ({variant}) failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
@@ -84,10 +86,10 @@ def main() -> int:
     parser.add_argument("--model", default="vibration")
     parser.add_argument("--repo", default=str(ROOT / "engines"))
     parser.add_argument("--variants", nargs="+", default=["http", "grpc"],
-                        choices=["http", "grpc", "http+shm", "grpc+shm"],
+                        choices=["http", "grpc", "http+shm", "grpc+shm", "http+cudashm", "grpc+cudashm"],
                         help="the first is the one the others are compared with")
     parser.add_argument("--output-shm-bytes", type=int, default=4096,
-                        help="bytes of shared memory perf_analyzer gives each output (+shm variants)")
+                        help="bytes of shared memory perf_analyzer gives each output (+shm, +cudashm)")
     args = parser.parse_args()
     runs: dict[tuple[str, int], list[dict]] = {}
     ratios: dict[tuple[str, int], list[float]] = {}
