@@ -3,8 +3,8 @@
 ``Client`` (here) is synchronous and uses only the standard library (``http.client``), so
 scripts on a device need nothing but numpy. ``AsyncClient`` (client_async.py, importable from
 here) uses aiohttp (imported only when it is first used) with one pooled session; what both
-send and how they read the answers is client_requests.py. Both talk to the daemon over its Unix socket (the default) or
-over TCP::
+send and how they read the answers is client_requests.py. Both talk to the daemon over its
+Unix socket (the default) or over TCP::
 
     with Client() as c:                                  # unix:///run/edge-batcher/...
         out = c.infer("resnet", {"input": batch})["output"]
@@ -138,14 +138,14 @@ class Client:
         outputs written into them (`output_regions`; read back as views of the regions)."""
         regions = output_regions or {}
         body, headers = req.region_infer_body(inputs, regions, outputs=outputs, id=id, priority=priority,
-                                           timeout_ms=timeout_ms, binary=self.binary)
+                                              timeout_ms=timeout_ms, binary=self.binary)
         status, resp_headers, data = self._request("POST", req.model_path(model, "/infer"), body, headers)
         return req.infer_result(status, resp_headers.get(HEADER_LENGTH), data, shm.output_reader(regions))
 
     def register_region(self, region: SharedMemoryRegion, offset: int = 0, byte_size: int | None = None) -> None:
         """Register a region with the daemon (Triton's system shared memory extension)."""
         req.json_answer(*self._request_json("POST", req.region_path(region.name, "register"),
-                                  req.register_body(region, offset, byte_size)))
+                                            req.register_body(region, offset, byte_size)))
 
     def unregister_region(self, name: str | None = None) -> None:
         """Unregister one region, or every one (None)."""

@@ -94,7 +94,7 @@ class AsyncClient:
         """Client.infer_with_regions, awaited."""
         regions = output_regions or {}
         body, headers = req.region_infer_body(inputs, regions, outputs=outputs, id=id, priority=priority,
-                                           timeout_ms=timeout_ms, binary=self.binary)
+                                              timeout_ms=timeout_ms, binary=self.binary)
         status, resp_headers, data = await self._request("POST", req.model_path(model, "/infer"), body, headers)
         return req.infer_result(status, resp_headers.get(HEADER_LENGTH), data, shm.output_reader(regions))
 
