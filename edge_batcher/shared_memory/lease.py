@@ -7,8 +7,8 @@ unmap memory a batch still reads.
 
 Parameters, as Triton's: `shared_memory_region`, `shared_memory_byte_size` (required) and
 `shared_memory_offset` (default 0), on an input instead of its data, on a requested output to
-have it written there; the response then lists that output by name, datatype and shape alone. System and CUDA
-regions share one namespace, so a name says which registry holds it.
+have it written there; the response then lists that output by name, datatype and shape alone.
+System and CUDA regions share one namespace, so a name says which registry holds it.
 """
 
 from __future__ import annotations
@@ -158,6 +158,7 @@ def _write(outputs: dict[str, np.ndarray], targets: dict[str, Target], cuda: Cud
                 api.copy_htod(address, np.frombuffer(chunk, dtype=np.uint8))
         else:
             region.view(target.offset, len(chunk), where)[:] = chunk
-        entry.pop("parameters", None)  # as Triton: name, datatype and shape only (its C++ client requires
-        # binary_data_size in any output's parameters, perf_analyzer --shared-memory included)
+        # As Triton: name, datatype and shape only (its C++ client, perf_analyzer included, reads
+        # binary_data_size from any output that has parameters).
+        entry.pop("parameters", None)
     return entries

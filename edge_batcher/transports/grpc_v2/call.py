@@ -133,7 +133,7 @@ class Call:
                 return message
             if self.wanted is None and len(self.body) >= 5:
                 # The length is known and allowed: open the window for all of the message at once
-                # rather than a frame at a time (a 0.9 MB frame took ~56 window round trips).
+                # rather than a DATA frame at a time (a 0.9 MB camera frame took ~56 round trips).
                 self.wanted = 5 + int.from_bytes(self.body[1:5], "big")
                 missing = self.wanted - len(self.body) - self.recv_window
                 if missing > 0:
