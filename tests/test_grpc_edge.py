@@ -17,7 +17,7 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.support.daemon import DaemonProcess, allow_descriptors
+from tests.support.daemon import DaemonProcess, allow_descriptors, require_listen_queue
 from tests.support.faulty_engine import HELD, RELEASE_ENV
 from tests.support.rawhttp import UnixConnection
 from tests.support.stall_proxy import StallProxy
@@ -164,6 +164,7 @@ def test_a_flood_queued_while_the_daemon_was_stopped_is_accepted_within_the_desc
     # run under load). SIGSTOP makes "the loop was busy" certain: 900 connections queue in the
     # kernel, then the daemon wakes with a limit of 512 descriptors.
     allow_descriptors(1100)
+    require_listen_queue(1000)
     g = grpc_daemon("max_connections = 64\nidle_timeout_s = 2\n", nofile=512)
     host, port = g.tcp.rsplit(":", 1)
     queued = []

@@ -21,7 +21,7 @@ import pytest
 
 from edge_batcher.transports.http_connections import EVICT_AFTER_IDLE_S
 from tests.support import rawhttp
-from tests.support.daemon import DaemonProcess, allow_descriptors
+from tests.support.daemon import DaemonProcess, allow_descriptors, require_listen_queue
 from tests.support.rawhttp import connect, read_response
 from tests.support.signals import windows
 
@@ -452,6 +452,7 @@ def test_a_flood_queued_while_the_daemon_was_stopped_is_accepted_within_the_desc
     # as its listen() backlog, each holding a descriptor until admitted or closed. 900 connections
     # queue while the daemon is stopped; it wakes with a limit of 512 descriptors.
     allow_descriptors(1100)
+    require_listen_queue(1000)
     (tmp_path / "token").write_text("flood-token\n")
     (tmp_path / "token").chmod(0o600)
     with socket.socket() as s:

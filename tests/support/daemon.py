@@ -27,6 +27,14 @@ def allow_descriptors(n: int) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (n, hard))
 
 
+def require_listen_queue(n: int) -> None:
+    """Skip unless the kernel lets a listening socket queue `n` connections (net.core.somaxconn)."""
+    with open("/proc/sys/net/core/somaxconn") as f:
+        somaxconn = int(f.read())
+    if somaxconn < n:
+        pytest.skip(f"net.core.somaxconn is {somaxconn}: the kernel queues fewer than {n} connections")
+
+
 class DaemonProcess:
     """One daemon: its config file, socket and log live in `home`. start() may be called again
     after stop() (same config, same MQTT client id: a restart)."""
