@@ -303,8 +303,8 @@ class FakeCuda:
         self.counters["memcpy_htod"] += 1
 
 
-class IpcMapping:
-    """pycuda.driver.IPCMemoryHandle: int() is the address; close() is cuIpcCloseMemHandle."""
+class _DevicePointer:
+    """What pycuda's device memory objects share: int() is the device address."""
 
     def __init__(self, cuda: FakeCuda, alloc: FakeAllocation):
         self._cuda = cuda
@@ -314,6 +314,10 @@ class IpcMapping:
         return self._alloc.ptr
 
     __index__ = __int__
+
+
+class IpcMapping(_DevicePointer):
+    """pycuda.driver.IPCMemoryHandle: close() is cuIpcCloseMemHandle (a second close fails)."""
 
     def close(self) -> None:
         self._cuda.require_context("cuIpcCloseMemHandle")
@@ -338,17 +342,8 @@ class _DeviceClass:
         return self._cuda.device_count
 
 
-class DeviceAllocation:
-    """pycuda.driver.DeviceAllocation: int() is the device pointer."""
-
-    def __init__(self, cuda: FakeCuda, alloc: FakeAllocation):
-        self._cuda = cuda
-        self._alloc = alloc
-
-    def __int__(self) -> int:
-        return self._alloc.ptr
-
-    __index__ = __int__
+class DeviceAllocation(_DevicePointer):
+    """pycuda.driver.DeviceAllocation: free() returns it (idempotent)."""
 
     def free(self) -> None:
         if self._alloc.live:
