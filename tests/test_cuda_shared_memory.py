@@ -34,7 +34,7 @@ from edge_batcher.transports.edge import build_edge
 from edge_batcher.transports.http import create_app
 from tests.fakes.fake_cuda import FakeCuda
 from tests.fakes.fake_cuda_ipc import ExportedBuffer, FakeCudaIpc
-from tests.support.frames import expected_brightness, expected_channel_mean
+from tests.support.frames import brightness_via_regions, expected_brightness, expected_channel_mean
 from tests.support.models import _tool
 from tests.support.mqtt import LoopThread
 
@@ -177,12 +177,8 @@ def test_requests_in_regions_are_batched_at_the_preferred_sizes_one_copy_each(se
 
     def one(i: int) -> None:
         c = th.InferenceServerClient(served.http)
-        frames = th.InferInput("frames", list(xs[i].shape), "UINT8")
-        frames.set_shared_memory(f"in{i}", xs[i].nbytes)
-        out = th.InferRequestedOutput("brightness")
-        out.set_shared_memory(f"out{i}", 4)
         start.wait()
-        c.infer("frames", [frames], outputs=[out])
+        brightness_via_regions(th, c, "frames", xs[i], f"in{i}", f"out{i}")
 
     with ThreadPoolExecutor(size) as pool:
         list(pool.map(one, range(size)))

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
 
 from tests.support.daemon import DaemonProcess
+from tests.support.frames import brightness_via_regions
 from tests.support.models import _tool
 
 th = pytest.importorskip("tritonclient.http")
@@ -93,49 +97,44 @@ def plain(daemon, model: str, x: np.ndarray) -> np.ndarray:
     return client.infer(model, [frames], headers=HTTP_AUTH).as_numpy("brightness")
 
 
+@dataclass(frozen=True)
+class Protocol:
+    """How a tritonclient protocol registers CUDA regions and lists them: the rest is the same."""
+
+    module: Any  # tritonclient.http or tritonclient.grpc
+    address: Callable[[Any], str]  # of the daemon
+    raw_handle: Callable[[Any], Any]  # as its register_cuda_shared_memory takes it
+    headers: dict[str, str]
+    region_names: Callable[[Any], set[str]]  # from get_cuda_shared_memory_status
+
+
+PROTOCOLS = {
+    "http": Protocol(th, lambda d: d.tcp, _raw_handle_str, HTTP_AUTH,
+                     lambda c: {r["name"] for r in c.get_cuda_shared_memory_status(headers=HTTP_AUTH)}),
+    "grpc": Protocol(tg, lambda d: d.grpc, cudashm.get_raw_handle, GRPC_AUTH,
+                     lambda c: set(c.get_cuda_shared_memory_status(headers=GRPC_AUTH, as_json=True)["regions"])),
+}
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("model", ["frames_cuda", "frames_cpu"])
-def test_http_input_and_output_in_cuda_regions_equal_the_plain_path(gpu_daemon, model):
-    client = th.InferenceServerClient(gpu_daemon.tcp)
+def test_input_and_output_in_cuda_regions_equal_the_plain_path(gpu_daemon, model, protocol):
+    p = PROTOCOLS[protocol]
+    client = p.module.InferenceServerClient(p.address(gpu_daemon))
     x = frame(1)
-    h_in = cudashm.create_shared_memory_region("in", x.nbytes, 0)
-    h_out = cudashm.create_shared_memory_region("out", 4, 0)
+    names = (f"{protocol}-in", f"{protocol}-out")
+    h_in = cudashm.create_shared_memory_region(names[0], x.nbytes, 0)
+    h_out = cudashm.create_shared_memory_region(names[1], 4, 0)
     try:
         cudashm.set_shared_memory_region(h_in, [x])
-        client.register_cuda_shared_memory("in", _raw_handle_str(h_in), 0, x.nbytes, headers=HTTP_AUTH)
-        client.register_cuda_shared_memory("out", _raw_handle_str(h_out), 0, 4, headers=HTTP_AUTH)
-        assert {r["name"] for r in client.get_cuda_shared_memory_status(headers=HTTP_AUTH)} == {"in", "out"}
-        frames = th.InferInput("frames", list(x.shape), "UINT8")
-        frames.set_shared_memory("in", x.nbytes)
-        out = th.InferRequestedOutput("brightness")
-        out.set_shared_memory("out", 4)
-        client.infer(model, [frames], outputs=[out], headers=HTTP_AUTH)
+        client.register_cuda_shared_memory(names[0], p.raw_handle(h_in), 0, x.nbytes, headers=p.headers)
+        client.register_cuda_shared_memory(names[1], p.raw_handle(h_out), 0, 4, headers=p.headers)
+        assert p.region_names(client) == set(names)
+        brightness_via_regions(p.module, client, model, x, *names, p.headers)
         got = cudashm.get_contents_as_numpy(h_out, np.float32, [1])
         np.testing.assert_array_equal(got, plain(gpu_daemon, model, x))
     finally:
-        client.unregister_cuda_shared_memory(headers=HTTP_AUTH)
-        cudashm.destroy_shared_memory_region(h_in)
-        cudashm.destroy_shared_memory_region(h_out)
-
-
-@pytest.mark.parametrize("model", ["frames_cuda", "frames_cpu"])
-def test_grpc_input_and_output_in_cuda_regions_equal_the_plain_path(gpu_daemon, model):
-    client = tg.InferenceServerClient(gpu_daemon.grpc)
-    x = frame(2)
-    h_in = cudashm.create_shared_memory_region("gin", x.nbytes, 0)
-    h_out = cudashm.create_shared_memory_region("gout", 4, 0)
-    try:
-        cudashm.set_shared_memory_region(h_in, [x])
-        client.register_cuda_shared_memory("gin", cudashm.get_raw_handle(h_in), 0, x.nbytes, headers=GRPC_AUTH)
-        client.register_cuda_shared_memory("gout", cudashm.get_raw_handle(h_out), 0, 4, headers=GRPC_AUTH)
-        frames = tg.InferInput("frames", list(x.shape), "UINT8")
-        frames.set_shared_memory("gin", x.nbytes)
-        out = tg.InferRequestedOutput("brightness")
-        out.set_shared_memory("gout", 4)
-        client.infer(model, [frames], outputs=[out], headers=GRPC_AUTH)
-        got = cudashm.get_contents_as_numpy(h_out, np.float32, [1])
-        np.testing.assert_array_equal(got, plain(gpu_daemon, model, x))
-    finally:
-        client.unregister_cuda_shared_memory(headers=GRPC_AUTH)
+        client.unregister_cuda_shared_memory(headers=p.headers)
         cudashm.destroy_shared_memory_region(h_in)
         cudashm.destroy_shared_memory_region(h_out)
 
@@ -158,12 +157,8 @@ def test_eight_clients_in_regions_batch_together_and_each_gets_its_rows(gpu_daem
 
         def one(i: int) -> np.ndarray:
             c = th.InferenceServerClient(gpu_daemon.tcp)
-            frames = th.InferInput("frames", list(xs[i].shape), "UINT8")
-            frames.set_shared_memory(f"b{i}", xs[i].nbytes)
-            out = th.InferRequestedOutput("brightness")
-            out.set_shared_memory(f"o{i}", 4)
             start.wait()
-            c.infer(model, [frames], outputs=[out], headers=HTTP_AUTH)
+            brightness_via_regions(th, c, model, xs[i], f"b{i}", f"o{i}", HTTP_AUTH)
             return cudashm.get_contents_as_numpy(handles[i][1], np.float32, [1])
 
         with ThreadPoolExecutor(8) as pool:

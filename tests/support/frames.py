@@ -1,7 +1,10 @@
 """What tools/build_frames_model.py's `frames` model answers, computed in numpy, for the shared
-memory tests over HTTP and gRPC."""
+memory tests over HTTP and gRPC, and the request those tests send most: a frame in one region,
+its brightness written into another."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import numpy as np
 
@@ -21,3 +24,14 @@ def expected_brightness(x: np.ndarray) -> np.ndarray:
 
 def expected_channel_mean(x: np.ndarray) -> np.ndarray:
     return _grid(x).mean(axis=(1, 2))
+
+
+def brightness_via_regions(tritonclient: Any, client: Any, model: str, x: np.ndarray, region_in: str,
+                           region_out: str, headers: dict[str, str] | None = None) -> Any:
+    """`client` (of `tritonclient`'s http or grpc module) infers `model` on the frames `x` that
+    region_in holds, with the brightness written into region_out (4 bytes a frame)."""
+    frames = tritonclient.InferInput("frames", list(x.shape), "UINT8")
+    frames.set_shared_memory(region_in, x.nbytes)
+    out = tritonclient.InferRequestedOutput("brightness")
+    out.set_shared_memory(region_out, 4 * x.shape[0])
+    return client.infer(model, [frames], outputs=[out], headers=headers)
