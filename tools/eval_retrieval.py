@@ -43,7 +43,8 @@ from edge_batcher.rag.passages import split_file  # noqa: E402
 
 CORPUS = ROOT / "docs" / "corpus"
 QUESTION_FILES = ("questions.json", "questions-technician.json", "questions-paraphrase.json",
-                  "questions-holdout.json", "questions-paraphrase-holdout.json", "questions-paraphrase-blind.json")
+                  "questions-holdout.json", "questions-paraphrase-holdout.json", "questions-paraphrase-blind.json",
+                  "questions-paraphrase-blind2.json")
 # column name -> (file, split); None: the whole file
 SETS = {"shipped ten": ("questions.json", None),
         "technician dev": ("questions-technician.json", "dev"),
@@ -52,7 +53,8 @@ SETS = {"shipped ten": ("questions.json", None),
         "paraphrase test": ("questions-paraphrase.json", "test"),
         "held out": ("questions-holdout.json", None),
         "paraphrase held out": ("questions-paraphrase-holdout.json", None),
-        "paraphrase blind": ("questions-paraphrase-blind.json", None)}
+        "paraphrase blind": ("questions-paraphrase-blind.json", None),
+        "paraphrase blind 2": ("questions-paraphrase-blind2.json", None)}
 DEV_SETS = ("shipped ten", "technician dev", "paraphrase dev")
 
 # A ranking: (index, query vectors, question texts) -> ids of the top 3 for each question.

@@ -41,7 +41,7 @@ class Fusion:
     method: str = "minmax"
     sentence_weight: float = 1.0  # 0: the passage cosine alone is the dense signal
     coverage_exponent: float = 0.0  # lexical weight x coverage ** this; 0: a fixed weight
-    ambiguous_margin: float = 0.05  # a first passage leading the second by less is marked ambiguous
+    ambiguous_margin: float = 0.1  # a first passage leading the second by less is marked ambiguous
     heading_weight: float = 0.0  # weight of the cosine to the passage's own heading alone; 0: not used
 
 
