@@ -5,6 +5,7 @@ the installed paho and a real mosquitto."""
 from __future__ import annotations
 
 import asyncio
+import socket
 import uuid
 
 import pytest
@@ -195,6 +196,52 @@ def test_messages_larger_than_a_read_and_a_joined_write_arrive_whole(paho_client
     assert answer(lt, client, received, lambda m: m.payload[::-1]) == [True] * len(sizes)
     replies = sender.collect(len(sizes))
     assert [r.payload for r in replies] == [p[::-1] for p in payloads]
+
+
+class LosesItsNewConnection(PahoClient):
+    """A PahoClient whose next successful reconnection is lost before the retry that made it hears
+    of its success: the race seen on 2026-11-27 (the broker dropped a resumed session while the
+    worker thread's result was still on its way to the loop), made certain."""
+
+    arm = False
+
+    async def _connect_now(self) -> bool:
+        connected = await super()._connect_now()
+        if connected and self.arm:
+            self.arm = False
+            self._client.socket().shutdown(socket.SHUT_RDWR)
+            while self._client.socket() is not None:  # paho reads the end, on_disconnect runs
+                await asyncio.sleep(0.01)
+        return connected
+
+
+@pytest.mark.parametrize("first", ["lost", "reconnect"])
+def test_a_connection_lost_before_its_retry_hears_of_it_is_retried(broker, first):
+    """The lost connection's on_disconnect finds the attempt still running (the retry after a
+    loss, or reconnect() fetching deferred messages) and leaves the next attempt to it; the
+    attempt must then see that its connection is gone, not stop (before: the daemon stayed
+    disconnected for good, 60 s of unanswered requests in a test run)."""
+    lt = LoopThread()
+    settings = MqttSettings(enabled=True, host="127.0.0.1", port=broker.port, reconnect_min_s=0.1,
+                            reconnect_max_s=0.5, keepalive_s=5)
+    client = LosesItsNewConnection(settings, client_id=f"race-{uuid.uuid4().hex[:8]}", password=None,
+                                   where="[mqtt]", subscriptions=["race/in/+"], on_message=lambda m: None,
+                                   on_session_resumed=lambda: None)
+    try:
+        lt.run(client.connect())
+        assert lt.run(client.wait_connected(10))
+        client.arm = True
+
+        async def drop() -> None:
+            client._client.socket().shutdown(socket.SHUT_RDWR)  # the first loss starts the retry task
+
+        lt.run(drop() if first == "lost" else client.reconnect())
+        wait_until(lambda: not client.arm, 10, "the retry's connection made and lost")
+        wait_until(lambda: client.state == "connected", 10, "connected again after the second loss")
+        assert lt.run(client.wait_connected(5))
+    finally:
+        lt.run(client.close())
+        lt.close()
 
 
 def test_coalescing_keeps_apart_the_packets_paho_acts_on_once_written():

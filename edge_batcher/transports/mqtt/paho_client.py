@@ -153,7 +153,12 @@ class PahoClient:
             if self._closed or self.stopping or self._client.socket() is not None:
                 return
             if await self._connect_now():
-                return
+                if self._client.socket() is not None:
+                    return
+                # Connected, and lost again before this task heard of it: _reconnect_later saw
+                # it running and left the next attempt to it.
+                delay = s.reconnect_min_s
+                continue
             self._on_connect_fail(self._client, None)
             delay = min(delay * 2, s.reconnect_max_s)
 
@@ -165,12 +170,15 @@ class PahoClient:
         try:
             client.disconnect()  # queued after every reply and ack already written
             await self._socket_closed_within(RECONNECT_DRAIN_S)
-            if not self._closed and not self.stopping and not await self._connect_now():
-                self._connect_failures = 1
-                self._reconnecting = False
-                self._reconnect_later()
+            if self._closed or self.stopping:
+                return
+            connected = await self._connect_now()
         finally:
             self._reconnecting = False
+        if not connected:
+            self._connect_failures = 1
+        if not connected or client.socket() is None:  # failed, or lost before we heard: _reconnect_later
+            self._reconnect_later()                   # left the next attempt to us meanwhile
 
     async def close(self) -> None:
         """Disconnect, waiting briefly for the DISCONNECT to go out. Subscriptions stay in the
