@@ -33,15 +33,35 @@ _NUMBER_SHAPES = bytes(48 if 48 <= i <= 57 else 46 if i in b".eE" else 32 for i 
 _LONG_INTEGER = b" " + b"0" * 19  # an integer that can leave 64 bits (-9223372036854775809), after a delimiter
 
 
+# A larger document is searched for long integers a slice at a time: one call over 16 MiB holds
+# the GIL for ~25 ms on the 2-core VM, and the event loop waits that long for a decode that runs
+# on a worker thread so as not to hold it up (transports/v2_decode.py).
+SCAN_SLICE = 1024 * 1024
+
+
 def loads(data: bytes | bytearray) -> Any:
     """`json.loads(data)`, faster for the documents orjson reads the same way; raises what `json` raises."""
-    shapes = data.translate(_NUMBER_SHAPES)
-    if _LONG_INTEGER in shapes or shapes.startswith(_LONG_INTEGER[1:]):
+    if _has_long_integer(data):
         return json.loads(data)
     try:
         return orjson.loads(data)
     except orjson.JSONDecodeError:
         return json.loads(data)
+
+
+def _has_long_integer(data: bytes | bytearray, slice_bytes: int = SCAN_SLICE) -> bool:
+    """Whether a run of 19 or more digits stands where an integer may: at the start or after a
+    delimiter (not after '.', 'e' or 'E')."""
+    if len(data) <= slice_bytes:
+        shapes = data.translate(_NUMBER_SHAPES)
+        return _LONG_INTEGER in shapes or shapes.startswith(_LONG_INTEGER[1:])
+    if data[:len(_LONG_INTEGER)].translate(_NUMBER_SHAPES).startswith(_LONG_INTEGER[1:]):
+        return True
+    overlap = len(_LONG_INTEGER) - 1  # a run that straddles two slices is seen whole in the second
+    for start in range(0, len(data), slice_bytes):
+        if _LONG_INTEGER in data[max(0, start - overlap):start + slice_bytes].translate(_NUMBER_SHAPES):
+            return True
+    return False
 
 
 def dumps(obj: Any) -> bytes:

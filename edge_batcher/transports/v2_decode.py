@@ -1,10 +1,12 @@
 """Decoding a KServe v2 request body for a transport (HTTP, MQTT) without stalling the event loop:
 a small body is decoded in place, a large one on the loop's executor, where its milliseconds of
-parsing do not hold up every other connection."""
+parsing do not hold up every other connection; the same for finding the id of a request that
+failed to decode (`peek_id`), which its error answer carries."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 
 from ..protocol import v2
 from ..protocol.tensor_decode import RegionReader
@@ -21,3 +23,21 @@ async def decode_request(body: bytes | bytearray, header_length: int | None,
         return await asyncio.get_running_loop().run_in_executor(None, v2.decode_request, body, header_length,
                                                                 regions)
     return v2.decode_request(body, header_length, regions)
+
+
+async def peek_id(body: bytes | bytearray, header_length: int | None) -> str | None:
+    """The v2 id of a request that failed to decode, when its JSON header still parses (on a
+    worker thread for a header over DECODE_OFF_LOOP_BYTES)."""
+    header = body[:header_length] if header_length is not None else body
+    if len(header) > DECODE_OFF_LOOP_BYTES:
+        return await asyncio.get_running_loop().run_in_executor(None, _peek_id, header)
+    return _peek_id(header)
+
+
+def _peek_id(header: bytes | bytearray) -> str | None:
+    try:
+        doc = json.loads(header)
+    except Exception:
+        return None
+    value = doc.get("id") if isinstance(doc, dict) else None
+    return value if isinstance(value, str) else None

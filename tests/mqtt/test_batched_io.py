@@ -17,7 +17,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from edge_batcher.config import MqttSettings
-from edge_batcher.transports.mqtt.batched_io import COALESCE_MAX, BatchedClient
+from edge_batcher.transports.mqtt.batched_io import COALESCE_MAX, READ_PER_EVENT, BatchedClient
 from edge_batcher.transports.mqtt.messages import Message, Reply, decode_publish, message_from_paho
 from edge_batcher.transports.mqtt.paho_client import PahoClient
 from tests.support.mqtt import LoopThread, wait_until
@@ -196,6 +196,35 @@ def test_messages_larger_than_a_read_and_a_joined_write_arrive_whole(paho_client
     assert answer(lt, client, received, lambda m: m.payload[::-1]) == [True] * len(sizes)
     replies = sender.collect(len(sizes))
     assert [r.payload for r in replies] == [p[::-1] for p in payloads]
+
+
+def test_a_large_message_is_read_over_several_loop_turns(paho_client, mqtt_client, monkeypatch):
+    """A 5 MiB request is read at most READ_PER_EVENT bytes per readable event, so other
+    connections are served between its reads (before, one event could read 100 recv calls' worth:
+    a 16 MiB message held the loop for ~70 ms), and it arrives whole."""
+    lt, client, received = paho_client
+    taken: list[int] = []
+    recv = BatchedClient._sock_recv
+    read = BatchedClient.loop_read
+
+    def counting_recv(self, bufsize):
+        data = recv(self, bufsize)
+        taken[-1] += len(data)
+        return data
+
+    def counting_read(self, max_packets=1):
+        taken.append(0)
+        return read(self, max_packets)
+
+    monkeypatch.setattr(BatchedClient, "_sock_recv", counting_recv)
+    monkeypatch.setattr(BatchedClient, "loop_read", counting_read)
+    payload = bytes(range(256)) * (5 * 4096)
+    mqtt_client().publish("batched/in/big", payload, correlation=b"big")
+    wait_until(lambda: len(received) == 1, 20, "the request delivered")
+    assert received[0].payload == payload
+    # bytes handed to paho per event: what came from the socket, at most READ_PER_EVENT (plus what
+    # an earlier event read ahead, at most one recv's worth)
+    assert len([n for n in taken if n]) >= 5 and max(taken) <= READ_PER_EVENT + 256 * 1024, taken
 
 
 class LosesItsNewConnection(PahoClient):

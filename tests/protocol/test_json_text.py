@@ -112,3 +112,17 @@ def test_only_integers_that_may_leave_64_bits_take_the_slow_parser(text, by_json
     monkeypatch.setattr(json_text.json, "loads", lambda data: calls.append(data) or slow(data))
     assert same(json_text.loads(text), slow(text))
     assert bool(calls) is by_json
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=st.lists(st.sampled_from([b"0", b"7", b" ", b",", b".", b"e", b"-", b"[", b"1234567890123456789"]),
+                       max_size=60),
+       slice_bytes=st.sampled_from([8, 19, 20, 33]))
+def test_a_large_document_is_searched_a_slice_at_a_time_as_if_whole(pieces, slice_bytes):
+    """Above SCAN_SLICE the search for long integers goes slice by slice (so that the GIL changes
+    hands between them); a run across two slices, or at the very start, is found as in one pass."""
+    data = b"".join(pieces)
+    shapes = data.translate(json_text._NUMBER_SHAPES)
+    whole = json_text._LONG_INTEGER in shapes or shapes.startswith(json_text._LONG_INTEGER[1:])
+    assert json_text._has_long_integer(data, slice_bytes) is whole
+    assert json_text._has_long_integer(bytearray(data), slice_bytes) is whole

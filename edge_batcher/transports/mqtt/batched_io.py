@@ -38,7 +38,10 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
-RECV_CHUNK = 256 * 1024  # what one readable event takes from the socket at most
+RECV_CHUNK = 256 * 1024  # what one recv takes from the socket at most
+# What one readable event reads at most: a 16 MiB message is read over several loop turns (~5 ms
+# each on the 2-core VM), not in one that holds every other connection for tens of milliseconds.
+READ_PER_EVENT = 1024 * 1024
 JOIN_MAX = 64 * 1024  # a larger packet is written on its own: copying it would cost more than a send
 COALESCE_MAX = 256 * 1024  # how much of the queue one write's joining looks at
 SENT_STATES = (mqtt_ms_wait_for_puback, mqtt_ms_wait_for_pubrec, mqtt_ms_wait_for_pubcomp)  # counted in flight
@@ -55,6 +58,7 @@ class BatchedClient(Client):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self._read_ahead = memoryview(b"")
+        self._read_left = READ_PER_EVENT  # of this readable event's share of the socket
         # MQTT 5 with manual acks: an incoming QoS 0/1 PUBLISH goes to on_publish_packet(command
         # byte, the bytes after the remaining length) instead of through paho's MQTTMessage and
         # Properties (~40 us). It may raise paho's MalformedPacket, which drops the connection.
@@ -62,17 +66,27 @@ class BatchedClient(Client):
 
     def loop_read(self, max_packets: int = 1) -> MQTTErrorCode:
         """paho's loop_read, repeated while it leaves bytes read ahead (or decrypted by TLS) that
-        no readable event will announce: paho parses a bounded number of packets per call."""
-        sock = self._sock
+        no readable event will announce (paho parses a bounded number of packets per call), until
+        READ_PER_EVENT bytes came from the socket: then `has_unread()` says whether the caller
+        must call again on a later loop turn."""
+        self._read_left = READ_PER_EVENT
         rc = super().loop_read(max_packets)
-        while sock is not None and self._sock is sock and (self._read_ahead or _tls_pending(sock)):
+        while self._read_left > 0 and self.has_unread():
             rc = super().loop_read(max_packets)
         return rc
+
+    def has_unread(self) -> bool:
+        """Bytes read ahead, or decrypted by TLS, that no readable event will announce."""
+        sock = self._sock
+        return sock is not None and (bool(self._read_ahead) or _tls_pending(sock) > 0)
 
     def _sock_recv(self, bufsize: int) -> bytes:
         ahead = self._read_ahead
         if not ahead:
-            data = super()._sock_recv(max(bufsize, RECV_CHUNK))  # BlockingIOError when there is nothing
+            if self._read_left <= 0:
+                raise BlockingIOError  # this event's share is read: paho stops, the rest comes next turn
+            data = super()._sock_recv(RECV_CHUNK)  # BlockingIOError when there is nothing
+            self._read_left -= len(data)
             if len(data) <= bufsize:
                 return data
             ahead = memoryview(data)

@@ -259,7 +259,10 @@ class PahoClient:
         if sock is not self._client.socket():  # left from a connection paho has replaced
             self._unwatch(fd)
             return
-        self._client.loop_read()  # BatchedClient's: parses everything it reads ahead
+        self._client.loop_read()  # BatchedClient's: parses everything it reads ahead, up to READ_PER_EVENT
+        if self._client.has_unread():  # its share of this turn read: no readable event announces the rest
+            assert self._loop is not None  # watched only while serving
+            self._loop.call_soon(self._readable, sock, fd)
 
     def _writable(self, sock: Any, fd: int) -> None:
         assert self._loop is not None

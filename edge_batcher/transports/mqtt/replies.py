@@ -3,8 +3,7 @@ topic `<prefix>/result/<model>` when it has none or one that no broker takes (th
 the 400 of `bad_response_topic`, naming it); an error reply is `{"error", "id"}` there, or
 `{"topic", "error"}` on a stream's output topic; the answers given at the hand-off without
 parsing the payload (`overloaded`, `stopping`); the binary request's header length
-(`header_length`) and the v2 id of a request that failed to decode (`peek_id`). Every reply
-carries the request's Correlation Data."""
+(`header_length`). Every reply carries the request's Correlation Data."""
 
 from __future__ import annotations
 
@@ -88,13 +87,3 @@ def header_length(msg: Message) -> int | None:
             )
         return None
     return v2.parse_header_length(value)
-
-
-def peek_id(payload: bytes, length: int | None) -> str | None:
-    """The v2 id of a request that failed to decode, when its JSON header still parses."""
-    try:
-        header = json.loads(payload[:length] if length is not None else payload)
-    except Exception:
-        return None
-    value = header.get("id") if isinstance(header, dict) else None
-    return value if isinstance(value, str) else None

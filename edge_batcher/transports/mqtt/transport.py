@@ -24,7 +24,7 @@ from ...protocol import v2
 from ...protocol.parameters import to_infer_request
 from ...runtime import Runtime
 from ...types import InferRequest
-from ..v2_decode import decode_request
+from ..v2_decode import decode_request, peek_id
 from . import replies
 from .inbox import MESSAGE_OVERHEAD_BYTES, Held, Inbox
 from .messages import Message, Reply
@@ -400,13 +400,12 @@ class MqttTransport:
             return replies.error(msg, route, bad_topic, None, self.prefix)
         payload = msg.payload
         header_length = None
-        request_id = None
+        decoded = None
         try:
             header_length = replies.header_length(msg)
             if not payload:
                 raise InvalidInput("empty payload: expected a KServe v2 inference request (JSON)")
             decoded = await decode_request(payload, header_length)
-            request_id = decoded.id
             request = to_infer_request(model, decoded, self.runtime.runner(model).config.batching.priority_levels)
             if decoded.parameters.get("stream") is True:
                 response = await self._stream_chunks(held, model, request)
@@ -420,8 +419,8 @@ class MqttTransport:
         except Exception as exc:
             error = self._error(exc, msg, f"request on {msg.topic}")
             self._counts["errors"] += 1
-            if request_id is None:
-                request_id = replies.peek_id(payload, header_length)
+            # Decoded: its id is known (or it has none). Not decoded: its JSON header may still name one.
+            request_id = decoded.id if decoded is not None else await peek_id(payload, header_length)
             return replies.error(msg, route, error, request_id, self.prefix)
         self._counts["answered"] += 1
         if json_length is None:
