@@ -303,7 +303,7 @@ class PahoClient:
         while True:
             if self._closed:
                 return False
-            refused = self._refusals.of_topic(reply.topic)
+            refused = self._refusals.of_reply(reply.topic, reply.correlation_data)
             if refused is not None:
                 raise refused
             try:
@@ -351,7 +351,7 @@ class PahoClient:
         """Queue a reply without waiting (safe inside paho's callbacks); False when paho refused
         it, or the broker refused its topic lately."""
         qos = self.settings.qos
-        if self._refusals.of_topic(reply.topic) is not None:
+        if self._refusals.of_reply(reply.topic, reply.correlation_data) is not None:
             return False
         try:
             info = self._client.publish(reply.topic, reply.payload, qos=qos, properties=publish_properties(reply))

@@ -41,6 +41,10 @@ class PublishTracker:
             self._keys[mid] = key
         return future
 
+    def key_of(self, mid: int) -> ReplyKey | None:
+        """The request `mid` answers (its reply topic and Correlation Data), while waited on."""
+        return self._keys.get(mid)
+
     def same_request(self, mid: int) -> list[int]:
         """The mids waited on that answer the same request as `mid` (itself included, if waited on)."""
         key = self._keys.get(mid)

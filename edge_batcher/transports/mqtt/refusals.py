@@ -3,15 +3,16 @@ reason code fails its waiter with ReplyRefused, and a refused topic (0x87 Not au
 Topic Name invalid) takes no reply for a minute, the replies paho still holds for it dropped at
 once; after a connection lost with replies in flight, the next connection resends them one at a
 time, and a reply that was alone in flight when the connection was lost twice is given up, with
-every other reply to its request. Without this, a broker that drops the connection over a
-refused publish (mosquitto 2.0 with max_queued_messages 0; some ACLs) gets that reply resent
-first on every connection, and its request redelivered, forever. docs/mqtt.md, "Replies that
-cannot be delivered"."""
+every other reply to its request, and for a minute any later one (from a copy of the request
+that the broker sent again, answered before the transport heard of the first refusal). Without
+this, a broker that drops the connection over a refused publish (mosquitto 2.0 with
+max_queued_messages 0; some ACLs) gets that reply resent first on every connection, and its
+request redelivered, forever. docs/mqtt.md, "Replies that cannot be delivered"."""
 
 from __future__ import annotations
 
 from .batched_io import BatchedClient
-from .publish_tracker import PublishTracker
+from .publish_tracker import PublishTracker, ReplyKey
 from .undeliverable import TOPICS_REMEMBERED_MAX, TOPICS_REMEMBERED_S, Remembered, ReplyRefused
 
 TOPIC_REFUSALS = (0x87, 0x90)  # Not authorized, Topic Name invalid: every reply to that topic would be refused
@@ -27,12 +28,14 @@ class BrokerRefusals:
         self._tracker = tracker
         self._window = window  # max_inflight
         self._topics: Remembered[str, ReplyRefused] = Remembered(TOPICS_REMEMBERED_S, TOPICS_REMEMBERED_MAX)
+        self._requests: Remembered[ReplyKey, ReplyRefused] = Remembered(TOPICS_REMEMBERED_S, TOPICS_REMEMBERED_MAX)
         self._one_at_a_time = False  # since a connection was lost with replies in flight, until one is acked
         self._lone_losses: dict[int, int] = {}  # mid -> connections lost while it was the only reply in flight
 
-    def of_topic(self, topic: str) -> ReplyRefused | None:
-        """A fresh ReplyRefused when the broker refused `topic` within the last minute."""
-        refused = self._topics.get(topic)
+    def of_reply(self, topic: str, correlation: bytes | None) -> ReplyRefused | None:
+        """A fresh ReplyRefused when the broker refused `topic`, or a reply to this request (the
+        same topic and Correlation Data) was given up, within the last minute."""
+        refused = self._topics.get(topic) or self._requests.get((topic, correlation))
         return None if refused is None else ReplyRefused(refused.topic, refused.reason, refused.code)
 
     def accepted(self) -> None:
@@ -70,7 +73,10 @@ class BrokerRefusals:
         losses = self._lone_losses[mid] = self._lone_losses.get(mid, 0) + 1
         if losses >= LONE_LOSSES_TO_GIVE_UP:
             reason = f"the broker closed the connection each of the last {losses} times it was the only reply in flight"
-            self._give_up(self._tracker.same_request(mid) or [mid], self._client.queued_topic(mid), reason, 0)
+            topic, key = self._client.queued_topic(mid), self._tracker.key_of(mid)
+            if key is not None:
+                self._requests.add(key, ReplyRefused(topic, reason))
+            self._give_up(self._tracker.same_request(mid) or [mid], topic, reason, 0)
 
     def _give_up(self, mids: list[int], topic: str, reason: str, code: int) -> None:
         self._client.drop_queued(mids)
