@@ -6,8 +6,10 @@ still knows it is about magnet mounts) by the same embedding model as the questi
 core scheduler, and ranked by cosine to the question. The best sentence is the answer; the
 runner-up joins it when it scores within `margin` of the best (two halves of one answer, e.g. a
 limit and its exception). Chosen sentences are given in document order, each followed by the
-number of its passage, and a last line names those passages ([n] title (id)). The full passages
-stay in the `sources` output.
+number of its passage, and a last line names those passages ([n] title (id)). When the first
+two passages ranked almost alike (the fusion's close-call flag, `Hit.ambiguous`), a line before
+it says so and names both: the answer may come from the wrong one. The full passages stay in the
+`sources` output.
 """
 
 from __future__ import annotations
@@ -54,10 +56,27 @@ def choose(question: np.ndarray, candidates: list[Sentence], vectors: np.ndarray
 
 
 def answer_text(chosen: list[tuple[Sentence, float]], hits: list[Hit]) -> str:
-    """'<sentence> [n] <sentence> [m]' and a line naming the cited passages."""
+    """'<sentence> [n] <sentence> [m]', a close-call line when the first two passages ranked
+    almost alike, and a line naming the cited passages."""
     if not chosen:
         return ""
     body = " ".join(f"{s.text} [{s.hit + 1}]" for s, _ in chosen)
     cited = sorted({s.hit for s, _ in chosen})
-    names = "; ".join(f"[{h + 1}] {hits[h].passage.title.rsplit(' > ', 1)[-1]} ({hits[h].passage.id})" for h in cited)
-    return f"{body}\nSources: {names}"
+    names = "; ".join(f"[{h + 1}] {_heading(hits[h])} ({hits[h].passage.id})" for h in cited)
+    return f"{body}\n{close_call_line(hits)}Sources: {names}"
+
+
+def close_call_line(hits: list[Hit]) -> str:
+    """'Close call: ...' and a newline when the first passage leads the second by less than the
+    fusion's ambiguous_margin, else ''. Both are named, cited or not: the reader should check the
+    second, which is most often the right one when the first is wrong (docs/rag.md)."""
+    first = hits[0] if hits else None
+    if first is None or not first.ambiguous or len(hits) < 2:
+        return ""
+    lead = f" (lead {first.margin:.0%})" if first.margin is not None else ""
+    return (f"Close call: [1] {_heading(first)} and [2] {_heading(hits[1])} ranked almost alike{lead}; "
+            "the answer may be in either\n")
+
+
+def _heading(hit: Hit) -> str:
+    return hit.passage.title.rsplit(" > ", 1)[-1]
