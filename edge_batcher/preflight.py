@@ -4,7 +4,8 @@ token and TLS files, the MQTT settings), binds and lets go of every listener the
 bind, checks each model's table, backend and model file, and adds up what loading the models
 would take against the memory budget (memory/device.py's load_need, the figure the start
 refuses a model with). Every problem is listed, not only the first; the exit status is 2 when
-there is one. A model file is checked to be readable, not loaded: only the load proves it."""
+there is one. A model file is checked to be readable, and an ONNX file to be whole (its
+top-level fields within the file: engines/onnx_file.py), not loaded: only the load proves it."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from .config import DaemonConfig, OffloadSettings
 from .daemon import Daemon
+from .engines.onnx_file import onnx_file_problem
 from .engines.registry import REMOTE, create_engine, is_service
 from .errors import ConfigError
 from .memory.device import load_need
@@ -85,6 +87,13 @@ def _check_model(mc: ModelConfig, names: set[str], offload: OffloadSettings) -> 
         return Finding(what, True, f"cannot read its model file {path}: {exc.strerror or exc}")
     if empty:
         return Finding(what, True, f"its model file {path} is empty")
+    if path.suffix == ".onnx":
+        try:
+            problem = onnx_file_problem(path)
+        except OSError as exc:
+            return Finding(what, True, f"cannot read its model file {path}: {exc.strerror or exc}")
+        if problem is not None:
+            return Finding(what, True, f"its model file {path} is not a whole ONNX model: {problem}")
     where = "runs on offload peers only ([offload] remote_only)" if remote_only else f"{mc.instances} instance(s)"
     return Finding(what, False, f"{mc.backend}, {path.name} {path.stat().st_size / MiB:.1f} MiB, {where}")
 

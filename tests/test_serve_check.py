@@ -21,6 +21,16 @@ def check(tmp_path: Path, repo: Path, *args: str, env: dict | None = None) -> su
     )
 
 
+def varint(value: int) -> bytes:
+    """protobuf's base-128 encoding of a length."""
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
 def vibration_only(model_repo: Path, tmp_path: Path) -> Path:
     repo = tmp_path / "engines"
     shutil.copytree(model_repo / "vibration", repo / "vibration")
@@ -39,10 +49,18 @@ def test_a_startable_config_passes_and_leaves_no_socket_behind(model_repo, tmp_p
 
 def test_every_problem_is_listed_and_the_exit_status_is_2(model_repo, tmp_path):
     repo = vibration_only(model_repo, tmp_path)
-    for name, size in (("empty", 0), ("big", 60 << 20)):  # big: a sparse file, read only for its size
-        shutil.copytree(repo / "vibration", repo / name)
-        with (repo / name / "model.onnx").open("wb") as f:
-            f.truncate(size)
+    shutil.copytree(repo / "vibration", repo / "empty")
+    (repo / "empty" / "model.onnx").write_bytes(b"")
+    # big: the real model and a 60 MiB doc_string field (a sparse file, read only for its size)
+    shutil.copytree(repo / "vibration", repo / "big")
+    with (repo / "big" / "model.onnx").open("ab") as f:
+        f.write(b"\x32" + varint(60 << 20))  # field 6 (doc_string), length-delimited
+        f.truncate(f.tell() + (60 << 20))
+    shutil.copytree(repo / "vibration", repo / "cut")  # a copy cut short
+    whole = (repo / "vibration" / "model.onnx").read_bytes()
+    (repo / "cut" / "model.onnx").write_bytes(whole[:len(whole) // 2])
+    shutil.copytree(repo / "vibration", repo / "page")  # what a failed download leaves
+    (repo / "page" / "model.onnx").write_text("<!DOCTYPE html><html><body>404 Not Found</body></html>\n")
     shutil.copytree(repo / "vibration", repo / "nofile")
     (repo / "nofile" / "model.onnx").unlink()
     shutil.copytree(repo / "vibration", repo / "wrong")
@@ -63,10 +81,14 @@ def test_every_problem_is_listed_and_the_exit_status_is_2(model_repo, tmp_path):
     assert f"FAIL  model nofile     cannot read its model file {repo / 'nofile' / 'model.onnx'}: " \
            "No such file or directory" in out
     assert "FAIL  model wrong" in out and "no_such_module" in out
-    # 60 MiB of model file: about 120 MiB at its load's peak, more than the budget's 100 MiB
-    assert "FAIL  memory" in out and "the start would refuse big (its load needs 120 MiB" in out
+    # 60 MiB and the real model: about 121 MiB at its load's peak, more than the budget's 100 MiB
+    assert "FAIL  memory" in out and "the start would refuse big (its load needs 121 MiB" in out
+    assert f"FAIL  model cut        its model file {repo / 'cut' / 'model.onnx'} is not a whole ONNX model: " \
+           "the graph at byte " in out and "a copy cut short?" in out
+    assert f"FAIL  model page       its model file {repo / 'page' / 'model.onnx'} is not a whole ONNX model: " \
+           "byte 0 holds a protobuf wire type 4 that ONNX never uses: not an ONNX model" in out
     assert "ok    model vibration" in out and "ok    model big" in out
-    assert "5 problem(s): the daemon would not start" in out
+    assert "7 problem(s): the daemon would not start" in out
     assert "Traceback" not in proc.stderr
 
 
