@@ -16,6 +16,7 @@ import pytest
 from edge_batcher.config import load_model_config
 from edge_batcher.engines import onnxruntime as ort_backend
 from edge_batcher.engines.onnxruntime import OnnxRuntimeEngine, shadowed_build
+from edge_batcher.errors import ConfigError
 
 # No onnxruntime build registers this provider (the real ones: onnxruntime.get_all_providers()).
 MISSING_PROVIDER = "NoSuchTestExecutionProvider"
@@ -92,3 +93,17 @@ def test_the_warning_names_a_shadowed_gpu_build_and_the_fix(model_repo, tmp_path
         engine.load()
     assert "onnxruntime-gpu is installed too (in /usr/lib/python3/dist-packages)" in caplog.text
     assert "pip uninstall onnxruntime" in caplog.text
+
+
+def test_a_model_file_cut_short_is_named_in_the_load_error(model_repo, tmp_path):
+    """ONNX Runtime says only "Protobuf parsing failed"; the error adds what is wrong with the file."""
+    model = tmp_path / "vibration"
+    shutil.copytree(model_repo / "vibration", model)
+    data = (model / "model.onnx").read_bytes()
+    (model / "model.onnx").write_bytes(data[:len(data) // 2])
+    engine = OnnxRuntimeEngine(load_model_config(model))
+    with pytest.raises(ConfigError) as raised:
+        engine.load()
+    assert "onnxruntime cannot load" in str(raised.value)
+    assert "(the file is not a whole ONNX model: the graph at byte " in str(raised.value)
+    assert "a copy cut short?" in str(raised.value)

@@ -18,6 +18,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError, EngineError, OutOfMemory
 from ..types import TensorSpec
 from .base import DEVICE_PROVIDERS, DeviceArray, Engine, apply_overrides
+from .onnx_file import onnx_file_problem
 from .ort_graphs import BoundSession, outside_graphs
 
 log = logging.getLogger(__name__)
@@ -165,7 +166,9 @@ class OnnxRuntimeEngine(Engine):
                 provider_options=[opts for _, opts in chain],
             )
         except Exception as exc:  # onnxruntime raises its own exception types
-            raise ConfigError(f"model {self.config.name!r}: onnxruntime cannot load {path}: {exc}") from exc
+            why = _file_problem(path)  # "Protobuf parsing failed" says less than what is wrong with the file
+            raise ConfigError(f"model {self.config.name!r}: onnxruntime cannot load {path}: {exc}"
+                              + (f" (the file is not a whole ONNX model: {why})" if why else "")) from exc
         self.providers = self.session.get_providers()
 
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -257,3 +260,12 @@ def _spec(node) -> TensorSpec:
         raise ConfigError(f"tensor {node.name!r} has type {node.type}, which the v2 protocol cannot carry")
     shape = tuple(d if isinstance(d, int) and d >= 0 else -1 for d in node.shape)
     return TensorSpec(node.name, datatype, shape)
+
+
+def _file_problem(path: Path) -> str | None:
+    if path.suffix != ".onnx":  # e.g. ONNX Runtime's own .ort format
+        return None
+    try:
+        return onnx_file_problem(path)
+    except OSError:
+        return None
