@@ -1,4 +1,5 @@
-"""Whether a file is a whole ONNX model, found without parsing it (`serve --check`).
+"""Whether a file is a whole ONNX model, found without parsing it (`serve --check`, and the
+ONNX Runtime backend's load error).
 
 An ONNX file is one protobuf ModelProto: a sequence of fields, each a tag and, for the large
 ones (the graph, its initializers inside it), a length. Walking the top-level fields and
