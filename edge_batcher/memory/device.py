@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import psutil
+from numpy.typing import NDArray
 
 from ..config import ModelConfig
 from ..engines.base import DEVICE_PROVIDERS
@@ -298,7 +299,7 @@ class DeviceLoad:
         return meter.used() - self._used_before[meter.name]
 
 
-def warmup_batch(specs: list[TensorSpec], config: ModelConfig, size: int, bucket: int) -> dict[str, np.ndarray]:
+def warmup_batch(specs: list[TensorSpec], config: ModelConfig, size: int, bucket: int) -> dict[str, NDArray[Any]]:
     """Zeros for every batch input: `size` rows, the sequence axis at the bucket length, other
     dynamic dimensions 1 (as the runner's warm-up builds them)."""
     seq = config.sequence
@@ -313,7 +314,7 @@ def warmup_batch(specs: list[TensorSpec], config: ModelConfig, size: int, bucket
 
 
 # run(instance, batch) -> outputs: one batch on that engine instance's own thread, waited for.
-RunOnInstance = Callable[[int, dict[str, np.ndarray]], dict[str, np.ndarray]]
+RunOnInstance = Callable[[int, dict[str, NDArray[Any]]], dict[str, NDArray[Any]]]
 # activation_peak(size, seq_len or None) -> bytes: the liveness estimate, for predicting growth.
 ActivationPeak = Callable[[int, "int | None"], int]
 

@@ -10,8 +10,10 @@ transports, which take the header and content-type names from there.
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ..errors import InvalidInput
 from .preview import preview
@@ -28,7 +30,7 @@ def pack_bytes_elements(items: list[bytes]) -> bytes:
     return b"".join(part for b in items for part in (LENGTH_PREFIX.pack(len(b)), b))
 
 
-def unpack_bytes_elements(buf: memoryview, shape: list[int], count: int, where: str) -> np.ndarray:
+def unpack_bytes_elements(buf: memoryview, shape: list[int], count: int, where: str) -> NDArray[Any]:
     """The BYTES tensor of ``shape`` (``count`` elements) framed in ``buf``."""
     items: list[bytes] = []
     offset, end = 0, len(buf)
@@ -62,7 +64,7 @@ def encode_utf8(text: str, where: str) -> bytes:
         ) from None
 
 
-def object_array(items: list[bytes], shape: list[int]) -> np.ndarray:
+def object_array(items: list[bytes], shape: list[int]) -> NDArray[Any]:
     # Filled element-wise: np.array(items, dtype=object) would turn equal-length bytes
     # into a fixed-width array or nest lists.
     array = np.empty(len(items), dtype=object)

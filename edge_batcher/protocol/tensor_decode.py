@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ..errors import InvalidInput
 from ..types import DATATYPE_TO_NUMPY
@@ -27,14 +28,14 @@ MAX_ELEMENTS = np.iinfo(np.intp).max // 16
 # Reads a tensor that lives in a shared memory region instead of the body: an input that names
 # one (shared_memory/lease.py), an output the server wrote into one (client_shared_memory.py):
 # (name, datatype, shape, parameters, where) -> the array.
-RegionReader = Callable[[str, str, list[int], dict[str, Any], str], np.ndarray]
+RegionReader = Callable[[str, str, list[int], dict[str, Any], str], NDArray[Any]]
 # JSON data is flat (row-major) or nested exactly as its shape; anything else is refused so.
 FLAT_OR_AS_SHAPE = "send it flat or nested as the shape"
 
 
 def decode_tensors(
     entries: Any, kind: str, binary: memoryview, has_header_length: bool, regions: RegionReader | None = None
-) -> dict[str, np.ndarray]:
+) -> dict[str, NDArray[Any]]:
     """Decode the ``inputs`` (or ``outputs``) list, taking binary tensors from ``binary`` and
     those that name a shared memory region from ``regions`` (refused where there is none)."""
     if not isinstance(entries, list):
@@ -106,7 +107,7 @@ def decode_tensors(
             f"binary tensor"
         )
 
-    tensors: dict[str, np.ndarray] = {}
+    tensors: dict[str, NDArray[Any]] = {}
     offset = 0
     for name, datatype, shape, size, data in parsed:
         where = f"{kind} {preview.repr(name)}"
@@ -140,7 +141,7 @@ def check_shape(shape: Any, where: str) -> list[int]:
     return shape
 
 
-def from_binary(buf: memoryview, datatype: str, shape: list[int], where: str) -> np.ndarray:
+def from_binary(buf: memoryview, datatype: str, shape: list[int], where: str) -> NDArray[Any]:
     """A binary tensor's bytes as an array, zero-copy where the datatype, byte order and
     alignment allow (binary extension chunks, gRPC raw contents, shared memory regions)."""
     count = math.prod(shape)
@@ -155,7 +156,7 @@ def from_binary(buf: memoryview, datatype: str, shape: list[int], where: str) ->
         )
     if datatype == "BOOL":
         # Any non-zero byte is true; comparing also yields a proper (writable) bool array.
-        nonzero: np.ndarray = np.frombuffer(buf, dtype=np.uint8) != 0
+        nonzero: NDArray[Any] = np.frombuffer(buf, dtype=np.uint8) != 0
         return nonzero.reshape(shape)
     array = np.frombuffer(buf, dtype=dtype.newbyteorder("<"))
     if not array.dtype.isnative or not array.flags.aligned:
@@ -163,7 +164,7 @@ def from_binary(buf: memoryview, datatype: str, shape: list[int], where: str) ->
     return array.reshape(shape)
 
 
-def _from_json(data: Any, datatype: str, shape: list[int], where: str) -> np.ndarray:
+def _from_json(data: Any, datatype: str, shape: list[int], where: str) -> NDArray[Any]:
     if not isinstance(data, list):
         raise InvalidInput(f"{where}: data must be a list, got {type(data).__name__}")
     count = math.prod(shape)
@@ -197,7 +198,7 @@ def _from_json(data: Any, datatype: str, shape: list[int], where: str) -> np.nda
 _FLOAT_EXACT = 2.0**53
 
 
-def _numbers_from_json(data: list[Any], array: np.ndarray, datatype: str, where: str) -> np.ndarray:
+def _numbers_from_json(data: list[Any], array: NDArray[Any], datatype: str, where: str) -> NDArray[Any]:
     """Convert the parsed JSON numbers to ``datatype``, refusing to silently change values.
 
     ``np.asarray`` picks int64, uint64 or float64 for JSON numbers, and float64 (lossy!) for
@@ -214,7 +215,7 @@ def _numbers_from_json(data: list[Any], array: np.ndarray, datatype: str, where:
         if kind == "b":
             return array
         if kind in "iu" and bool(np.all((array == 0) | (array == 1))):
-            nonzero: np.ndarray = array != 0  # 0/1 are accepted as false/true
+            nonzero: NDArray[Any] = array != 0  # 0/1 are accepted as false/true
             return nonzero
         raise InvalidInput(f"{where}: data for BOOL must be true/false")
     if kind == "b":
@@ -249,7 +250,7 @@ def _numbers_from_json(data: list[Any], array: np.ndarray, datatype: str, where:
     return array.astype(target)
 
 
-def _check_range(low: int, high: int, info: np.iinfo, datatype: str, where: str) -> None:
+def _check_range(low: int, high: int, info: np.iinfo[Any], datatype: str, where: str) -> None:
     if low < info.min or high > info.max:
         raise InvalidInput(
             f"{where}: data for {datatype} are out of range [{info.min}, {info.max}]"

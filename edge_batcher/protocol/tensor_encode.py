@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ..errors import InvalidInput
 from ..types import DATATYPE_TO_NUMPY, datatype_of
@@ -19,7 +20,7 @@ from .binary_extension import encode_utf8, pack_bytes_elements
 
 
 def encode_tensors(
-    tensors: dict[str, np.ndarray],
+    tensors: dict[str, NDArray[Any]],
     kind: str,
     all_binary: bool,
     binary_names: set[str] | frozenset[str] | None,
@@ -70,7 +71,7 @@ def encode_tensors(
     return entries, chunks
 
 
-def non_finite_count(array: np.ndarray) -> int:
+def non_finite_count(array: NDArray[Any]) -> int:
     """How many NaN and +-Infinity values a floating-point array holds (0 for other datatypes)."""
     if array.dtype.kind != "f":
         return 0
@@ -78,7 +79,7 @@ def non_finite_count(array: np.ndarray) -> int:
     return 0 if finite.all() else finite.size - int(np.count_nonzero(finite))
 
 
-def _datatype(array: np.ndarray, where: str) -> str:
+def _datatype(array: NDArray[Any], where: str) -> str:
     dtype = array.dtype
     if dtype.kind in "biuf" and not dtype.isnative:
         dtype = dtype.newbyteorder("=")  # e.g. '>f4' is still FP32
@@ -88,7 +89,7 @@ def _datatype(array: np.ndarray, where: str) -> str:
         raise InvalidInput(f"{where}: {e.message}") from None
 
 
-def _bytes_items(array: np.ndarray, where: str) -> list[bytes]:
+def _bytes_items(array: NDArray[Any], where: str) -> list[bytes]:
     """The elements of a BYTES tensor (object array of bytes/str, or numpy S/U array)."""
     items: list[bytes] = []
     for value in array.reshape(-1).tolist():

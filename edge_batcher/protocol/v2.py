@@ -44,7 +44,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+from numpy.typing import NDArray
 
 from ..errors import EngineError, InvalidInput
 from . import json_text
@@ -75,7 +75,7 @@ class RequestedOutput:
 @dataclass
 class DecodedRequest:
     id: str | None
-    inputs: dict[str, np.ndarray]
+    inputs: dict[str, NDArray[Any]]
     parameters: dict[str, Any]
     outputs: list[RequestedOutput] | None  # None when the request names no outputs
     binary_output_default: bool  # from parameters.binary_data_output
@@ -86,7 +86,7 @@ class DecodedResponse:
     model_name: str
     model_version: str | None
     id: str | None
-    outputs: dict[str, np.ndarray]
+    outputs: dict[str, NDArray[Any]]
     parameters: dict[str, Any]
 
 
@@ -138,7 +138,7 @@ def decode_request(body: bytes | bytearray, header_length: int | None = None,
 
 
 def encode_request(
-    inputs: dict[str, np.ndarray],
+    inputs: dict[str, NDArray[Any]],
     *,
     id: str | None = None,
     parameters: dict[str, Any] | None = None,
@@ -197,7 +197,7 @@ def decode_response(body: bytes, header_length: int | None = None,
 def encode_response(
     model_name: str,
     id: str | None,
-    outputs: dict[str, np.ndarray],
+    outputs: dict[str, NDArray[Any]],
     *,
     binary: set[str] | frozenset[str] = frozenset(),
     parameters: dict[str, Any] | None = None,

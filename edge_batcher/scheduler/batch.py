@@ -13,8 +13,10 @@ ANY_LENGTH_MULTIPLE: the bucket stays the scheduling key, only the padded width 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ..errors import EngineError
 from ..types import DATATYPE_TO_NUMPY, TensorSpec
@@ -24,10 +26,10 @@ from ..types import DATATYPE_TO_NUMPY, TensorSpec
 # or 8, and ONNX Runtime runs any width at the same cost per token (docs/rag.md, "Padding").
 ANY_LENGTH_MULTIPLE = 1
 # One batch's outputs cut per request, in batch order (None: the request took no place in it).
-Outputs = list[dict[str, np.ndarray] | None]
+Outputs = list[dict[str, NDArray[Any]] | None]
 
 
-def padded_width(parts: Sequence[np.ndarray], seq_axis: int, bucket: int, any_length: bool) -> int:
+def padded_width(parts: Sequence[NDArray[Any]], seq_axis: int, bucket: int, any_length: bool) -> int:
     """The sequence width of a batch: the bucket, or with `any_length` the longest part rounded
     up to ANY_LENGTH_MULTIPLE (never beyond the bucket)."""
     if not any_length:
@@ -36,8 +38,8 @@ def padded_width(parts: Sequence[np.ndarray], seq_axis: int, bucket: int, any_le
     return min(bucket, -(-longest // ANY_LENGTH_MULTIPLE) * ANY_LENGTH_MULTIPLE)
 
 
-def stack(parts: Sequence[np.ndarray], size: int, seq_axis: int | None, bucket: int, pad_value: float,
-          any_length: bool = False) -> np.ndarray:
+def stack(parts: Sequence[NDArray[Any]], size: int, seq_axis: int | None, bucket: int, pad_value: float,
+          any_length: bool = False) -> NDArray[Any]:
     """One batch tensor of `size` rows: the parts, padded on the sequence axis to the bucket (or
     with `any_length` to padded_width), then padding rows (copies of the last real row: always a
     valid input) up to size."""
@@ -64,7 +66,7 @@ def stack(parts: Sequence[np.ndarray], size: int, seq_axis: int | None, bucket: 
     return out
 
 
-def zeros(spec: TensorSpec, size: int, seq_axis: int | None, bucket: int) -> np.ndarray:
+def zeros(spec: TensorSpec, size: int, seq_axis: int | None, bucket: int) -> NDArray[Any]:
     """A batch of `size` zero rows for `spec` (warm-up): dynamic dimensions of 1, the sequence
     axis at the bucket length."""
     shape = [size] + [(bucket if axis == seq_axis else (d if d > 0 else 1))
@@ -75,7 +77,7 @@ def zeros(spec: TensorSpec, size: int, seq_axis: int | None, bucket: int) -> np.
     return np.zeros(shape, dtype=dtype)
 
 
-def split_rows(outputs: Mapping[str, np.ndarray], rows: Sequence[int | None]) -> Outputs:
+def split_rows(outputs: Mapping[str, NDArray[Any]], rows: Sequence[int | None]) -> Outputs:
     """The outputs of one batch cut into one dict per request, in batch order. A request with
     None rows took no place in the batch (it expired before the run) and gets None."""
     named = list(outputs.items())

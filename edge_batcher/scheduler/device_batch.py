@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
+from numpy.typing import NDArray
 
 from ..engines.base import DeviceArray
 from ..errors import EngineError
 from ..shared_memory.device_tensor import DeviceTensor
 from . import batch as batching
 
-Part = np.ndarray | DeviceTensor
+Part = NDArray[Any] | DeviceTensor
 Release = Callable[[], None]  # frees a batch's device buffer (its context pushed)
 
 
@@ -31,7 +33,7 @@ def has_device_part(parts: Sequence[object]) -> bool:
 
 def assemble(parts: Sequence[Part], size: int, seq_axis: int | None, bucket: int, pad_value: float,
              any_length: bool, engine_device: int | None
-             ) -> tuple[np.ndarray | DeviceArray, Release | None]:
+             ) -> tuple[NDArray[Any] | DeviceArray, Release | None]:
     """The batch tensor, and what frees its device buffer once the engine has run (None on the host)."""
     devices_of = {part.device_id for part in parts if isinstance(part, DeviceTensor)}
     if engine_device is not None and seq_axis is None and devices_of == {engine_device}:
@@ -42,7 +44,7 @@ def assemble(parts: Sequence[Part], size: int, seq_axis: int | None, bucket: int
     return _on_host(parts, size), None
 
 
-def to_host(tensor: DeviceTensor) -> np.ndarray:
+def to_host(tensor: DeviceTensor) -> NDArray[Any]:
     out = np.empty(tensor.shape, dtype=tensor.dtype)
     with tensor.devices.on(tensor.device_id) as api:
         api.copy_dtoh(out, tensor.ptr)
@@ -57,7 +59,7 @@ def _row_shape(parts: Sequence[Part]) -> tuple[int, ...]:
     return shapes.pop()
 
 
-def _on_host(parts: Sequence[Part], size: int) -> np.ndarray:
+def _on_host(parts: Sequence[Part], size: int) -> NDArray[Any]:
     out = np.empty((size, *_row_shape(parts)), dtype=parts[0].dtype)
     row = 0
     for part in parts:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
-import numpy as np
+from numpy.typing import NDArray
 
 from ..errors import EdgeBatcherError, Unavailable
 from ..shared_memory.device_tensor import holds_device_tensor
@@ -31,8 +31,8 @@ class OffloadPort(Protocol):
 
     def view(self, model: str) -> OffloadView: ...
 
-    async def infer(self, model: str, inputs: dict[str, np.ndarray], timeout_s: float, *,
-                    conform_to: list[TensorSpec] | None = None) -> tuple[dict[str, np.ndarray], str]:
+    async def infer(self, model: str, inputs: dict[str, NDArray[Any]], timeout_s: float, *,
+                    conform_to: list[TensorSpec] | None = None) -> tuple[dict[str, NDArray[Any]], str]:
         """(outputs shaped and typed as `conform_to` says, peer name)."""
         ...
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+from numpy.typing import NDArray
 
 from ..errors import Overloaded
 from ..types import InferRequest, InferResponse
@@ -42,7 +42,7 @@ class Pending(QueuedRequest):
     """A validated request in a runner's queue: what the policy plans with, and what answers it."""
 
     request: InferRequest = field(kw_only=True)
-    inputs: dict[str, np.ndarray] = field(default_factory=dict)  # as the engine takes them
+    inputs: dict[str, NDArray[Any]] = field(default_factory=dict)  # as the engine takes them
     future: asyncio.Future[InferResponse] = field(kw_only=True)
 
 
