@@ -205,6 +205,12 @@ class GuardedRequestHandler(RequestHandler):
         return None
 
     async def _start_tls(self, raw: asyncio.BaseTransport, tls: TlsListener) -> None:
+        # start_tls pauses reading itself, but on a transport already marked paused its pause does
+        # nothing, and on Python 3.10 the pause in connection_made did not hold: the transport adds
+        # its reader after connection_made, paused or not, so the ClientHello went to the HTTP
+        # parser and every handshake timed out. Resumed here, start_tls's own pause removes the
+        # reader before anything is read.
+        raw.resume_reading()  # type: ignore[attr-defined]
         try:
             transport = await asyncio.get_running_loop().start_tls(
                 raw, self, tls.context, server_side=True,  # type: ignore[arg-type]
