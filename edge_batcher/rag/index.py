@@ -73,7 +73,7 @@ class SentenceVectors:
     def select(self, keep: list[int]) -> SentenceVectors:
         """The sentences of passages `keep` (in that order), renumbered to their new positions."""
         keep_array = np.asarray(keep, dtype=np.int64)
-        size = max(int(self.passage.max(initial=-1)), int(keep_array.max(initial=-1))) + 1
+        size = max(int(np.max(self.passage, initial=-1)), int(np.max(keep_array, initial=-1))) + 1
         position = np.full(size, -1, dtype=np.int64)
         position[keep_array] = np.arange(len(keep_array))
         new = position[self.passage]
