@@ -13,7 +13,7 @@ import pytest
 
 from edge_batcher.client import AsyncClient, Client, ClientError
 from tests.offload.conftest import TOKEN, assert_matches_local, free_port
-from tests.support.faulty_engine import SLOW
+from tests.support.faulty_engine import HELD, RELEASE_ENV
 from tests.support.signals import windows
 
 MiB = 1 << 20
@@ -99,27 +99,32 @@ def test_oversized_and_does_not_fit_batches_go_to_the_peer(start_daemon, model_r
     assert 'edge_batcher_offloaded_requests_total{model="vibration",reason="does_not_fit",outcome="ok"} 24' in text
 
 
-def test_a_backlog_past_the_deadline_is_offloaded(start_daemon, model_repo, peer_repo):
+def test_a_backlog_past_the_deadline_is_offloaded(start_daemon, model_repo, peer_repo, tmp_path):
     port = free_port()
     start_daemon(peer_config(port), repo=peer_repo)
-    edge = start_daemon(edge_config(port, '[models]\nload = ["faulty"]\n'))
-    slow = windows(16, seed=1)
-    slow[:, 0] = SLOW
+    release = tmp_path / "release"
+    edge = start_daemon(edge_config(port, '[models]\nload = ["faulty"]\n'), env={RELEASE_ENV: str(release)})
+    held = windows(16, seed=1)
+    held[:, 0] = HELD
 
     async def run():
         async with AsyncClient(edge.url) as client:
-            # Two slow local batches (0.5 s each: requests of 8 rows, full at once) fill the edge's
-            # two batch slots...
-            blockers = [asyncio.create_task(client.infer("faulty", {"signal": half}, timeout_ms=10000))
-                        for half in (slow[:8], slow[8:])]
+            # Two local batches held until the answers below are in (requests of 8 rows, full at
+            # once) fill the edge's two batch slots...
+            blockers = [asyncio.create_task(client.infer("faulty", {"signal": half}, timeout_ms=30000))
+                        for half in (held[:8], held[8:])]
             for _ in range(300):
                 if (await client.stats("faulty"))["model_stats"][0]["queue_depth"] == 0:
                     break
                 await asyncio.sleep(0.01)
             # ...so requests due in 300 ms cannot be served locally in time: the peer takes them.
+            # (Held rather than slept: a busy machine that sent them late would have found a slot free.)
             x = windows(12, seed=12)
-            answers = await asyncio.gather(*(client.infer("faulty", {"signal": x[i:i + 1]}, timeout_ms=300)
-                                             for i in range(12)))
+            try:
+                answers = await asyncio.gather(*(client.infer("faulty", {"signal": x[i:i + 1]}, timeout_ms=300)
+                                                 for i in range(12)))
+            finally:
+                release.touch()
             await asyncio.gather(*blockers)
             return x, answers
 
