@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from edge_batcher.bench.figures import median_run
 from edge_batcher.progress import Progress
 
 
@@ -96,3 +97,13 @@ def test_bench_time_left_holds_before_its_daemon_step(model_repo):
     took = ended - announced_at
     assert took > 1.5  # the daemon's start alone: far more than one in-process step
     assert 0.6 * took <= estimate <= 1.6 * took + 1, (estimate, took)
+
+
+def test_the_range_printed_beside_a_median_always_holds_it():
+    """A run of 12,764.54 req/s was once printed as the median "12765" beside a range ending at
+    "12764": the runs were rounded to 0.1 first, then again for display."""
+    runs = [{"throughput_rps": 12700.0}, {"throughput_rps": 12764.54}]
+    best = median_run(runs)
+    figure, high = f"{best['throughput_rps']:.0f}", f"{max(best['throughput_rps_all']):.0f}"
+    assert (figure, high) == ("12765", "12765")
+    assert sorted(best["throughput_rps_all"]) == [12700.0, 12764.54]
