@@ -26,7 +26,6 @@ bytes stay charged to the budget until the answer (or the stream) is complete.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from contextlib import aclosing
@@ -39,7 +38,7 @@ from ..protocol.parameters import priority_parameter, timeout_parameter
 from ..types import InferRequest, InferResponse
 from .http_body import read_body
 from .http_keys import BODY_BUDGET, RUNTIME
-from .v2_decode import DECODE_OFF_LOOP_BYTES
+from .v2_decode import off_loop_if_large
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +62,7 @@ def _service(request: web.Request):
 
 async def _parse_json(raw: bytes | bytearray):
     """The body as JSON; a large one is parsed on a worker thread, off the event loop."""
-    if len(raw) > DECODE_OFF_LOOP_BYTES:
-        return await asyncio.get_running_loop().run_in_executor(None, _loads, raw)
-    return _loads(raw)
+    return await off_loop_if_large(len(raw), _loads, raw)
 
 
 def _loads(raw: bytes | bytearray):

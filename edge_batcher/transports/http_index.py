@@ -16,7 +16,6 @@ loop when large.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from typing import Any
 
@@ -26,7 +25,7 @@ from ..errors import InvalidInput
 from ..rag.index_update import Document
 from .http_body import read_body
 from .http_keys import BODY_BUDGET, RUNTIME
-from .v2_decode import DECODE_OFF_LOOP_BYTES
+from .v2_decode import off_loop_if_large
 
 
 def add_index_routes(app: web.Application) -> None:
@@ -78,10 +77,7 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     async with read_body(request.app[BODY_BUDGET], request) as body:
         data = bytes(body)
     try:
-        if len(data) >= DECODE_OFF_LOOP_BYTES:  # a manual's worth of text: not on the loop
-            doc = await asyncio.get_running_loop().run_in_executor(None, json.loads, data)
-        else:
-            doc = json.loads(data)
+        doc = await off_loop_if_large(len(data), json.loads, data)  # a manual's worth of text: not on the loop
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidInput(f"the body is not JSON: {exc}") from None
     if not isinstance(doc, dict):

@@ -21,7 +21,7 @@ from google.protobuf.message import DecodeError
 
 from ...errors import EdgeBatcherError, InvalidInput, Overloaded, RequestTimeout, Unauthorized
 from ..edge import EdgeLimits
-from ..v2_decode import DECODE_OFF_LOOP_BYTES
+from ..v2_decode import off_loop_if_large
 from .call import Call, CallError, Status, StreamReset
 from .http2 import GrpcConnection
 
@@ -157,9 +157,7 @@ class GrpcEdge:
 
 async def _parse(raw: bytes, request_type: Any) -> Any:
     """The message from its bytes; a large one is parsed on a worker thread, off the event loop."""
-    if len(raw) > DECODE_OFF_LOOP_BYTES:
-        return await asyncio.get_running_loop().run_in_executor(None, _parse_now, raw, request_type)
-    return _parse_now(raw, request_type)
+    return await off_loop_if_large(len(raw), _parse_now, raw, request_type)
 
 
 def _parse_now(raw: bytes, request_type: Any) -> Any:
