@@ -163,7 +163,8 @@ def test_sighup_adds_changes_and_removes_models_without_dropping_others(start_da
     assert answered[0] > 5
     log = d.log_text()
     assert "reload: added ['seqsum'], removed ['faulty']" in log
-    assert "reload: changed ['vibration']" in log
+    # Logged once the old version has drained, after the new one already answers the metadata above.
+    assert d.log_lines_with("reload: changed ['vibration']", within_s=30)
 
 
 def test_status_line_names_models_queue_mqtt_and_peers(tmp_path, model_repo):
