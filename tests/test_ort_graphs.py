@@ -104,7 +104,8 @@ def test_graphs_replay_with_the_plain_paths_outputs(model_repo, tmp_path, vibrat
     for size in (2, 4, 8, 4, 2, 8):
         for x in batches(size, 4, seed=size + 100):
             got = engine.infer({name: x})
-            want = vibration_session.run(None, {name: x})
+            plain = engine.infer_without_graphs({name: x})  # the same session and kernels, no graph
+            want = [plain[spec.name] for spec in engine.outputs]
             for spec, value in zip(engine.outputs, want, strict=True):
                 np.testing.assert_allclose(got[spec.name], value, rtol=1e-5, atol=1e-5)
             kept.append((got, want))
@@ -120,3 +121,33 @@ def test_graphs_off_is_the_plain_cuda_session(model_repo, tmp_path):
     assert not engine.cuda_graphs
     out = engine.infer({engine.inputs[0].name: np.zeros((2, 256), np.float32)})
     assert all(v.shape[0] == 2 for v in out.values())
+
+
+@needs_cuda
+def test_the_encoder_replays_graphs_per_bucket_or_says_why_not(tmp_path, caplog):
+    """The BERT-shaped demo encoder on the CUDA EP: per (size, bucket) its graph replays give the
+    plain session.run's outputs within 1e-5, or, if ONNX Runtime refuses to capture it, the
+    engine serves without graphs and logs why (cuda_graphs = "auto")."""
+    from tests.support.models import _tool
+
+    tool = _tool("build_encoder_model")
+    tool.build_encoder(tmp_path, layers=1)
+    toml = tmp_path / "encoder" / "model.toml"
+    toml.write_text(toml.read_text().replace('execution_providers = ["CPUExecutionProvider"]',
+                                             'execution_providers = ["CUDAExecutionProvider"]'))
+    engine = OnnxRuntimeEngine(load_model_config(tmp_path / "encoder"))
+    with caplog.at_level("WARNING"):
+        engine.load()
+        for seq in (32, 64, 32):
+            for size in (2, 4, 8):
+                for seed in range(3):
+                    x = tool.sample_inputs(size, seq, seed=seed)
+                    got = engine.infer(x)
+                    want = engine.infer_without_graphs(x)
+                    for name, value in want.items():
+                        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=1e-5)
+    assert engine.providers[0] == "CUDAExecutionProvider"
+    if not engine.cuda_graphs:
+        assert "no CUDA graphs" in caplog.text, caplog.text
+    else:
+        assert len(engine.bound.shapes) == 6  # 3 sizes x 2 buckets, each captured once

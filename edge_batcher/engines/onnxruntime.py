@@ -129,7 +129,13 @@ class OnnxRuntimeEngine(Engine):
         if graphs:
             chain[0] = (chain[0][0], {**chain[0][1], "enable_cuda_graph": "1"})
         self._chain = chain
-        self._open_session(ort, path, chain)
+        try:
+            self._open_session(ort, path, chain)
+        except ConfigError as exc:
+            if not graphs or "graph capture" not in str(exc).lower():  # ONNX Runtime's words for a refusal
+                raise
+            self._open_session(ort, path, self._graphs_refused(exc))
+            graphs = False
         if graphs and self.providers[0] == "CUDAExecutionProvider":
             self.bound = BoundSession(self.session, "cuda", graphs=True)
         if self.providers[0] == "CUDAExecutionProvider":  # its device: the EP's device_id option (default 0)
@@ -219,19 +225,27 @@ class OnnxRuntimeEngine(Engine):
         return {spec.name: value for spec, value in zip(self.outputs, values)}
 
     def _without_graphs(self, exc: Exception, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
-        """ONNX Runtime refused to capture this model (a node off the device, a dynamic shape):
-        with cuda_graphs = "auto" the session is opened again without them, and says so."""
+        """ONNX Runtime refused to capture this model on its first batch: the session is opened
+        again without graphs (or the refusal is an error, see _graphs_refused)."""
+        import onnxruntime as ort
+
+        self._open_session(ort, self.config.model_path, self._graphs_refused(exc))
+        return self.session.run(None, inputs)
+
+    def _graphs_refused(self, exc: Exception) -> list[tuple[str, dict]]:
+        """ONNX Runtime cannot capture this model (a node off the device, a control-flow node, a
+        dynamic shape), at session creation or at the first batch. With cuda_graphs = "on" that is
+        the model's configuration error; with "auto" the providers without graphs are returned,
+        and the log says why."""
         if self.config.onnxruntime.cuda_graphs == "on":
             raise ConfigError(f"model {self.config.name!r}: [onnxruntime] cuda_graphs = \"on\" but ONNX Runtime "
                               f"cannot capture it: {exc}") from exc
-        import onnxruntime as ort
-
         log.warning("model %s: no CUDA graphs (ONNX Runtime: %s); serving without them "
                     "([onnxruntime] cuda_graphs = \"off\" skips the attempt)", self.config.name, exc)
-        chain = [(name, {k: v for k, v in opts.items() if k != "enable_cuda_graph"}) for name, opts in self._chain]
         self.bound = None
-        self._open_session(ort, self.config.model_path, chain)
-        return self.session.run(None, inputs)
+        self._chain = [(name, {k: v for k, v in opts.items() if k != "enable_cuda_graph"})
+                       for name, opts in self._chain]
+        return self._chain
 
     def close(self) -> None:
         self.session = None
