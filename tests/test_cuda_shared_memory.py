@@ -259,6 +259,24 @@ def test_bad_registrations_are_400_naming_the_problem(served):
     conn.close()
 
 
+def test_a_handle_in_libb64_lines_registers_as_triton_accepts_it(served):
+    """perf_analyzer (Triton's C++ client) sends the handle's base64 broken into 72-character
+    lines with a newline at the end, as libb64 writes it."""
+    x = frame(5)
+    b64 = exported(served, x).b64
+    wrapped = "\n".join(b64[i:i + 72] for i in range(0, len(b64), 72)) + "\n"
+    assert "\n" in wrapped.strip()  # a 64-byte handle is 88 characters: two lines
+    status, answer = _post(served, "/v2/cudasharedmemory/region/wrapped/register",
+                           {"raw_handle": {"b64": wrapped}, "device_id": 0, "byte_size": x.nbytes})
+    assert status == 200, answer
+    client = th.InferenceServerClient(served.http)
+    frames = th.InferInput("frames", list(x.shape), "UINT8")
+    frames.set_shared_memory("wrapped", x.nbytes)
+    result = client.infer("frames", [frames])
+    np.testing.assert_allclose(result.as_numpy("brightness"), expected_brightness(x), rtol=1e-5)
+    client.unregister_cuda_shared_memory("wrapped")
+
+
 def test_bad_requests_naming_regions_are_400_and_the_daemon_keeps_serving(served):
     client = th.InferenceServerClient(served.http)
     x = frame(3)

@@ -94,7 +94,7 @@ def plain(daemon, model: str, x: np.ndarray) -> np.ndarray:
     client = th.InferenceServerClient(daemon.tcp)
     frames = th.InferInput("frames", list(x.shape), "UINT8")
     frames.set_data_from_numpy(x, binary_data=True)
-    return client.infer(model, [frames], headers=HTTP_AUTH).as_numpy("brightness")
+    return client.infer(model, [frames], headers=dict(HTTP_AUTH)).as_numpy("brightness")
 
 
 @dataclass(frozen=True)

@@ -88,13 +88,15 @@ async def cuda_status(request: web.Request) -> web.Response:
 
 
 def decode_raw_handle(raw_handle: Any, name: str) -> bytes:
-    """Triton's {"b64": "..."} -> the handle's bytes (their length is the registry's to check)."""
+    """Triton's {"b64": "..."} -> the handle's bytes (their length is the registry's to check).
+    Line breaks and spaces are dropped first: Triton's C++ client (perf_analyzer's) encodes with
+    libb64, which breaks lines every 72 characters and ends with one, and Triton accepts that."""
     b64 = raw_handle.get("b64") if isinstance(raw_handle, dict) else None
     if not isinstance(b64, str):
         raise InvalidInput(f"register {name!r}: raw_handle must be {{\"b64\": the base64 of the cudaIpcMemHandle_t}}, "
                            f"got {str(raw_handle)[:80]!r}")
     try:
-        return base64.b64decode(b64, validate=True)
+        return base64.b64decode("".join(b64.split()), validate=True)
     except (binascii.Error, ValueError):
         raise InvalidInput(f"register {name!r}: raw_handle.b64 is not base64") from None
 

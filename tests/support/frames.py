@@ -34,4 +34,6 @@ def brightness_via_regions(tritonclient: Any, client: Any, model: str, x: np.nda
     frames.set_shared_memory(region_in, x.nbytes)
     out = tritonclient.InferRequestedOutput("brightness")
     out.set_shared_memory(region_out, 4 * x.shape[0])
-    return client.infer(model, [frames], outputs=[out], headers=headers)
+    # a copy: tritonclient.http's infer writes Inference-Header-Content-Length into the dict it is
+    # given, and a stale one would cut the next request's JSON short
+    return client.infer(model, [frames], outputs=[out], headers=dict(headers) if headers else None)
