@@ -66,11 +66,16 @@ def run_once(args: argparse.Namespace, variant: str, url: str, concurrency: int,
     if shm:
         cmd += ["--shared-memory", "cuda" if shm == "cudashm" else "system",
                 "--output-shared-memory-size", str(args.output_shm_bytes)]
+    out.unlink(missing_ok=True)  # never read the last variant's figures as this one's
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    if result.returncode != 0:
-        raise SystemExit(f"perf_analyzer ({variant}) failed:\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+    if result.returncode != 0 or not out.exists():
+        written = "" if out.exists() else ", no CSV written"
+        raise SystemExit(f"perf_analyzer ({variant}) failed (exit {result.returncode}{written}):\n"
+                         f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
     with open(out) as f:
-        row = next(csv.DictReader(f))
+        row = next(csv.DictReader(f), None)
+    if row is None:
+        raise SystemExit(f"perf_analyzer ({variant}) wrote no measurement:\n{result.stdout[-2000:]}")
     in_daemon_ms = sum(float(row[c]) for c in SERVER_COLUMNS) / 1e3
     mean_ms = in_daemon_ms + sum(float(row[c]) for c in TRANSPORT_COLUMNS) / 1e3
     return {"throughput": float(row["Inferences/Second"]), "p50_ms": float(row["p50 latency"]) / 1e3,
@@ -107,6 +112,9 @@ def main() -> int:
                         cpu0, n0 = cpu_seconds(daemon), served(home / "eb.sock", args.model)
                         r = run_once(args, variant, urls[variant.partition("+")[0]], concurrency, home / "pa.csv")
                         n = served(home / "eb.sock", args.model) - n0
+                        if n == 0:
+                            raise SystemExit(f"perf_analyzer ({variant}) reported {r['throughput']:.0f} infer/s "
+                                             "but the daemon answered nothing")
                         r["cpu_us"] = (cpu_seconds(daemon) - cpu0) / max(n, 1) * 1e6
                         runs.setdefault((variant, concurrency), []).append(r)
                         this_round[variant] = r["throughput"]
