@@ -15,7 +15,7 @@ import pytest
 
 from edge_batcher.config import load_model_config
 from edge_batcher.engines.onnxruntime import OnnxRuntimeEngine
-from edge_batcher.engines.ort_graphs import BoundSession
+from edge_batcher.engines.ort_graphs import BoundSession, graph_ids_missing
 from edge_batcher.errors import ConfigError
 
 
@@ -59,6 +59,16 @@ def test_cuda_graphs_setting_is_checked(model_repo, tmp_path):
     (model / "model.toml").write_text(text)
     with pytest.raises(ConfigError, match="cuda_graphs: expected auto, on or off"):
         load_model_config(model)
+
+
+@pytest.mark.parametrize("version", ["1.18.0", "1.31.1", "2.0.0", "1.20.0.dev20240501", "custom-build"])
+def test_graph_ids_are_trusted_from_onnxruntime_1_18(version):
+    assert graph_ids_missing(version) is None
+
+
+def test_an_older_onnxruntime_says_why_it_gets_no_graphs():
+    why = graph_ids_missing("1.17.3")
+    assert why is not None and "one CUDA graph per session" in why and "1.18" in why
 
 
 def test_cpu_sessions_never_use_graphs(model_repo):

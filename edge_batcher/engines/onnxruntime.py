@@ -19,7 +19,7 @@ from ..errors import ConfigError, EngineError, OutOfMemory
 from ..types import TensorSpec
 from .base import DEVICE_PROVIDERS, DeviceArray, Engine, apply_overrides
 from .onnx_file import onnx_file_problem
-from .ort_graphs import BoundSession, outside_graphs
+from .ort_graphs import BoundSession, graph_ids_missing, outside_graphs
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,12 @@ class OnnxRuntimeEngine(Engine):
         if not any(name == "CPUExecutionProvider" for name, _ in chain):
             chain.append(("CPUExecutionProvider", {}))
         graphs = settings.cuda_graphs != "off" and chain[0][0] == "CUDAExecutionProvider"
+        too_old = graph_ids_missing(ort.__version__) if graphs else None
+        if too_old:
+            if settings.cuda_graphs == "on":
+                raise ConfigError(f"model {self.config.name!r}: [onnxruntime] cuda_graphs = \"on\" but {too_old}")
+            log.warning("model %s: no CUDA graphs: %s", self.config.name, too_old)
+            graphs = False
         if graphs:
             chain[0] = (chain[0][0], {**chain[0][1], "enable_cuda_graph": "1"})
         self._chain = chain

@@ -20,6 +20,21 @@ log = logging.getLogger(__name__)
 # allocations), captures on a later run, and replays from then on.
 CAPTURE_RUNS = 3
 MAX_GRAPHS = 64  # shapes per session (sizes x buckets); a shape beyond runs without a graph
+# One graph per `gpu_graph_id` since onnxruntime 1.18 (its pull request 19636). An older build
+# ignores the id and captures one graph per session, which it would replay for every shape.
+GRAPH_IDS_SINCE = (1, 18)
+
+
+def graph_ids_missing(version: str) -> str | None:
+    """Why this onnxruntime version cannot keep a graph per batch shape, or None if it can."""
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return None  # a build with an unusual version string: assume a current one
+    if (major, minor) >= GRAPH_IDS_SINCE:
+        return None
+    return (f"onnxruntime {version} keeps one CUDA graph per session, not one per batch shape "
+            f"(gpu_graph_id needs {'.'.join(map(str, GRAPH_IDS_SINCE))} or newer)")
 
 
 def outside_graphs() -> Any:
