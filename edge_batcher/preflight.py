@@ -87,13 +87,12 @@ def _check_model(mc: ModelConfig, names: set[str], offload: OffloadSettings) -> 
         return Finding(what, True, f"cannot read its model file {path}: {exc.strerror or exc}")
     if empty:
         return Finding(what, True, f"its model file {path} is empty")
-    if path.suffix == ".onnx":
-        try:
-            problem = onnx_file_problem(path)
-        except OSError as exc:
-            return Finding(what, True, f"cannot read its model file {path}: {exc.strerror or exc}")
-        if problem is not None:
-            return Finding(what, True, f"its model file {path} is not a whole ONNX model: {problem}")
+    try:
+        problem = onnx_file_problem(path)
+    except OSError as exc:
+        return Finding(what, True, f"cannot read its model file {path}: {exc.strerror or exc}")
+    if problem is not None:
+        return Finding(what, True, f"its model file {path} is not a whole ONNX model: {problem}")
     where = "runs on offload peers only ([offload] remote_only)" if remote_only else f"{mc.instances} instance(s)"
     return Finding(what, False, f"{mc.backend}, {path.name} {path.stat().st_size / MiB:.1f} MiB, {where}")
 

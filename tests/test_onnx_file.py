@@ -68,3 +68,11 @@ def test_random_bytes_are_never_taken_for_a_model(tmp_path):
     for _ in range(200):
         path.write_bytes(os.urandom(512))
         assert onnx_file_problem(path) is not None
+
+
+@pytest.mark.parametrize("name", ["model.ort", "model.plan", "model.engine"])
+def test_files_of_other_formats_are_not_judged_as_onnx(tmp_path, name):
+    """ONNX Runtime's .ort format and TensorRT plans are not protobuf ONNX: no verdict on them."""
+    path = tmp_path / name
+    path.write_bytes(b"ftrt" + bytes(range(256)))
+    assert onnx_file_problem(path) is None

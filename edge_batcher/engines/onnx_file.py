@@ -23,8 +23,11 @@ MAX_FIELDS = 1_000_000  # a real model has tens of top-level fields (opsets, met
 
 def onnx_file_problem(path: Path) -> str | None:
     """What keeps `path` from being a whole ONNX model, or None when its top level is one
-    (an ir_version, a graph, an opset_import, every field within the file). Raises OSError when
-    it cannot be read."""
+    (an ir_version, a graph, an opset_import, every field within the file) or it is no `.onnx`
+    file (ONNX Runtime's own .ort format, a TensorRT plan: not checked here). Raises OSError
+    when it cannot be read."""
+    if path.suffix != ".onnx":
+        return None
     size = path.stat().st_size
     with path.open("rb") as f:
         return _walk(f, size)

@@ -283,8 +283,6 @@ def _spec(node) -> TensorSpec:
 
 
 def _file_problem(path: Path) -> str | None:
-    if path.suffix != ".onnx":  # e.g. ONNX Runtime's own .ort format
-        return None
     try:
         return onnx_file_problem(path)
     except OSError:
