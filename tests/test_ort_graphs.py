@@ -161,3 +161,36 @@ def test_the_encoder_replays_graphs_per_bucket_or_says_why_not(tmp_path, caplog)
         assert "no CUDA graphs" in caplog.text, caplog.text
     else:
         assert len(engine.bound.shapes) == 6  # 3 sizes x 2 buckets, each captured once
+
+
+def _model_with_a_cpu_only_node(directory, mode: str):
+    """Relu -> Det -> Relu: ONNX Runtime's CUDA EP has no Det kernel, so Det runs on the CPU
+    between two CUDA nodes, with copies around it, which CUDA graphs refuse at session creation
+    ("cannot use the graph capture feature"), as many detection models' CPU-only ops do."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("Det", ["r"], ["d"]),
+         helper.make_node("Relu", ["d"], ["y"])],
+        "cpu_node", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 2, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n"])])
+    directory.mkdir()
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8),
+              directory / "model.onnx")
+    (directory / "model.toml").write_text(
+        'backend = "onnxruntime"\n[onnxruntime]\nexecution_providers = ["CUDAExecutionProvider"]\n'
+        f'cuda_graphs = "{mode}"\n[batching]\npreferred_batch_sizes = [2, 4]\n')
+    return load_model_config(directory)
+
+
+@needs_cuda
+def test_a_model_graphs_refuse_at_session_creation_is_served_without_them(tmp_path, caplog):
+    engine = OnnxRuntimeEngine(_model_with_a_cpu_only_node(tmp_path / "auto", "auto"))
+    with caplog.at_level("WARNING"):
+        engine.load()
+    assert not engine.cuda_graphs and "no CUDA graphs" in caplog.text and "graph capture" in caplog.text
+    x = np.array([[[2, 1], [1, 3]], [[1, 2], [3, 4]]], np.float32)  # determinants 5 and 0 (Relu of -2)
+    np.testing.assert_allclose(engine.infer({"x": x})["y"], [5.0, 0.0], rtol=1e-5)
+    with pytest.raises(ConfigError, match='cuda_graphs = "on" but ONNX Runtime cannot capture it'):
+        OnnxRuntimeEngine(_model_with_a_cpu_only_node(tmp_path / "on", "on")).load()
