@@ -25,6 +25,10 @@ class Servable(Protocol):
     resident_bytes: int
 
     @property
+    def cuda_graphs(self) -> bool:
+        """Whether its engines replay captured CUDA graphs (Triton's optimization.cuda.graphs)."""
+
+    @property
     def queue(self) -> Sized:
         """len(): its requests not answered yet (the daemon's status line). Read-only here, so that
         each servable's own container type satisfies it."""

@@ -40,8 +40,10 @@ def test_a_priority_beyond_the_models_levels_is_the_clients_mistake(given) -> No
 class _Servable:
     """What model_config reads of a loaded model: its config and declared tensors."""
 
-    def __init__(self, config: ModelConfig, inputs: list[TensorSpec], outputs: list[TensorSpec]):
+    def __init__(self, config: ModelConfig, inputs: list[TensorSpec], outputs: list[TensorSpec],
+                 cuda_graphs: bool = False):
         self.name, self.config, self.inputs, self.outputs = config.name, config, inputs, outputs
+        self.cuda_graphs = cuda_graphs
 
 
 def test_model_config_is_tritons_message(tmp_path) -> None:
@@ -67,6 +69,21 @@ def test_model_config_is_tritons_message(tmp_path) -> None:
     assert d.priority_levels == 3 and d.default_priority_level == 3
     queue_policy = d.default_queue_policy
     assert queue_policy.default_timeout_microseconds == 250_000 and queue_policy.max_queue_size == 99
+    assert not message.optimization.cuda.graphs
+
+
+def test_model_config_says_whether_cuda_graphs_replay(tmp_path) -> None:
+    """Triton's optimization.cuda.graphs: what the engines do (an "auto" ONNX Runtime model whose
+    graphs were refused says false), so an operator can see it without reading the log."""
+    from google.protobuf import json_format
+
+    from edge_batcher.transports.grpc_v2 import model_config_pb2
+
+    servable = _Servable(ModelConfig(name="m", directory=tmp_path), [TensorSpec("x", "FP32", (-1, 4))],
+                         [TensorSpec("y", "FP32", (-1,))], cuda_graphs=True)
+    body = model_config(servable)
+    assert body["optimization"] == {"cuda": {"graphs": True}}
+    assert json_format.ParseDict(body, model_config_pb2.ModelConfig()).optimization.cuda.graphs
 
 
 def test_statistics_have_tritons_counts() -> None:

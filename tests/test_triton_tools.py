@@ -146,6 +146,7 @@ def test_model_config_is_the_same_tritons_config_on_http_and_grpc(endpoints) -> 
     assert vibration.dynamic_batching.priority_levels == 1
     # faulty's model.toml: priority_levels = 3, default_priority = 1 (the middle level)
     assert faulty.dynamic_batching.priority_levels == 3 and faulty.dynamic_batching.default_priority_level == 2
+    assert not vibration.optimization.cuda.graphs  # the CPU provider: no graphs to replay
 
 
 def test_a_grpc_token_with_a_leading_space_is_accepted_as_perf_analyzer_sends_it(endpoints) -> None:

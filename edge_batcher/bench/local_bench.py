@@ -55,7 +55,7 @@ async def bench_local(config, args) -> dict:
 
     n = args.repeat
     auto = cpu is not None and config.server.loop_cpu == "auto"
-    graphs = bool(getattr(engine, "cuda_graphs", False))
+    graphs = runner.cuda_graphs
     plan = _plan(args, load_s, pinned=cpu is not None, auto=auto, graphs=graphs)
     progress = Progress("bench", len(plan), weights=plan)
 

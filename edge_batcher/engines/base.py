@@ -7,9 +7,10 @@ the preferred sizes). It never sees the event loop.
 
 Besides the four required members, `Engine` declares the optional hooks with their defaults
 (`batch_inputs`, `prepare`, `memory_footprint`, `tokenizer`, `token_padding`,
-`accepts_any_length`, `device_inputs`): an engine that subclasses it inherits them; `with_hook_defaults` gives
-an engine that only duck-types the protocol (a user's backend, a test's fake) the same
-defaults once, at creation, so callers read the hooks directly instead of probing with getattr.
+`accepts_any_length`, `device_inputs`, `cuda_graphs`): an engine that subclasses it inherits
+them; `with_hook_defaults` gives an engine that only duck-types the protocol (a user's backend,
+a test's fake) the same defaults once, at creation, so callers read the hooks directly instead
+of probing with getattr.
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ class Engine(Protocol):
     # with IOBinding): batches of inputs in CUDA shared memory are assembled there. None: host only.
     device_inputs: int | None = None
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """True once loaded when its batches replay captured CUDA graphs (the backend's
+        cuda_graphs setting, as far as its runtime accepted it): the Triton config reports it."""
+        return False
+
     def __init__(self, config: ModelConfig) -> None: ...
 
     def load(self) -> None:
@@ -78,7 +85,7 @@ class Engine(Protocol):
 
 HOOK_DEFAULTS: dict[str, Any] = {
     "batch_inputs": None, "prepare": None, "memory_footprint": None, "tokenizer": None, "token_padding": None,
-    "accepts_any_length": False, "device_inputs": None,
+    "accepts_any_length": False, "device_inputs": None, "cuda_graphs": False,
 }
 
 

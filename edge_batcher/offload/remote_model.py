@@ -32,6 +32,7 @@ class RemoteModel:
     """A servable (servable.Servable) whose every request runs on an offload peer."""
 
     resident_bytes = 0  # nothing of it is loaded here
+    cuda_graphs = False
 
     def __init__(self, config: ModelConfig, inputs: list[TensorSpec], outputs: list[TensorSpec],
                  peers: OffloadPort, metrics: Metrics) -> None:

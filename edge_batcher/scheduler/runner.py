@@ -262,6 +262,11 @@ class ModelRunner:
     def stats(self) -> ModelStats:
         return self._stats.counts
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether its engines replay captured CUDA graphs (all instances load alike)."""
+        return any(engine.cuda_graphs for engine in self.engines)
+
     def loop_cpu_threads(self) -> list[int]:
         """Native ids of the engine worker threads that follow the event loop's CPU (all but
         those of a model with long batches, which run on every CPU)."""

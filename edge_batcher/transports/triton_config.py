@@ -71,6 +71,8 @@ def model_config(servable: Servable) -> dict[str, Any]:
             },
         },
         "instance_group": [{"name": servable.name, "kind": _instance_kind(c), "count": c.instances}],
+        # what the engines do, not what model.toml asked: "auto" may have found graphs refused
+        "optimization": {"cuda": {"graphs": servable.cuda_graphs}},
         "parameters": {
             key: {"string_value": str(value)}
             for key, value in (("description", c.description), ("labels", ",".join(c.labels)),
