@@ -288,6 +288,18 @@ def test_a_client_that_stops_reading_its_answers_is_disconnected(tmp_path):
             assert channel.unary_unary("/t/Echo")(b"ok", timeout=10) == b"ok"
 
 
+@pytest.mark.parametrize("before, now, verdict", [
+    ((1000, 5000), (1000, 5000), True),   # nothing taken by the kernel, nothing read from it
+    ((1000, 5000), (1000, 4000), False),  # the client read: the kernel holds less
+    ((1000, 5000), (3000, 5000), False),  # the client read and the kernel took more from us
+    ((1000, 0), (1000, 0), True),         # a transport whose kernel queue cannot be asked
+])
+def test_a_stall_is_nothing_read_whatever_the_write_buffer_did(before, now, verdict):
+    """The look every idle_timeout_s (CI failure: calls finishing while writing was paused added
+    their headers to the buffer faster than a slow reader drained it, so it was cut)."""
+    assert http2.stalled(before, now) is verdict
+
+
 def test_a_slow_reader_keeps_its_connection_while_it_makes_progress(tmp_path):
     """The same 1,000 answers read 16 KiB at a time every 20 ms (longer in all than idle_timeout_s):
     bytes leave between every two looks, so nothing is aborted and every answer arrives whole."""

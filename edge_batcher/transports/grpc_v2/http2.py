@@ -12,8 +12,10 @@ grpc.aio: docs/benchmarks.md, "gRPC against HTTP".
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
 import struct
+import termios
 from collections.abc import Callable
 
 from hpack import HPACKError
@@ -81,6 +83,25 @@ def trailers(status: Status, message: str) -> bytes:
 Dispatch = Callable[[Call], None]
 
 
+def stalled(before: tuple[int, int], now: tuple[int, int]) -> bool:
+    """Whether a client read none of our answers between two looks, each (bytes handed to the
+    kernel, bytes the kernel still holds for the client). It read some if the kernel took more
+    from us (there was room: it had read) or holds less. Not the write buffer's size: calls that
+    finish meanwhile still add their headers to it, so it can grow while a slow client reads."""
+    return now[0] <= before[0] and now[1] >= before[1]
+
+
+def _kernel_unsent(transport: asyncio.BaseTransport) -> int:
+    """Bytes in the socket's send queue the client has not read (0 where it cannot be asked)."""
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return 0
+    try:
+        return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"), "little")
+    except OSError:
+        return 0
+
+
 class GrpcConnection(asyncio.Protocol):
     """One client connection: HTTP/2 frames in, calls to `dispatch`, responses out."""
 
@@ -100,6 +121,7 @@ class GrpcConnection(asyncio.Protocol):
         self._window_grown: asyncio.Future | None = None
         self._drained: asyncio.Future | None = None  # set while the transport's buffer is full
         self._write_stall: asyncio.TimerHandle | None = None  # aborts a client that reads nothing meanwhile
+        self._written = 0  # bytes handed to the transport: less what it holds, what has left
         self._buf = bytearray()
         self._preface = False
         self._headers: tuple[int, int, bytearray] | None = None  # (stream, flags, block) awaiting CONTINUATION
@@ -125,8 +147,8 @@ class GrpcConnection(asyncio.Protocol):
         settings = struct.pack(">HIHIHIHI", SETTINGS_MAX_CONCURRENT_STREAMS, MAX_STREAMS,
                                SETTINGS_INITIAL_WINDOW_SIZE, DEFAULT_WINDOW, SETTINGS_MAX_FRAME_SIZE, MAX_FRAME,
                                SETTINGS_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST)
-        transport.write(frame(SETTINGS, 0, 0, settings)
-                        + frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", CONNECTION_WINDOW - DEFAULT_WINDOW)))
+        self._write(frame(SETTINGS, 0, 0, settings)
+                    + frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", CONNECTION_WINDOW - DEFAULT_WINDOW)))
         self._idle_since = asyncio.get_running_loop().time()
         self._check_idle_later(self.idle_timeout_s)
 
@@ -156,26 +178,26 @@ class GrpcConnection(asyncio.Protocol):
             self._write_stall.cancel()
             self._write_stall = None
 
-    def _watch_stall(self, unsent_before: int | None) -> None:
-        """While writing is paused: every idle_timeout_s, abort (its calls abandoned) if not one
-        byte of our answers has left since the last look; a slow reader makes progress and stays."""
+    def _watch_stall(self, before: tuple[int, int] | None) -> None:
+        """While writing is paused: every idle_timeout_s, abort (its calls abandoned) if the
+        client read nothing since the last look; a slow reader makes progress and stays."""
         self._write_stall = None
         if self.transport is None:
             return
-        unsent = self.transport.get_write_buffer_size()
-        if unsent_before is not None and unsent >= unsent_before:
+        now = (self._written - self.transport.get_write_buffer_size(), _kernel_unsent(self.transport))
+        if before is not None and stalled(before, now):
             log.debug("gRPC connection from %s: its client read none of our answers for %.1f s (idle_timeout_s)",
                       self.peer, self.idle_timeout_s)
             self.transport.abort()
             return
-        self._write_stall = asyncio.get_running_loop().call_later(self.idle_timeout_s, self._watch_stall, unsent)
+        self._write_stall = asyncio.get_running_loop().call_later(self.idle_timeout_s, self._watch_stall, now)
 
     def go_away(self) -> None:
         """Take no new calls (those open are answered); close once none is left."""
         if self.going_away or self.transport is None or self.transport.is_closing():
             return
         self.going_away = True
-        self.transport.write(frame(GOAWAY, 0, 0, struct.pack(">II", self._last_stream, NO_ERROR)))
+        self._write(frame(GOAWAY, 0, 0, struct.pack(">II", self._last_stream, NO_ERROR)))
         if not self.streams:
             self.transport.close()
 
@@ -193,7 +215,7 @@ class GrpcConnection(asyncio.Protocol):
         idle_for = asyncio.get_running_loop().time() - self._idle_since
         if not self.streams and idle_for >= self.idle_timeout_s:
             if self._preface:
-                self.transport.write(frame(GOAWAY, 0, 0, struct.pack(">II", self._last_stream, NO_ERROR)))
+                self._write(frame(GOAWAY, 0, 0, struct.pack(">II", self._last_stream, NO_ERROR)))
             self.transport.close()
             return
         self._check_idle_later(self.idle_timeout_s - idle_for if not self.streams else self.idle_timeout_s)
@@ -202,7 +224,7 @@ class GrpcConnection(asyncio.Protocol):
         """A connection error: GOAWAY with `code`, then closed (the client broke HTTP/2 itself)."""
         log.debug("gRPC connection from %s closed: %s", self.peer, why)
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(frame(GOAWAY, 0, 0, struct.pack(">II", self._last_stream, code) + why.encode()))
+            self._write(frame(GOAWAY, 0, 0, struct.pack(">II", self._last_stream, code) + why.encode()))
             self.transport.close()
 
     # ------------------------------------------------------------------ frames in
@@ -241,7 +263,7 @@ class GrpcConnection(asyncio.Protocol):
         if self._unacked and self.transport is not None and not self.transport.is_closing():
             # every DATA byte is buffered in its call at once: the connection window never blocks a
             # stream; each stream's own window is what bounds a call's unread bytes
-            self.transport.write(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self._unacked)))
+            self._write(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self._unacked)))
             self._unacked = 0
 
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
@@ -303,7 +325,7 @@ class GrpcConnection(asyncio.Protocol):
         """Let the client send `n` more bytes of `call`'s message (it is being read)."""
         call.recv_window += n
         if self.transport is not None and not self.transport.is_closing():
-            self.transport.write(frame(WINDOW_UPDATE, 0, call.stream_id, struct.pack(">I", n)))
+            self._write(frame(WINDOW_UPDATE, 0, call.stream_id, struct.pack(">I", n)))
 
     def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
         block = self._unpad(flags, payload)
@@ -401,6 +423,7 @@ class GrpcConnection(asyncio.Protocol):
     def _write(self, data: bytes) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
+            self._written += len(data)
 
     def respond(self, call: Call, status: Status, message: str = "") -> None:
         """A response without a message: trailers only (every refusal and error)."""
