@@ -21,18 +21,18 @@ requests it pipelined behind them are freed, not kept for ever (a slow reader is
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import json
 import logging
 import os
 import ssl
-import termios
 from dataclasses import dataclass
 
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 from aiohttp.web_request import BaseRequest
 from aiohttp.web_server import Server
+
+from .socket_queues import unread_bytes
 
 log = logging.getLogger(__name__)
 
@@ -136,17 +136,6 @@ def _refusal(limit: int) -> bytes:
             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
 
 
-def _unread_bytes(transport: asyncio.BaseTransport | None) -> int:
-    """Bytes the client sent that the loop has not read from the socket yet (0 when unknown)."""
-    sock = transport.get_extra_info("socket") if transport is not None else None
-    if sock is None:
-        return 0
-    try:
-        return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"), "little")
-    except OSError:
-        return 0
-
-
 def _discard_unread(transport: asyncio.BaseTransport) -> None:
     """Read and drop what the client already sent, so closing sends a FIN, not a reset."""
     sock = transport.get_extra_info("socket")
@@ -179,7 +168,7 @@ class GuardedRequestHandler(RequestHandler):
     def evictable(self, now: float) -> bool:
         """Idle for EVICT_AFTER_IDLE_S, with no request anywhere in the connection."""
         return (self.requests_running == 0 and self.requests_waiting == 0
-                and now - self.idle_since >= EVICT_AFTER_IDLE_S and _unread_bytes(self.transport) == 0)
+                and now - self.idle_since >= EVICT_AFTER_IDLE_S and unread_bytes(self.transport) == 0)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         tls = self._tls_for(transport)

@@ -12,14 +12,13 @@ grpc.aio: docs/benchmarks.md, "gRPC against HTTP".
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import logging
 import struct
-import termios
 from collections.abc import Callable
 
 from hpack import HPACKError
 
+from ..socket_queues import unsent_bytes
 from .call import Call, Status
 from .headers import MAX_HEADER_LIST, HeaderDecoder
 
@@ -89,17 +88,6 @@ def stalled(before: tuple[int, int], now: tuple[int, int]) -> bool:
     from us (there was room: it had read) or holds less. Not the write buffer's size: calls that
     finish meanwhile still add their headers to it, so it can grow while a slow client reads."""
     return now[0] <= before[0] and now[1] >= before[1]
-
-
-def _kernel_unsent(transport: asyncio.BaseTransport) -> int:
-    """Bytes in the socket's send queue the client has not read (0 where it cannot be asked)."""
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return 0
-    try:
-        return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, b"\0\0\0\0"), "little")
-    except OSError:
-        return 0
 
 
 class GrpcConnection(asyncio.Protocol):
@@ -184,7 +172,7 @@ class GrpcConnection(asyncio.Protocol):
         self._write_stall = None
         if self.transport is None:
             return
-        now = (self._written - self.transport.get_write_buffer_size(), _kernel_unsent(self.transport))
+        now = (self._written - self.transport.get_write_buffer_size(), unsent_bytes(self.transport))
         if before is not None and stalled(before, now):
             log.debug("gRPC connection from %s: its client read none of our answers for %.1f s (idle_timeout_s)",
                       self.peer, self.idle_timeout_s)
