@@ -126,26 +126,24 @@ class OnnxRuntimeEngine(Engine):
         if not any(name == "CPUExecutionProvider" for name, _ in chain):
             chain.append(("CPUExecutionProvider", {}))
         graphs = settings.cuda_graphs != "off" and chain[0][0] == "CUDAExecutionProvider"
-        too_old = graph_ids_missing(ort.__version__) if graphs else None
-        if too_old:
-            if settings.cuda_graphs == "on":
-                raise ConfigError(f"model {self.config.name!r}: [onnxruntime] cuda_graphs = \"on\" but {too_old}")
-            log.warning("model %s: no CUDA graphs: %s", self.config.name, too_old)
-            graphs = False
         if graphs:
             chain[0] = (chain[0][0], {**chain[0][1], "enable_cuda_graph": "1"})
         self._chain = chain
+        too_old = graph_ids_missing(ort.__version__) if graphs else None
+        if too_old:
+            graphs = False
+            self._graphs_refused(too_old)
         try:
-            self._open_session(ort, path, chain)
+            self._open_session(ort, path, self._chain)
         except ConfigError as exc:
             if not graphs or "graph capture" not in str(exc).lower():  # ONNX Runtime's words for a refusal
                 raise
-            self._open_session(ort, path, self._graphs_refused(exc))
             graphs = False
+            self._open_session(ort, path, self._graphs_refused(f"ONNX Runtime cannot capture it: {exc}", exc))
         if graphs and self.providers[0] == "CUDAExecutionProvider":
             self.bound = BoundSession(self.session, "cuda", graphs=True)
         if self.providers[0] == "CUDAExecutionProvider":  # its device: the EP's device_id option (default 0)
-            self.device_inputs = int(dict(chain)["CUDAExecutionProvider"].get("device_id", 0))
+            self.device_inputs = int(dict(self._chain)["CUDAExecutionProvider"].get("device_id", 0))
         self.inputs = apply_overrides(
             [_spec(i) for i in self.session.get_inputs()], self.config.inputs, "input", self.config.name
         )
@@ -235,19 +233,20 @@ class OnnxRuntimeEngine(Engine):
         again without graphs (or the refusal is an error, see _graphs_refused)."""
         import onnxruntime as ort
 
-        self._open_session(ort, self.config.model_path, self._graphs_refused(exc))
+        self._open_session(ort, self.config.model_path,
+                           self._graphs_refused(f"ONNX Runtime cannot capture it: {exc}", exc))
         return self.session.run(None, inputs)
 
-    def _graphs_refused(self, exc: Exception) -> list[tuple[str, dict]]:
-        """ONNX Runtime cannot capture this model (a node off the device, a control-flow node, a
-        dynamic shape), at session creation or at the first batch. With cuda_graphs = "on" that is
-        the model's configuration error; with "auto" the providers without graphs are returned,
-        and the log says why."""
+    def _graphs_refused(self, why: str, cause: Exception | None = None) -> list[tuple[str, dict]]:
+        """No CUDA graphs for this model, for `why`: an onnxruntime too old for one graph per shape,
+        or ONNX Runtime refusing to capture it (a node off the device, a control-flow node, a
+        dynamic shape) at session creation or at the first batch. With cuda_graphs = "on" that is
+        the model's configuration error; with "auto" the providers without graphs are returned
+        (and kept for any reopening), and the log says why."""
         if self.config.onnxruntime.cuda_graphs == "on":
-            raise ConfigError(f"model {self.config.name!r}: [onnxruntime] cuda_graphs = \"on\" but ONNX Runtime "
-                              f"cannot capture it: {exc}") from exc
-        log.warning("model %s: no CUDA graphs (ONNX Runtime: %s); serving without them "
-                    "([onnxruntime] cuda_graphs = \"off\" skips the attempt)", self.config.name, exc)
+            raise ConfigError(f"model {self.config.name!r}: [onnxruntime] cuda_graphs = \"on\" but {why}") from cause
+        log.warning("model %s: no CUDA graphs (%s); serving without them "
+                    "([onnxruntime] cuda_graphs = \"off\" skips the attempt)", self.config.name, why)
         self.bound = None
         self._chain = [(name, {k: v for k, v in opts.items() if k != "enable_cuda_graph"})
                        for name, opts in self._chain]
