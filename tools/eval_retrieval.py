@@ -44,7 +44,7 @@ from edge_batcher.rag.passages import split_file  # noqa: E402
 CORPUS = ROOT / "docs" / "corpus"
 QUESTION_FILES = ("questions.json", "questions-technician.json", "questions-paraphrase.json",
                   "questions-holdout.json", "questions-paraphrase-holdout.json", "questions-paraphrase-blind.json",
-                  "questions-paraphrase-blind2.json")
+                  "questions-paraphrase-blind2.json", "questions-paraphrase-blind3.json")
 # column name -> (file, split); None: the whole file
 SETS = {"shipped ten": ("questions.json", None),
         "technician dev": ("questions-technician.json", "dev"),
@@ -54,7 +54,8 @@ SETS = {"shipped ten": ("questions.json", None),
         "held out": ("questions-holdout.json", None),
         "paraphrase held out": ("questions-paraphrase-holdout.json", None),
         "paraphrase blind": ("questions-paraphrase-blind.json", None),
-        "paraphrase blind 2": ("questions-paraphrase-blind2.json", None)}
+        "paraphrase blind 2": ("questions-paraphrase-blind2.json", None),
+        "paraphrase blind 3": ("questions-paraphrase-blind3.json", None)}
 DEV_SETS = ("shipped ten", "technician dev", "paraphrase dev")
 
 # A ranking: (index, query vectors, question texts) -> ids of the top 3 for each question.
