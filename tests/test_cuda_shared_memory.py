@@ -68,8 +68,10 @@ class Served:
 def served(tmp_path_factory):
     repo = tmp_path_factory.mktemp("frames_engines")
     build = _tool("build_frames_model").build
-    build(repo, "frames", height=FRAME[0], width=FRAME[1], delay_ms=DELAY_MS)
-    build(repo, "frames_slow", height=FRAME[0], width=FRAME[1], delay_ms=1500.0)  # time to unregister meanwhile
+    # Requests wait for company even when the model is idle (dispatch_when_idle off): N concurrent
+    # ones meet in one batch, and a lone one on frames_slow waits 1.5 s, time to unregister meanwhile.
+    build(repo, "frames", height=FRAME[0], width=FRAME[1], delay_ms=DELAY_MS, dispatch_when_idle=False)
+    build(repo, "frames_slow", height=FRAME[0], width=FRAME[1], delay_ms=1500.0, dispatch_when_idle=False)
     gpu = FakeCuda()
     config = DaemonConfig()
     config.models.repository = str(repo)

@@ -60,8 +60,8 @@ def _free_port() -> int:
 def gpu_daemon(tmp_path_factory):
     repo = tmp_path_factory.mktemp("frames_gpu")
     build = _tool("build_frames_model").build
-    build(repo, "frames_cpu", height=FRAME[0], width=FRAME[1], delay_ms=300.0)
-    gpu_model = build(repo, "frames_cuda", height=FRAME[0], width=FRAME[1], delay_ms=300.0)
+    build(repo, "frames_cpu", height=FRAME[0], width=FRAME[1], delay_ms=300.0, dispatch_when_idle=False)
+    gpu_model = build(repo, "frames_cuda", height=FRAME[0], width=FRAME[1], delay_ms=300.0, dispatch_when_idle=False)
     toml = gpu_model / "model.toml"
     text = toml.read_text().replace('execution_providers = ["CPUExecutionProvider"]',
                                     'execution_providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]')

@@ -28,12 +28,16 @@ intra_op_threads = 1
 [batching]
 preferred_batch_sizes = [2, 4, 8]
 max_queue_delay_ms = {delay_ms}
+dispatch_when_idle = {when_idle}
 default_timeout_ms = 10000
 queue_capacity = 256
 """
 
 
-def build(out: Path, name: str = "frames", height: int = 480, width: int = 640, delay_ms: float = 2.0) -> Path:
+def build(out: Path, name: str = "frames", height: int = 480, width: int = 640, delay_ms: float = 2.0,
+          dispatch_when_idle: bool = True) -> Path:
+    """The model in out/name. Tests of batching pass dispatch_when_idle=False, so that requests
+    sent together wait delay_ms for each other even when the first finds the model idle."""
     d = out / name
     d.mkdir(parents=True, exist_ok=True)
     graph = helper.make_graph(
@@ -56,7 +60,7 @@ def build(out: Path, name: str = "frames", height: int = 480, width: int = 640, 
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
     onnx.checker.check_model(model)
     onnx.save(model, d / "model.onnx")
-    (d / "model.toml").write_text(MODEL_TOML.format(delay_ms=delay_ms))
+    (d / "model.toml").write_text(MODEL_TOML.format(delay_ms=delay_ms, when_idle=str(dispatch_when_idle).lower()))
     return d
 
 

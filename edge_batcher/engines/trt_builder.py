@@ -165,8 +165,8 @@ def model_toml(request: BuildRequest, info: dict[str, Any]) -> str:
     lines += ["", "[batching]", f"preferred_batch_sizes = {_toml_value(request.sizes)}"]
     if src:
         b = src.batching
-        for name in ("max_queue_delay_ms", "priority_levels", "default_priority", "default_timeout_ms",
-                     "max_timeout_ms", "queue_capacity"):
+        for name in ("max_queue_delay_ms", "dispatch_when_idle", "priority_levels", "default_priority",
+                     "default_timeout_ms", "max_timeout_ms", "queue_capacity"):
             lines.append(f"{name} = {_toml_value(getattr(b, name))}")
     if src and src.sequence:
         s = src.sequence

@@ -7,13 +7,14 @@ requests it plans out of the queue. The other rules the runner applies are here 
 arrival can change the plan (`decision_may_change`), how a batch splits after running out of
 memory (`oom_split`), whether a request whose offload failed retries locally
 (`retries_locally`), and the size cap after warm-up runs out of memory (`capped_after_oom`).
-docs/architecture.md ("The batching policy") states the rules with examples.
+The README ("How batches are formed") states the rules with examples; docs/architecture.md
+("How a request flows") where the runner applies them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
 from .queues import BucketQueue, ModelQueue, QueuedRequest
@@ -28,6 +29,7 @@ class Reason(str, Enum):
 
     FULL = "full"
     DELAY = "delay"
+    IDLE = "idle"  # it found the model idle: nothing to wait for (dispatch_when_idle)
     DEADLINE = "deadline"
     DRAIN = "drain"
     OOM_SPLIT = "oom_split"
@@ -55,6 +57,7 @@ class Target(str, Enum):
 
 # The names tests and callers have used since the reasons were strings.
 FULL, DELAY, DEADLINE, DRAIN, OOM_SPLIT = Reason.FULL, Reason.DELAY, Reason.DEADLINE, Reason.DRAIN, Reason.OOM_SPLIT
+IDLE = Reason.IDLE
 DOES_NOT_FIT, TOO_LARGE, BACKLOG, REMOTE_ONLY = (
     Reason.DOES_NOT_FIT, Reason.TOO_LARGE, Reason.BACKLOG, Reason.REMOTE_ONLY
 )
@@ -65,6 +68,9 @@ class PolicySettings:
     preferred_batch_sizes: tuple[int, ...]
     max_batch_size: int
     max_queue_delay_s: float
+    # A request that found the model idle waits only for the company the last batch had (one
+    # request: none), not for max_queue_delay_s; requests arriving while a batch runs batch as ever.
+    dispatch_when_idle: bool = False
 
 
 @dataclass
@@ -103,6 +109,7 @@ class PlanState:
     local_free: bool = True  # a local batch slot is free now; without one only peer plans are made
     busy_s: float = 0.0  # estimated seconds until a batch dispatched now would start locally
     offload: OffloadView = NO_OFFLOAD
+    company: int = 1  # requests in the last local batch: how many to expect back after it
 
 
 @dataclass(frozen=True)
@@ -192,7 +199,7 @@ def decide(
         elif bq.rows >= sizes[-1]:
             reason, at = Reason.FULL, now
         else:
-            reason, at = _due_time(bq, sizes, settings, exec_time)
+            reason, at = _due_time(bq, sizes, settings, exec_time, state.company)
         if peer and offload.on_backlog and not state.draining and not _head_is_local_only(bq):
             # Backlog: would the requests at the head miss their deadline locally (no slot
             # soon enough), while the peer's measured round trip would meet it?
@@ -293,7 +300,7 @@ def capped_after_oom(settings: PolicySettings, size: int) -> PolicySettings | No
     smaller = [s for s in settings.preferred_batch_sizes if s < size]
     if not smaller:
         return None
-    return PolicySettings(settings.preferred_batch_sizes, smaller[-1], settings.max_queue_delay_s)
+    return replace(settings, max_batch_size=smaller[-1])
 
 
 def _peer_plan(queue: ModelQueue, bq: BucketQueue, offload: OffloadView, reason: Reason) -> Dispatch:
@@ -310,9 +317,19 @@ def _head_is_local_only(bq: BucketQueue) -> bool:
     return head is not None and head.local_only
 
 
+def company_arrived(bq: BucketQueue, settings: PolicySettings, company: int) -> bool:
+    """Whether the bucket's head found the model idle and as many requests as the last batch
+    carried are now here: then waiting longer only delays them (dispatch_when_idle). After a
+    batch of one (a lone client) that is at once; after a batch of 8 closed-loop clients' requests,
+    when the eight are back. The head found idle is the oldest: nothing was queued when it came."""
+    return settings.dispatch_when_idle and bq.count >= company and next(bq.in_order()).found_idle
+
+
 def _due_time(
-    bq: BucketQueue, sizes: list[int], settings: PolicySettings, exec_time: ExecTimeModel
+    bq: BucketQueue, sizes: list[int], settings: PolicySettings, exec_time: ExecTimeModel, company: int = 1
 ) -> tuple[Reason, float]:
+    if company_arrived(bq, settings, company):
+        return Reason.IDLE, bq.oldest_arrival()
     by_delay = bq.oldest_arrival() + settings.max_queue_delay_s
     run_size = _smallest_at_least(bq.rows, sizes)
     earliest_deadline = min(r.deadline for r in bq.in_order())

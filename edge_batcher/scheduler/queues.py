@@ -35,6 +35,7 @@ class QueuedRequest:
     seq: int = field(default=0)
     taken: bool = False  # dispatched or expired: no longer in the queue
     local_only: bool = False  # its offload failed: retry locally, never send it back
+    found_idle: bool = False  # nothing was queued or running when it arrived
 
 
 @dataclass(eq=False, slots=True)

@@ -88,6 +88,7 @@ class ModelRunner:
             preferred_batch_sizes=tuple(b.preferred_batch_sizes),
             max_batch_size=b.max_batch_size,
             max_queue_delay_s=b.max_queue_delay_ms / 1000.0,
+            dispatch_when_idle=b.dispatch_when_idle,
         )
         self.admission = admission  # memory.admission.Admission, or None: no memory limit
         self.fits = admission.fits if admission is not None else (lambda size, seq_len: True)
@@ -109,6 +110,7 @@ class ModelRunner:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None  # when the policy wants to look again; None: no timer
         self._local_batches = 0  # batches with a worker (queued there or running)
+        self._company = 1  # requests in the last local batch to finish (policy.PlanState.company)
         self.batches_started = 0  # local batches handed to a worker, ever (the memory watch's "what ran")
         self._draining = False
         self._closed = False
@@ -215,12 +217,17 @@ class ModelRunner:
         now = loop.time()
         future = loop.create_future()
         pending = Pending(priority, now, now + timeout_s, rows, validator.bucket(seq_len),
-                          request=request, inputs=inputs, future=future, local_only=on_device)
+                          request=request, inputs=inputs, future=future, local_only=on_device,
+                          found_idle=not self.queue and self._local_batches == 0)
         if rows > self.settings.max_batch_size:
             self._submit_oversized(pending)
             return future
         self.queue.push(pending)
-        if policy.decision_may_change(
+        if policy.company_arrived(self.queue.buckets[pending.bucket], self.settings, self._company):
+            # Due at once (policy.IDLE), planned one loop turn later: requests that arrive in the
+            # same turn (a burst read at once, a gather of calls) still join its batch.
+            self._arm_timer(now)
+        elif policy.decision_may_change(
             pending, self.queue.buckets[pending.bucket].rows, self.settings, self.exec_time,
             slot_free=bool(self._slots.free), has_peer=self.offload is not None, timer_at=self._timer_at,
         ):
@@ -330,6 +337,7 @@ class ModelRunner:
                 draining=self._draining, busy=self._local_batches > 0, local_free=bool(self._slots.free),
                 # only the offload decision reads busy_s: not worth computing without a peer
                 busy_s=self._slots.wait_s(now) if offload.peer_available else 0.0, offload=offload,
+                company=self._company,
             )
             decision = policy.decide(self.queue, now, self.settings, self.exec_time, self.fits, state)
             if isinstance(decision, Reject):
@@ -412,6 +420,7 @@ class ModelRunner:
             self._slots.give_back(instance)
         self._local_batches -= 1
         plan = batch.plan
+        self._company = len(plan.requests)
         if error is None:
             assert outcome is not None  # the executor returned
             try:

@@ -170,6 +170,7 @@ async def model_metadata(request: web.Request) -> web.Response:
             "preferred_batch_sizes": c.batching.preferred_batch_sizes,
             "max_batch_size": c.batching.max_batch_size,
             "max_queue_delay_ms": c.batching.max_queue_delay_ms,
+            "dispatch_when_idle": c.batching.dispatch_when_idle,
             "priority_levels": c.batching.priority_levels,
             "sequence_buckets": c.sequence.buckets if c.sequence else [],
         },

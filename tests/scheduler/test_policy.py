@@ -10,6 +10,7 @@ from edge_batcher.scheduler.policy import (
     DELAY,
     DRAIN,
     FULL,
+    IDLE,
     Dispatch,
     PlanState,
     PolicySettings,
@@ -120,6 +121,61 @@ def test_padding_choice_follows_measured_costs():
     clock.advance(0.003)
     plans, _ = drain_plans(q, clock, times=times)
     assert [(p.size, p.rows) for p in plans] == [(4, 4), (2, 1)]
+
+
+def test_a_request_that_found_the_model_idle_is_due_at_once_with_dispatch_when_idle():
+    idle_first = PolicySettings((2, 4, 8), 8, 0.002, dispatch_when_idle=True)
+    clock, q = FakeClock(), make_queue()
+    (lone,) = push(q, clock)
+    lone.found_idle = True
+    d = decide(q, clock.now, idle_first, linear_times(), always_fits)
+    assert isinstance(d, Dispatch)
+    assert (d.plan.size, d.plan.rows, d.plan.reason, d.plan.requests) == (2, 1, IDLE, [lone])
+    # Arrived while a batch ran (found_idle False): it waits for partners as before, ...
+    (busy,) = push(q, clock)
+    d = decide(q, clock.now, idle_first, linear_times(), always_fits, PlanState(busy=True))
+    assert isinstance(d, Wait) and d.wake_at == pytest.approx(clock.now + 0.002)
+    clock.advance(0.002)
+    d = decide(q, clock.now, idle_first, linear_times(), always_fits, PlanState(busy=True))
+    assert isinstance(d, Dispatch) and (d.plan.reason, d.plan.requests) == (DELAY, [busy])
+    # ... and without the setting a request that found the model idle waits too.
+    (waits,) = push(q, clock)
+    waits.found_idle = True
+    d = decide(q, clock.now, SETTINGS, linear_times(), always_fits)
+    assert isinstance(d, Wait) and d.wake_at == pytest.approx(clock.now + 0.002)
+
+
+def test_after_a_batch_of_n_an_idle_arrival_waits_for_n_not_for_the_delay():
+    """Closed-loop clients come back about together: after a batch of 3 requests, the first to
+    find the model idle waits for the other two (not for max_queue_delay_s, not for 8 rows);
+    if they do not come, the queue delay still ends its wait."""
+    idle_first = PolicySettings((2, 4, 8), 8, 0.002, dispatch_when_idle=True)
+    clock, q = FakeClock(), make_queue()
+    (first,) = push(q, clock)
+    first.found_idle = True
+    d = decide(q, clock.now, idle_first, linear_times(), always_fits, PlanState(company=3))
+    assert isinstance(d, Wait) and d.wake_at == pytest.approx(clock.now + 0.002)
+    clock.advance(0.0002)
+    push(q, clock, 2)
+    d = decide(q, clock.now, idle_first, linear_times(), always_fits, PlanState(company=3))
+    assert isinstance(d, Dispatch) and (d.plan.size, d.plan.rows, d.plan.reason) == (4, 3, IDLE)
+    (alone,) = push(q, clock)  # the company does not come: the delay ends the wait
+    alone.found_idle = True
+    clock.advance(0.002)
+    d = decide(q, clock.now, idle_first, linear_times(), always_fits, PlanState(company=3))
+    assert isinstance(d, Dispatch) and (d.plan.size, d.plan.rows, d.plan.reason) == (2, 1, DELAY)
+
+
+def test_requests_queued_beside_an_idle_arrival_join_its_batch():
+    """The runner plans an idle arrival one loop turn later: what arrived in that turn (a burst
+    read at once) rides in the same batch, at the size that covers it."""
+    idle_first = PolicySettings((2, 4, 8), 8, 0.002, dispatch_when_idle=True)
+    clock, q = FakeClock(), make_queue()
+    first, *rest = push(q, clock, 5)
+    first.found_idle = True
+    plans, after = drain_plans(q, clock, settings=idle_first)
+    assert [(p.size, p.rows, p.reason) for p in plans] == [(8, 5, IDLE)]
+    assert isinstance(after, Wait) and after.wake_at is None and len(q) == 0
 
 
 def test_cheapest_cover_prefers_exact_fits_of_large_sizes():
@@ -415,8 +471,8 @@ from edge_batcher.scheduler.policy import (  # noqa: E402
 
 
 def test_reasons_and_targets_keep_their_string_values():
-    assert [str(r) for r in (FULL, DELAY, DEADLINE, DRAIN, OOM_SPLIT)] == [
-        "full", "delay", "deadline", "drain", "oom_split"]
+    assert [str(r) for r in (FULL, DELAY, IDLE, DEADLINE, DRAIN, OOM_SPLIT)] == [
+        "full", "delay", "idle", "deadline", "drain", "oom_split"]
     assert f"{Reason.REMOTE_ONLY}/ok" == "remote_only/ok" and Target.PEER == "peer"
 
 

@@ -167,6 +167,63 @@ async def test_a_queued_request_times_out_on_time_while_every_instance_is_stuck(
     await runner.close()
 
 
+async def test_a_request_that_finds_the_model_idle_runs_without_waiting_for_partners():
+    """dispatch_when_idle (the default): the queue delay is 5 s, and a lone request is answered
+    well before it; a burst that arrives in one loop turn still forms one batch; requests that
+    arrive while a batch runs wait for partners as before."""
+    engine = GatedEngine()
+    runner = ModelRunner(config(max_queue_delay_ms=5000.0, default_timeout_ms=20000.0), [engine], Metrics())
+    await runner.start()
+    engine.gate.set()
+    x, lone = request(seed=1)
+    out = await asyncio.wait_for(runner.infer(lone), 4.0)  # would wait 5 s for a partner without the rule
+    np.testing.assert_allclose(out.outputs["y"], x.sum(axis=1), rtol=1e-6)
+    xs, burst = zip(*(request(seed=10 + i) for i in range(5)))
+    outs = await asyncio.wait_for(asyncio.gather(*(runner.infer(r) for r in burst)), 4.0)
+    for x, out in zip(xs, outs):
+        np.testing.assert_allclose(out.outputs["y"], x.sum(axis=1), rtol=1e-6)
+    assert engine.sizes == [2, 8]  # the lone one padded to 2; the burst of 5 in one batch of 8
+    assert runner.statistics()["dispatch_reasons"] == {"idle": 2}
+    # The five come back one loop turn apart, as closed-loop clients do: the first to find the
+    # model idle waits for the company the last batch had, and the five go together again.
+    xs, again = zip(*(request(seed=20 + i) for i in range(5)))
+    calls = []
+    for r in again:
+        calls.append(asyncio.ensure_future(runner.infer(r)))
+        await asyncio.sleep(0)
+    outs = await asyncio.wait_for(asyncio.gather(*calls), 4.0)
+    for x, out in zip(xs, outs):
+        np.testing.assert_allclose(out.outputs["y"], x.sum(axis=1), rtol=1e-6)
+    assert engine.sizes == [2, 8, 8]
+    assert runner.statistics()["dispatch_reasons"] == {"idle": 3}
+    await runner.close()
+
+    engine = GatedEngine()
+    runner = ModelRunner(config(max_queue_delay_ms=300.0), [engine], Metrics())
+    await runner.start()
+    first = asyncio.ensure_future(runner.infer(request(seed=1)[1]))
+    await asyncio.sleep(0.05)  # its batch is running (held at the gate)
+    later = [asyncio.ensure_future(runner.infer(request(seed=2 + i)[1])) for i in range(2)]
+    await asyncio.sleep(0.05)
+    engine.gate.set()
+    await asyncio.gather(first, *later)
+    assert engine.sizes == [2, 2]  # the two that came while it ran waited and went together
+    assert runner.statistics()["dispatch_reasons"] == {"idle": 1, "delay": 1}
+    await runner.close()
+
+
+async def test_without_dispatch_when_idle_a_lone_request_waits_the_queue_delay():
+    engine = RowSumEngine()
+    runner = ModelRunner(config(max_queue_delay_ms=100.0, dispatch_when_idle=False), [engine], Metrics())
+    await runner.start()
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    await runner.infer(request(seed=1)[1])
+    assert loop.time() - started >= 0.095  # it waited for partners that never came
+    assert runner.statistics()["dispatch_reasons"] == {"delay": 1}
+    await runner.close()
+
+
 async def test_a_batch_split_after_running_out_of_memory_answers_every_request():
     engine = RowSumEngine(oom_above=4)
     runner = ModelRunner(config(max_queue_delay_ms=50.0), [engine], Metrics())
