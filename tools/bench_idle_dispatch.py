@@ -1,0 +1,107 @@
+#!/usr/bin/env python3
+"""`[batching] dispatch_when_idle` on and off, side by side in one run (docs/benchmarks.md).
+
+Two daemons of this checkout serve the demo vibration model over Unix sockets, one with
+`dispatch_when_idle = true` (the default) and one with `false` (every batch waits for partners up
+to max_queue_delay_ms, as Triton's dynamic batcher does); `edge_batcher.bench.http_load` drives
+each at every `--concurrency` in turn, in rounds that alternate which goes first. Prints medians
+over the rounds: throughput, p50 and p99 latency, the daemon's CPU per request (the process)
+and rows per batch (from the model's statistics: how much batching the rule gives up).
+
+Usage: python tools/bench_idle_dispatch.py [--repo engines] [--concurrency 1 2 4 8 32]
+           [--seconds 3] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from bench_compare import Server, start_daemon  # noqa: E402
+
+from edge_batcher.bench.http_load import bench_http  # noqa: E402
+from edge_batcher.client import Client  # noqa: E402
+
+MODEL = "vibration"
+
+
+def repository(home: Path, source: Path, idle: bool) -> Path:
+    """A copy of the demo model whose model.toml says dispatch_when_idle = idle."""
+    repo = home / "repo"
+    shutil.copytree(source / MODEL, repo / MODEL)
+    toml = repo / MODEL / "model.toml"
+    text = toml.read_text()
+    assert "dispatch_when_idle" not in text, f"{toml} sets dispatch_when_idle itself"
+    toml.write_text(text.replace("[batching]\n", f"[batching]\ndispatch_when_idle = {'true' if idle else 'false'}\n"))
+    return repo
+
+
+def batches(server: Server) -> tuple[int, int]:
+    """(requests answered, batches run) so far, from the model's statistics."""
+    client = Client(server.address)
+    stats = client.stats(MODEL)["model_stats"][0]
+    client.close()
+    return stats["inference_stats"]["success"]["count"], stats["execution_count"]
+
+
+def measure(server: Server, concurrency: int, seconds: float) -> dict:
+    cpu0, _ = server.cpu()
+    answered0, batches0 = batches(server)
+    result = bench_http(server.address, model=MODEL, duration_s=seconds, warmup_s=0.0, concurrency=concurrency)
+    cpu1, _ = server.cpu()
+    answered1, batches1 = batches(server)
+    n = max(answered1 - answered0, 1)
+    return {"rps": result["throughput_rps"], "p50": result["latency_ms"]["p50"], "p99": result["latency_ms"]["p99"],
+            "cpu_us": (cpu1 - cpu0) / n * 1e6, "rows_per_batch": n / max(batches1 - batches0, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repo", type=Path, default=ROOT / "engines", help="holds the demo vibration model")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 32])
+    parser.add_argument("--seconds", type=float, default=3.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="eb-idle-") as tmp:
+        servers = {}
+        for name, idle in (("idle on", True), ("idle off", False)):
+            home = Path(tmp) / name.replace(" ", "-")
+            servers[name] = start_daemon(home, repository(home, args.repo, idle), None, {})
+        try:
+            for server in servers.values():  # warm both: the first requests pay for imports
+                bench_http(server.address, model=MODEL, duration_s=0.5, warmup_s=0.0, concurrency=8)
+            runs: dict[tuple[str, int], list[dict]] = {}
+            for r in range(args.rounds):
+                order = list(servers) if r % 2 == 0 else list(reversed(servers))
+                for c in args.concurrency:
+                    for name in order:
+                        runs.setdefault((name, c), []).append(measure(servers[name], c, args.seconds))
+        finally:
+            for server in servers.values():
+                server.stop()
+    print(f"demo {MODEL} model, v2 JSON over the Unix socket, medians of {args.rounds} rounds of {args.seconds:g} s")
+    print("| clients | dispatch_when_idle | requests/s | p50 ms | p99 ms | daemon CPU us/request | rows per batch |")
+    print("|---|---|---|---|---|---|---|")
+    for c in args.concurrency:
+        med = {name: {k: statistics.median(run[k] for run in runs[(name, c)]) for k in runs[(name, c)][0]}
+               for name in servers}
+        for name in servers:
+            m = med[name]
+            print(f"| {c} | {name.split()[1]} | {m['rps']:.0f} | {m['p50']:.2f} | {m['p99']:.2f} | "
+                  f"{m['cpu_us']:.0f} | {m['rows_per_batch']:.2f} |")
+        on, off = med["idle on"], med["idle off"]
+        print(f"|   | on / off | {on['rps'] / off['rps']:.2f}x | {on['p50'] / off['p50']:.2f}x | "
+              f"{on['p99'] / off['p99']:.2f}x | {on['cpu_us'] / off['cpu_us']:.2f}x | |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
