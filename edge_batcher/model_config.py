@@ -51,8 +51,8 @@ class BatchingSettings:
     preferred_batch_sizes: list[int] = field(default_factory=lambda: [2, 4, 8])
     max_batch_size: int = 0  # 0: the largest preferred size
     max_queue_delay_ms: float = 2.0
-    # A request that finds the model idle (nothing queued, no batch running) runs at once instead
-    # of waiting max_queue_delay_ms for partners: Nagle's rule, docs/architecture.md.
+    # A request that finds the model idle (nothing queued, no batch running) waits only for as
+    # many requests as the last batch carried, not max_queue_delay_ms (README, "How batches are formed").
     dispatch_when_idle: bool = True
     priority_levels: int = 1  # priorities 0..levels-1, higher first
     default_priority: int = 0

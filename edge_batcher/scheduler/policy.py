@@ -29,7 +29,7 @@ class Reason(str, Enum):
 
     FULL = "full"
     DELAY = "delay"
-    IDLE = "idle"  # it found the model idle: nothing to wait for (dispatch_when_idle)
+    IDLE = "idle"  # it found the model idle, and its company came (dispatch_when_idle)
     DEADLINE = "deadline"
     DRAIN = "drain"
     OOM_SPLIT = "oom_split"
@@ -321,7 +321,9 @@ def company_arrived(bq: BucketQueue, settings: PolicySettings, company: int) -> 
     """Whether the bucket's head found the model idle and as many requests as the last batch
     carried are now here: then waiting longer only delays them (dispatch_when_idle). After a
     batch of one (a lone client) that is at once; after a batch of 8 closed-loop clients' requests,
-    when the eight are back. The head found idle is the oldest: nothing was queued when it came."""
+    when the eight are back. O(1): a request that found the model idle heads its bucket, nothing
+    was queued before it (with priority levels, a higher one arriving meanwhile takes the head,
+    and the queue delay ends the wait as before)."""
     return settings.dispatch_when_idle and bq.count >= company and next(bq.in_order()).found_idle
 
 
