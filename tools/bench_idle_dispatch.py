@@ -4,12 +4,13 @@
 Two daemons of this checkout serve the demo vibration model over Unix sockets, one with
 `dispatch_when_idle = true` (the default) and one with `false` (every batch waits for partners up
 to max_queue_delay_ms, as Triton's dynamic batcher does); `edge_batcher.bench.http_load` drives
-each at every `--concurrency` in turn, in rounds that alternate which goes first. Prints medians
+each at every `--concurrency` in turn (with `--mqtt`, `edge_batcher.bench.mqtt_load` through a
+private mosquitto instead, QoS 1), in rounds that alternate which goes first. Prints medians
 over the rounds: throughput, p50 and p99 latency, the daemon's CPU per request (the process)
 and rows per batch (from the model's statistics: how much batching the rule gives up).
 
 Usage: python tools/bench_idle_dispatch.py [--repo engines] [--concurrency 1 2 4 8 32]
-           [--seconds 3] [--rounds 3]
+           [--seconds 3] [--rounds 3] [--mqtt]
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 from bench_compare import Server, start_daemon  # noqa: E402
+from mqtt_faults import _Broker  # noqa: E402
 
 from edge_batcher.bench.http_load import bench_http  # noqa: E402
+from edge_batcher.bench.mqtt_load import bench_mqtt  # noqa: E402
 from edge_batcher.client import Client  # noqa: E402
 
 MODEL = "vibration"
@@ -52,10 +55,15 @@ def batches(server: Server) -> tuple[int, int]:
     return stats["inference_stats"]["success"]["count"], stats["execution_count"]
 
 
-def measure(server: Server, concurrency: int, seconds: float) -> dict:
+def measure(server: Server, concurrency: int, seconds: float, mqtt: tuple[str, str] | None) -> dict:
+    """One run; `mqtt` (broker address, topic prefix): through the broker instead of the socket."""
     cpu0, _ = server.cpu()
     answered0, batches0 = batches(server)
-    result = bench_http(server.address, model=MODEL, duration_s=seconds, warmup_s=0.0, concurrency=concurrency)
+    if mqtt is None:
+        result = bench_http(server.address, model=MODEL, duration_s=seconds, warmup_s=0.0, concurrency=concurrency)
+    else:
+        result = bench_mqtt(mqtt[0], model=MODEL, topic_prefix=mqtt[1], duration_s=seconds, warmup_s=0.0,
+                            concurrency=concurrency)
     cpu1, _ = server.cpu()
     answered1, batches1 = batches(server)
     n = max(answered1 - answered0, 1)
@@ -69,25 +77,38 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8, 32])
     parser.add_argument("--seconds", type=float, default=3.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--mqtt", action="store_true", help="load through a private mosquitto (QoS 1), not the socket")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="eb-idle-") as tmp:
-        servers = {}
-        for name, idle in (("idle on", True), ("idle off", False)):
-            home = Path(tmp) / name.replace(" ", "-")
-            servers[name] = start_daemon(home, repository(home, args.repo, idle), None, {})
+        broker = None
+        if args.mqtt:
+            (Path(tmp) / "broker").mkdir()
+            broker = _Broker(Path(tmp) / "broker", 100_000)
+            broker.start()
+        servers, topics = {}, {}
         try:
-            for server in servers.values():  # warm both: the first requests pay for imports
-                bench_http(server.address, model=MODEL, duration_s=0.5, warmup_s=0.0, concurrency=8)
+            for name, idle in (("idle on", True), ("idle off", False)):
+                home = Path(tmp) / name.replace(" ", "-")
+                topics[name] = f"edge-batcher/{home.name}"  # one prefix each: both share the broker
+                settings = {"mqtt": {"topic_prefix": topics[name]}} if broker else {}
+                servers[name] = start_daemon(home, repository(home, args.repo, idle),
+                                             broker.port if broker else None, settings)
+            via = {name: (f"127.0.0.1:{broker.port}", topics[name]) if broker else None for name in servers}
+            for name, server in servers.items():  # warm both: the first requests pay for imports
+                measure(server, 8, 0.5, via[name])
             runs: dict[tuple[str, int], list[dict]] = {}
             for r in range(args.rounds):
                 order = list(servers) if r % 2 == 0 else list(reversed(servers))
                 for c in args.concurrency:
                     for name in order:
-                        runs.setdefault((name, c), []).append(measure(servers[name], c, args.seconds))
+                        runs.setdefault((name, c), []).append(measure(servers[name], c, args.seconds, via[name]))
         finally:
             for server in servers.values():
                 server.stop()
-    print(f"demo {MODEL} model, v2 JSON over the Unix socket, medians of {args.rounds} rounds of {args.seconds:g} s")
+            if broker is not None:
+                broker.stop()
+    transport = "MQTT (QoS 1, one mosquitto)" if args.mqtt else "the Unix socket"
+    print(f"demo {MODEL} model, v2 JSON over {transport}, medians of {args.rounds} rounds of {args.seconds:g} s")
     print("| clients | dispatch_when_idle | requests/s | p50 ms | p99 ms | daemon CPU us/request | rows per batch |")
     print("|---|---|---|---|---|---|---|")
     for c in args.concurrency:
