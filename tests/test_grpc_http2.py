@@ -247,6 +247,40 @@ def test_a_client_that_floods_pings_without_reading_the_answers_is_disconnected(
         assert channel.unary_unary("/t/Echo")(b"ok", timeout=10) == b"ok"
 
 
+def test_pings_answered_while_the_client_reads_nothing_are_held_and_all_delivered_later(echo):
+    """While writing is paused, PING acknowledgements wait in one buffer of the connection's
+    (not one transport write each: on Python 3.12 each write sums the transport's buffered
+    chunks, and 2 MiB of 17-byte answers made a flood quadratic); once the client reads, every
+    one arrives, in order."""
+    n = 120_000  # ~2 MiB of acknowledgements: past the socket's buffers, under MAX_UNREAD_CONTROL
+    pings = b"".join(http2.frame(http2.PING, 0, 0, i.to_bytes(8, "big")) for i in range(n))
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(str(echo.path))
+        s.sendall(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0) + pings)
+        (conn,) = echo.connections
+        deadline = time.monotonic() + 10
+        while not conn._held_control and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert conn._held_control, "the acknowledgements went to the transport one by one"
+        assert conn.transport is not None and not conn.transport.is_closing()
+        received = bytearray()
+        acks: list[int] = []
+        while len(acks) < n:
+            chunk = s.recv(1 << 20)
+            assert chunk, f"connection closed after {len(acks)} of {n} acknowledgements"
+            received += chunk
+            while len(received) >= 9:
+                size = int.from_bytes(received[:3], "big")
+                if len(received) < 9 + size:
+                    break
+                kind, flags, payload = received[3], received[4], bytes(received[9:9 + size])
+                del received[:9 + size]
+                if kind == http2.PING and flags & http2.ACK:
+                    acks.append(int.from_bytes(payload, "big"))
+    assert acks == list(range(n))
+
+
 def _echo_calls(n: int) -> tuple[bytes, bytes]:
     """A raw HTTP/2 client's preface, windows opened wide (so only reading limits our answers) and
     `n` /t/Echo calls of one 8 KiB message each; and that message as framed."""

@@ -37,8 +37,8 @@ DEFAULT_WINDOW = 65535  # HTTP/2's initial window: what a client may send before
 MAX_FRAME = 16384  # the frames we accept (HTTP/2's default, advertised)
 MAX_STREAMS = 1000  # per connection; a client queues beyond it (the edge refuses by its own count)
 CONNECTION_WINDOW = 1 << 24  # the connection-level window, refilled as DATA arrives
-# Unsent bytes beyond which a client that keeps asking (PING, SETTINGS) without reading the
-# answers is disconnected: a flood of 9-byte frames must not grow our write buffer for ever.
+# Acknowledgements (PING, SETTINGS) held while the client reads nothing, beyond which it is
+# disconnected: a flood of 9-byte frames must not grow our memory for ever.
 MAX_UNREAD_CONTROL = 4 << 20
 
 
@@ -110,6 +110,7 @@ class GrpcConnection(asyncio.Protocol):
         self._drained: asyncio.Future | None = None  # set while the transport's buffer is full
         self._write_stall: asyncio.TimerHandle | None = None  # aborts a client that reads nothing meanwhile
         self._written = 0  # bytes handed to the transport: less what it holds, what has left
+        self._held_control = bytearray()  # acknowledgements held while writing is paused
         self._buf = bytearray()
         self._preface = False
         self._headers: tuple[int, int, bytearray] | None = None  # (stream, flags, block) awaiting CONTINUATION
@@ -162,6 +163,10 @@ class GrpcConnection(asyncio.Protocol):
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
         self._drained = None
+        if self._held_control:
+            held = bytes(self._held_control)
+            self._held_control.clear()
+            self._write(held)
         if self._write_stall is not None:
             self._write_stall.cancel()
             self._write_stall = None
@@ -267,8 +272,8 @@ class GrpcConnection(asyncio.Protocol):
             if not flags & ACK:
                 self._on_settings(payload)
         elif kind == PING:
-            if not flags & ACK and self._reading_answers():
-                self._write(frame(PING, ACK, 0, payload))
+            if not flags & ACK:
+                self._acknowledge(frame(PING, ACK, 0, payload))
         elif kind == WINDOW_UPDATE:
             self._on_window_update(stream_id, payload)
         elif kind == RST_STREAM:
@@ -381,15 +386,21 @@ class GrpcConnection(asyncio.Protocol):
                 self._window_changed()
             elif key == SETTINGS_MAX_FRAME_SIZE:
                 self.peer_max_frame = max(MAX_FRAME, min(value, (1 << 24) - 1))
-        if self._reading_answers():
-            self._write(frame(SETTINGS, ACK, 0))
+        self._acknowledge(frame(SETTINGS, ACK, 0))
 
-    def _reading_answers(self) -> bool:
-        """False (and the connection closed) when the client lets our answers pile up unread."""
-        if self.transport is not None and self.transport.get_write_buffer_size() > MAX_UNREAD_CONTROL:
+    def _acknowledge(self, ack: bytes) -> None:
+        """Write a PING or SETTINGS acknowledgement; while writing is paused (the client reads
+        nothing), hold it in one buffer written when the transport drains. Not one transport
+        write each: Python 3.12's socket transport sums its buffered chunks on every write, so a
+        flood of tiny ones queued there costs the loop quadratic time. A client that lets over
+        MAX_UNREAD_CONTROL of them pile up is disconnected."""
+        if self._drained is None:
+            self._write(ack)
+            return
+        self._held_control += ack
+        if len(self._held_control) > MAX_UNREAD_CONTROL:
+            self._held_control.clear()
             self._fail(ENHANCE_YOUR_CALM, f"over {MAX_UNREAD_CONTROL >> 20} MiB of answers left unread")
-            return False
-        return True
 
     def _on_window_update(self, stream_id: int, payload: bytes) -> None:
         if len(payload) != 4:
