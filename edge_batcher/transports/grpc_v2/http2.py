@@ -163,13 +163,13 @@ class GrpcConnection(asyncio.Protocol):
         if self._drained is not None and not self._drained.done():
             self._drained.set_result(None)
         self._drained = None
-        if self._held_control:
-            held = bytes(self._held_control)
-            self._held_control.clear()
-            self._write(held)
         if self._write_stall is not None:
             self._write_stall.cancel()
             self._write_stall = None
+        if self._held_control:  # last: writing them may pause writing (and watch for a stall) again
+            held = bytes(self._held_control)
+            self._held_control.clear()
+            self._write(held)
 
     def _watch_stall(self, before: tuple[int, int] | None) -> None:
         """While writing is paused: every idle_timeout_s, abort (its calls abandoned) if the
