@@ -328,7 +328,7 @@ def company_arrived(bq: BucketQueue, settings: PolicySettings, company: int) -> 
 
 
 def _due_time(
-    bq: BucketQueue, sizes: list[int], settings: PolicySettings, exec_time: ExecTimeModel, company: int = 1
+    bq: BucketQueue, sizes: list[int], settings: PolicySettings, exec_time: ExecTimeModel, company: int
 ) -> tuple[Reason, float]:
     if company_arrived(bq, settings, company):
         return Reason.IDLE, bq.oldest_arrival()

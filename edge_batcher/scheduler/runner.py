@@ -223,12 +223,13 @@ class ModelRunner:
             self._submit_oversized(pending)
             return future
         self.queue.push(pending)
-        if policy.company_arrived(self.queue.buckets[pending.bucket], self.settings, self._company):
+        bucket = self.queue.buckets[pending.bucket]
+        if policy.company_arrived(bucket, self.settings, self._company):
             # Due at once (policy.IDLE), planned one loop turn later: requests that arrive in the
             # same turn (a burst read at once, a gather of calls) still join its batch.
             self._arm_timer(now)
         elif policy.decision_may_change(
-            pending, self.queue.buckets[pending.bucket].rows, self.settings, self.exec_time,
+            pending, bucket.rows, self.settings, self.exec_time,
             slot_free=bool(self._slots.free), has_peer=self.offload is not None, timer_at=self._timer_at,
         ):
             self._schedule()
