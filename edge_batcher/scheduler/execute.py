@@ -1,7 +1,8 @@
 """A local batch, and what an engine instance's worker thread does with it: assemble the
 padded batch from its requests' tensors (batch.py; device_batch.py when some are in CUDA shared
-memory), run the engine, cut the outputs per request. The only scheduler code that runs off the
-event loop (runner.py hands batches to the workers of worker.py and answers them on the loop).
+memory), check it for NaN and Infinity where the runner left that to the worker, run the engine,
+cut the outputs per request. The only scheduler code that runs off the event loop (runner.py
+hands batches to the workers of worker.py and answers them on the loop).
 """
 
 from __future__ import annotations
@@ -11,13 +12,21 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
+import numpy as np
+
 from ..engines.base import Engine
+from ..errors import InvalidInput
 from ..types import TensorSpec
 from . import batch as batching
 from . import device_batch, policy
 from .queues import Pending
 
-Outcome = tuple[batching.Outputs, float, float]  # outputs per request, seconds, engine seconds
+# Per request, in batch order: its outputs, None (it expired before the run), or why its inputs
+# were refused (NaN or Infinity; its rows became padding).
+Answers = list[dict[str, Any] | InvalidInput | None]
+Outcome = tuple[Answers, float, float]  # answers per request, seconds, engine seconds
+# A request's (validated) inputs -> the error for NaN or Infinity in them, or None.
+NonFiniteCheck = Callable[[dict[str, Any]], InvalidInput | None]
 
 
 @dataclass(eq=False, slots=True)
@@ -41,41 +50,79 @@ class BatchExecutor:
     seq_axis: Callable[[str], int | None]
     pad_value: float
     output_names: list[str]
+    # The inputs the worker checks for NaN and Infinity (the runner's validator left them to
+    # it), and the check of one request: one numpy call per batch here instead of one per
+    # request on the event loop. () and None: checked before queueing, or not at all.
+    finite_inputs: tuple[str, ...] = ()
+    non_finite: NonFiniteCheck | None = None
 
     def __call__(self, batch: LocalBatch) -> Outcome:
         """A batch may wait in the worker's queue behind the one running, so deadlines are
         checked again just before the engine runs: expired requests are left out (their slot
         becomes padding) and get None, which the loop answers with DeadlineExceeded. The clock
-        is the event loop's (time.monotonic), so deadlines compare directly."""
+        is the event loop's (time.monotonic), so deadlines compare directly. A request whose
+        inputs hold NaN or Infinity is left out the same way and gets its InvalidInput."""
         t0 = time.perf_counter()
         plan = batch.plan
         requests = cast("list[Pending]", plan.requests)  # the queue holds only Pending
         now = time.monotonic()
         live = [r for r in requests if r.deadline > now]
-        if not live:
-            return [None] * len(requests), 0.0, 0.0
+        refused: dict[int, InvalidInput] = {}  # by id() of the request
+        outputs = None
+        engine_seconds = 0.0
         engine = self.engines[batch.instance]
-        inputs: dict[str, Any] = {}
         releases: list[device_batch.Release] = []  # batches assembled on a device, freed after the run
         try:
-            for spec in self.batch_inputs:
-                parts = [r.inputs[spec.name] for r in live]
-                seq_axis = self.seq_axis(spec.name)
-                if device_batch.has_device_part(parts):
-                    inputs[spec.name], release = device_batch.assemble(
-                        parts, plan.size, seq_axis, plan.bucket, self.pad_value, engine.accepts_any_length,
-                        engine.device_inputs)
-                    if release is not None:
-                        releases.append(release)
-                else:
-                    inputs[spec.name] = batching.stack(parts, plan.size, seq_axis, plan.bucket, self.pad_value,
-                                                       engine.accepts_any_length)
-            t1 = time.perf_counter()
-            outputs = engine.infer(inputs)
-            engine_seconds = time.perf_counter() - t1
+            inputs = self._assemble(live, plan, engine, releases) if live else {}
+            if live and self.non_finite is not None and not self._all_finite(inputs):
+                # Rare (a broken sensor): find the requests to blame, assemble the rest again.
+                refused = {id(r): error for r in live if (error := self.non_finite(r.inputs)) is not None}
+                if refused:
+                    live = [r for r in live if id(r) not in refused]
+                    _release(releases)
+                    inputs = self._assemble(live, plan, engine, releases) if live else {}
+            if live:
+                t1 = time.perf_counter()
+                outputs = engine.infer(inputs)
+                engine_seconds = time.perf_counter() - t1
         finally:
-            for release in releases:
-                release()
-        batching.check_outputs(outputs, self.output_names, sum(r.rows for r in live), self.model)
-        results = batching.split_rows(outputs, [r.rows if r.deadline > now else None for r in requests])
-        return results, time.perf_counter() - t0, engine_seconds
+            _release(releases)
+        answers: Answers = [refused.get(id(r)) for r in requests]
+        if outputs is not None:
+            batching.check_outputs(outputs, self.output_names, sum(r.rows for r in live), self.model)
+            ran = {id(r) for r in live}
+            cut = batching.split_rows(outputs, [r.rows if id(r) in ran else None for r in requests])
+            answers = [mine if id(r) in ran else answer for r, mine, answer in zip(requests, cut, answers)]
+        return answers, time.perf_counter() - t0, engine_seconds
+
+    def _assemble(self, live: list[Pending], plan: policy.BatchPlan, engine: Engine,
+                  releases: list[device_batch.Release]) -> dict[str, Any]:
+        inputs: dict[str, Any] = {}
+        for spec in self.batch_inputs:
+            parts = [r.inputs[spec.name] for r in live]
+            seq_axis = self.seq_axis(spec.name)
+            if device_batch.has_device_part(parts):
+                inputs[spec.name], release = device_batch.assemble(
+                    parts, plan.size, seq_axis, plan.bucket, self.pad_value, engine.accepts_any_length,
+                    engine.device_inputs)
+                if release is not None:
+                    releases.append(release)
+            else:
+                inputs[spec.name] = batching.stack(parts, plan.size, seq_axis, plan.bucket, self.pad_value,
+                                                   engine.accepts_any_length)
+        return inputs
+
+    def _all_finite(self, inputs: dict[str, Any]) -> bool:
+        """Whether the batch's checked inputs are all finite; False also where a batch is on a
+        device (CUDA shared memory), so that its requests' host parts are checked one by one."""
+        for name in self.finite_inputs:
+            value = inputs[name]
+            if not isinstance(value, np.ndarray) or not np.isfinite(value).all():
+                return False
+        return True
+
+
+def _release(releases: list[device_batch.Release]) -> None:
+    for release in releases:
+        release()
+    releases.clear()

@@ -16,7 +16,7 @@ from typing import Any, Protocol, cast
 
 from numpy.typing import NDArray
 
-from ..errors import EdgeBatcherError, Unavailable
+from ..errors import EdgeBatcherError, InvalidInput, Unavailable
 from ..shared_memory.device_tensor import holds_device_tensor
 from ..types import InferResponse, TensorSpec
 from .policy import BatchPlan, OffloadView, Reason
@@ -42,7 +42,8 @@ class Offloader:
 
     def __init__(self, model: str, port: OffloadPort, outputs: list[TensorSpec], stats: RunnerStats, *,
                  requeue: Callable[[Pending, Reason], bool], fail: Callable[[Pending, EdgeBatcherError], None],
-                 settled: Callable[[], None], progress: asyncio.Event) -> None:
+                 settled: Callable[[], None], progress: asyncio.Event,
+                 non_finite: Callable[[dict[str, Any]], InvalidInput | None] = lambda inputs: None) -> None:
         self.model = model
         self.port = port
         self.outputs = outputs
@@ -51,6 +52,9 @@ class Offloader:
         self._fail = fail
         self._settled = settled  # a batch's requests are all answered or requeued: plan again
         self._progress = progress  # set when a batch is over (drain waits on it)
+        # NaN or Infinity in a request's inputs (the runner leaves that check to the local
+        # worker, which a peer batch never reaches): refused here, never sent, never retried.
+        self._non_finite = non_finite
         self.tasks: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
@@ -86,6 +90,11 @@ class Offloader:
                 self._stats.ok.inc()
                 self._stats.record_offloaded(r.rows, r.arrival, loop.time())
 
+        refused = {id(r): error for r in requests if (error := self._non_finite(r.request.inputs)) is not None}
+        for r in requests:
+            if id(r) in refused:
+                self._fail(r, refused[id(r)])
+        requests = [r for r in requests if id(r) not in refused]
         results = await asyncio.gather(*(send(r) for r in requests), return_exceptions=True)
         for r, outcome in zip(requests, results):
             if isinstance(outcome, BaseException):

@@ -37,9 +37,8 @@ from ..errors import (
 from ..metrics import Metrics
 from ..shared_memory.device_tensor import holds_device_tensor
 from ..types import InferRequest, InferResponse, TensorSpec
-from . import batch as batching
 from . import policy
-from .execute import BatchExecutor, LocalBatch, Outcome
+from .execute import Answers, BatchExecutor, LocalBatch, Outcome
 from .offloading import Offloader, OffloadPort
 from .policy import Dispatch, Reason, Reject, Target
 from .queues import ModelQueue, Pending, QueuedRequest
@@ -103,9 +102,15 @@ class ModelRunner:
         # One thread per engine instance, from now on: measurement and warm-up run on the
         # thread that serves (worker.py: device libraries keep per-thread memory).
         self._threads = EngineThreads(self.name, self.engines)
+        # Without a prepare hook a batch carries the clients' tensors as they came: its worker
+        # checks them for NaN and Infinity once per batch instead of the loop once per request
+        # (a numpy call costs the busy loop ~10 us even for 256 values: docs/benchmarks.md).
+        self._finite_on_worker = self._prepare is None
         self._execute = BatchExecutor(self.name, self.engines, self.batch_inputs, self.validator.seq_axis,
                                       config.sequence.pad_value if config.sequence else 0,
-                                      [spec.name for spec in self.outputs])
+                                      [spec.name for spec in self.outputs],
+                                      *((self.validator.finite_inputs, self.validator.non_finite)
+                                        if self._finite_on_worker and self.validator.finite_inputs else ()))
         self._slots = InstanceSlots(len(engines))  # which instance takes the next batch (slots.py)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None  # when the policy wants to look again; None: no timer
@@ -119,7 +124,7 @@ class ModelRunner:
         # Batches on their way to a peer; None: this daemon has no peers.
         self._offloads = None if offload is None else Offloader(
             self.name, offload, self.outputs, self._stats, requeue=self._retry_locally, fail=self._fail,
-            settled=self._schedule, progress=self._progress)
+            settled=self._schedule, progress=self._progress, non_finite=self.validator.non_finite)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -203,7 +208,8 @@ class ModelRunner:
         if loop is None:
             raise Unavailable(f"model {self.name!r} is not serving yet")
         validator = self.validator
-        inputs, rows, seq_len = validator.validate(request, check_length=self._prepare is None)
+        inputs, rows, seq_len = validator.validate(request, check_length=self._prepare is None,
+                                                   check_finite=not self._finite_on_worker)
         # Inputs in CUDA shared memory are read on the worker thread only: never by a prepare hook
         # on the loop, never by a peer (another machine cannot read this one's device memory).
         on_device = holds_device_tensor(inputs)
@@ -443,16 +449,20 @@ class ModelRunner:
         self._progress.set()
         self._schedule()  # memory and an instance came back: the policy may plan again
 
-    def _answer(self, batch: LocalBatch, results: batching.Outputs, seconds: float, engine_seconds: float) -> None:
+    def _answer(self, batch: LocalBatch, results: Answers, seconds: float, engine_seconds: float) -> None:
         requests = cast("list[Pending]", batch.plan.requests)  # the queue holds only Pending
         if engine_seconds:
-            self._record(batch, [r for r, out in zip(requests, results) if out is not None], seconds, engine_seconds)
+            self._record(batch, [r for r, out in zip(requests, results) if isinstance(out, dict)], seconds,
+                         engine_seconds)
         name = self.name
         for req, outputs in zip(requests, results):
             if outputs is None:
                 self.stats.expired += 1
                 self._fail(req, DeadlineExceeded(
                     f"deadline passed while the batch waited for engine instance {batch.instance} of model {name!r}"))
+                continue
+            if isinstance(outputs, InvalidInput):  # NaN or Infinity, found by the worker
+                self._fail(req, outputs)
                 continue
             request = req.request
             if request.outputs is not None:

@@ -155,3 +155,27 @@ def test_the_executor_hands_a_device_engine_its_device_batch_and_frees_it_after_
         assert [r["y"].tolist() for r in results] == [[a.sum()], [b.sum()]]
     assert isinstance(engine.seen[0], DeviceArray) and engine.seen[0].shape == (4, 2, 3)
     assert gpu.used_memory() == used  # the batch's device buffer is freed, also when the engine fails
+
+
+def test_a_host_request_with_nan_in_a_device_batch_is_refused_and_both_assemblies_are_freed(gpu_and_devices):
+    # A batch assembled on the device cannot be checked by numpy: the executor checks each
+    # request's host tensors (a region's bytes are the engine's to read), refuses the one with
+    # NaN, assembles the batch again without it and frees the first assembly too.
+    from edge_batcher.errors import InvalidInput
+    from edge_batcher.scheduler.validate import RequestValidator
+
+    gpu, devices = gpu_and_devices
+    spec = TensorSpec("x", "FP32", (-1, 2, 3))
+    validator = RequestValidator("m", [spec], [TensorSpec("y", "FP32", (-1,))], None)
+    a, bad = rows(1, 0), rows(1, 50)
+    bad[0, 1, 2] = np.nan
+    parts = [in_region(gpu, devices, a), bad]
+    engine = DeviceInputEngine(gpu)
+    execute = BatchExecutor("m", [engine], [spec], lambda name: None, 0.0, ["y"],
+                            validator.finite_inputs, validator.non_finite)
+    used = gpu.used_memory()
+    results, _, _ = execute(_executor_batch(parts, 2))
+    assert results[0]["y"].tolist() == [a.sum()]
+    assert isinstance(results[1], InvalidInput) and "[0, 1, 2]" in str(results[1])
+    assert len(engine.seen) == 1 and engine.seen[0].shape == (2, 2, 3)
+    assert gpu.used_memory() == used

@@ -336,3 +336,78 @@ async def test_every_outcome_is_counted_once_in_requests_total():
         await runner.infer(request(rows=12)[1])
     assert counts() == {"200": 4.0, "400": 1.0, "504": 1.0, "503": 1.0}
     await runner.close()
+
+
+class FiniteOnlyEngine(RowSumEngine):
+    """RowSumEngine that records every batch it is given: what reached the engine."""
+
+    def __init__(self):
+        super().__init__()
+        self.batches: list[np.ndarray] = []
+
+    def infer(self, inputs):
+        self.batches.append(inputs["x"].copy())
+        return super().infer(inputs)
+
+
+async def test_nan_in_one_request_of_a_batch_refuses_that_request_alone_and_never_reaches_the_engine():
+    # The worker checks a batch for NaN and Infinity once (execute.py), not the loop per request.
+    engine = FiniteOnlyEngine()
+    metrics = Metrics()
+    runner = ModelRunner(config(preferred_batch_sizes=[4], max_queue_delay_ms=200.0), [engine], metrics)
+    await runner.start()
+    xs, reqs = zip(*(request(seed=i) for i in range(4)))
+    bad = xs[1].copy()
+    bad[0, 2] = np.inf
+    reqs = list(reqs)
+    reqs[1] = InferRequest("rowsum", {"x": bad})
+    outcomes = await asyncio.gather(*(runner.infer(r) for r in reqs), return_exceptions=True)
+    assert isinstance(outcomes[1], InvalidInput)
+    assert "input 'x': 1 of 4 values are NaN or Infinity" in str(outcomes[1]) and "[0, 2]" in str(outcomes[1])
+    for i in (0, 2, 3):
+        np.testing.assert_allclose(outcomes[i].outputs["y"], xs[i].sum(axis=1), rtol=1e-6)
+    assert len(engine.batches) == 1 and engine.batches[0].shape == (4, 4)
+    assert np.isfinite(engine.batches[0]).all()  # the refused request's rows became padding
+    counts = {key[1]: value for key, value in metrics.requests_total.values.items() if key[0] == "rowsum"}
+    assert counts == {"200": 3.0, "400": 1.0}
+    assert runner.statistics()["inference_stats"]["success"]["count"] == 3
+    await runner.close()
+
+
+async def test_a_batch_of_only_non_finite_requests_never_runs_the_engine():
+    engine = FiniteOnlyEngine()
+    runner = ModelRunner(config(preferred_batch_sizes=[2], max_queue_delay_ms=200.0), [engine], Metrics())
+    await runner.start()
+    nan = np.full((1, 4), np.nan, np.float32)
+    outcomes = await asyncio.gather(*(runner.infer(InferRequest("rowsum", {"x": nan})) for _ in range(2)),
+                                    return_exceptions=True)
+    assert all(isinstance(o, InvalidInput) and "4 of 4 values" in str(o) for o in outcomes)
+    assert engine.batches == []
+    x, req = request(seed=5)  # the runner keeps serving
+    np.testing.assert_allclose((await runner.infer(req)).outputs["y"], x.sum(axis=1), rtol=1e-6)
+    await runner.close()
+
+
+async def test_a_model_that_allows_non_finite_inputs_passes_them_to_the_engine():
+    engine = FiniteOnlyEngine()
+    cfg = config(preferred_batch_sizes=[1])
+    cfg.allow_non_finite_inputs = True
+    runner = ModelRunner(cfg, [engine], Metrics())
+    await runner.start()
+    nan = np.full((1, 4), np.nan, np.float32)
+    out = await runner.infer(InferRequest("rowsum", {"x": nan}))
+    assert np.isnan(out.outputs["y"]).all() and np.isnan(engine.batches[0]).all()
+    await runner.close()
+
+
+async def test_a_non_finite_request_planned_for_a_peer_is_refused_and_never_sent():
+    peer = PeerPort()
+    runner = ModelRunner(config(), [RowSumEngine()], Metrics(), offload=peer)
+    await runner.start()
+    x = np.random.default_rng(1).standard_normal((12, 4)).astype(np.float32)
+    x[7, 0] = np.nan
+    with pytest.raises(InvalidInput, match=r"input 'x': 1 of 48 values are NaN or Infinity .*\[7, 0\]"):
+        await runner.infer(InferRequest("rowsum", {"x": x}))  # larger than the engine: a peer's
+    assert peer.calls == []
+    assert runner.statistics()["offloaded"] == {}
+    await runner.close()
