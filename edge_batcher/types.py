@@ -39,12 +39,17 @@ def numpy_dtype(datatype: str) -> np.dtype:
 
 def datatype_of(array: np.ndarray) -> str:
     """The v2 datatype name of a numpy array (str/bytes arrays count as BYTES)."""
-    if array.dtype.kind in ("O", "S", "U"):
+    return datatype_of_dtype(array.dtype)
+
+
+def datatype_of_dtype(dtype: np.dtype) -> str:
+    """The v2 datatype name of a numpy dtype (str/bytes count as BYTES)."""
+    if dtype.kind in ("O", "S", "U"):
         return "BYTES"
     try:
-        return NUMPY_TO_DATATYPE[array.dtype]
+        return NUMPY_TO_DATATYPE[dtype]
     except KeyError:
-        raise InvalidInput(f"numpy dtype {array.dtype} has no KServe v2 datatype") from None
+        raise InvalidInput(f"numpy dtype {dtype} has no KServe v2 datatype") from None
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from edge_batcher.errors import EngineError, InvalidInput
+from edge_batcher.protocol.tensor_encode import SUMMED_IN_PYTHON
 from edge_batcher.protocol.v2 import (
     BINARY_CONTENT_TYPE,
     HEADER_LENGTH,
@@ -230,6 +231,20 @@ def test_non_finite_floats_are_never_written_as_json_and_travel_binary() -> None
     body, hl = encode_response("m", None, {"y": y}, binary={"y"})
     got = decode_response(body, hl).outputs["y"]
     assert np.isnan(got[0]) and got[1] == np.inf and got[2] == -np.inf and got[3] == 1.0
+
+
+@pytest.mark.parametrize("size", [1, SUMMED_IN_PYTHON, SUMMED_IN_PYTHON + 1, 5000])
+def test_the_finite_check_of_json_outputs_holds_on_either_side_of_the_python_sum(size: int) -> None:
+    """Small outputs are checked by summing their JSON list, larger ones with numpy: a NaN or an
+    Infinity anywhere is refused on both paths; finite values whose sum overflows are sent."""
+    for bad in (np.nan, np.inf, -np.inf):
+        y = np.ones(size, np.float64)
+        y[size // 2] = bad
+        with pytest.raises(EngineError, match="output 'y' holds 1 NaN or Infinity values"):
+            encode_response("m", None, {"y": y})
+    huge = np.full(size, np.finfo(np.float64).max)  # finite, but two of them sum to inf
+    body, _ = encode_response("m", None, {"y": huge})
+    assert decode_response(body).outputs["y"].tolist() == huge.tolist()
 
 
 def test_the_javascript_tokens_other_writers_send_are_still_read() -> None:
