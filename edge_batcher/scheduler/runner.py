@@ -106,11 +106,12 @@ class ModelRunner:
         # checks them for NaN and Infinity once per batch instead of the loop once per request
         # (a numpy call costs the busy loop ~10 us even for 256 values: docs/benchmarks.md).
         self._finite_on_worker = self._prepare is None
+        worker_checks = self._finite_on_worker and bool(self.validator.finite_inputs)
         self._execute = BatchExecutor(self.name, self.engines, self.batch_inputs, self.validator.seq_axis,
                                       config.sequence.pad_value if config.sequence else 0,
                                       [spec.name for spec in self.outputs],
-                                      *((self.validator.finite_inputs, self.validator.non_finite)
-                                        if self._finite_on_worker and self.validator.finite_inputs else ()))
+                                      finite_inputs=self.validator.finite_inputs if worker_checks else (),
+                                      non_finite=self.validator.non_finite if worker_checks else None)
         self._slots = InstanceSlots(len(engines))  # which instance takes the next batch (slots.py)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None  # when the policy wants to look again; None: no timer
