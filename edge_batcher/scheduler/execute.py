@@ -12,21 +12,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
-import numpy as np
-
 from ..engines.base import Engine
 from ..errors import InvalidInput
 from ..types import TensorSpec
 from . import batch as batching
 from . import device_batch, policy
 from .queues import Pending
+from .validate import RequestValidator
 
 # Per request, in batch order: its outputs, None (it expired before the run), or why its inputs
 # were refused (NaN or Infinity; its rows became padding).
 Answers = list[dict[str, Any] | InvalidInput | None]
 Outcome = tuple[Answers, float, float]  # answers per request, seconds, engine seconds
-# A request's (validated) inputs -> the error for NaN or Infinity in them, or None.
-NonFiniteCheck = Callable[[dict[str, Any]], InvalidInput | None]
 
 
 @dataclass(eq=False, slots=True)
@@ -50,11 +47,10 @@ class BatchExecutor:
     seq_axis: Callable[[str], int | None]
     pad_value: float
     output_names: list[str]
-    # The inputs the worker checks for NaN and Infinity (the runner's validator left them to
-    # it), and the check of one request: one numpy call per batch here instead of one per
-    # request on the event loop. () and None: checked before queueing, or not at all.
-    finite_inputs: tuple[str, ...] = ()
-    non_finite: NonFiniteCheck | None = None
+    # The validator whose NaN and Infinity check the runner left to the worker: one numpy call
+    # per batch here instead of one per request on the event loop. None: checked before
+    # queueing, or not at all.
+    finite_check: RequestValidator | None = None
 
     def __call__(self, batch: LocalBatch) -> Outcome:
         """A batch may wait in the worker's queue behind the one running, so deadlines are
@@ -74,9 +70,10 @@ class BatchExecutor:
         releases: list[device_batch.Release] = []  # batches assembled on a device, freed after the run
         try:
             inputs = self._assemble(live, plan, engine, releases) if live else {}
-            if live and self.non_finite is not None and not self._all_finite(inputs):
+            check = self.finite_check
+            if live and check is not None and not check.batch_is_finite(inputs):
                 # Rare (a broken sensor): find the requests to blame, assemble the rest again.
-                refused = {id(r): error for r in live if (error := self.non_finite(r.inputs)) is not None}
+                refused = {id(r): error for r in live if (error := check.non_finite(r.inputs)) is not None}
                 if refused:
                     live = [r for r in live if id(r) not in refused]
                     _release(releases)
@@ -111,15 +108,6 @@ class BatchExecutor:
                 inputs[spec.name] = batching.stack(parts, plan.size, seq_axis, plan.bucket, self.pad_value,
                                                    engine.accepts_any_length)
         return inputs
-
-    def _all_finite(self, inputs: dict[str, Any]) -> bool:
-        """Whether the batch's checked inputs are all finite; False also where a batch is on a
-        device (CUDA shared memory), so that its requests' host parts are checked one by one."""
-        for name in self.finite_inputs:
-            value = inputs[name]
-            if not isinstance(value, np.ndarray) or not np.isfinite(value).all():
-                return False
-        return True
 
 
 def _release(releases: list[device_batch.Release]) -> None:

@@ -43,7 +43,7 @@ class Offloader:
     def __init__(self, model: str, port: OffloadPort, outputs: list[TensorSpec], stats: RunnerStats, *,
                  requeue: Callable[[Pending, Reason], bool], fail: Callable[[Pending, EdgeBatcherError], None],
                  settled: Callable[[], None], progress: asyncio.Event,
-                 non_finite: Callable[[dict[str, Any]], InvalidInput | None] = lambda inputs: None) -> None:
+                 non_finite: Callable[[dict[str, Any]], InvalidInput | None] | None = None) -> None:
         self.model = model
         self.port = port
         self.outputs = outputs
@@ -52,8 +52,8 @@ class Offloader:
         self._fail = fail
         self._settled = settled  # a batch's requests are all answered or requeued: plan again
         self._progress = progress  # set when a batch is over (drain waits on it)
-        # NaN or Infinity in a request's inputs (the runner leaves that check to the local
-        # worker, which a peer batch never reaches): refused here, never sent, never retried.
+        # NaN or Infinity in a request's inputs, where the runner leaves that check to the local
+        # worker, which a peer batch never reaches: refused here, never sent, never retried.
         self._non_finite = non_finite
         self.tasks: set[asyncio.Task[None]] = set()
 
@@ -90,7 +90,9 @@ class Offloader:
                 self._stats.ok.inc()
                 self._stats.record_offloaded(r.rows, r.arrival, loop.time())
 
-        refused = {id(r): error for r in requests if (error := self._non_finite(r.request.inputs)) is not None}
+        check = self._non_finite
+        refused = {} if check is None else {
+            id(r): error for r in requests if (error := check(r.request.inputs)) is not None}
         for r in requests:
             if id(r) in refused:
                 self._fail(r, refused[id(r)])

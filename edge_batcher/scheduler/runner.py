@@ -110,8 +110,7 @@ class ModelRunner:
         self._execute = BatchExecutor(self.name, self.engines, self.batch_inputs, self.validator.seq_axis,
                                       config.sequence.pad_value if config.sequence else 0,
                                       [spec.name for spec in self.outputs],
-                                      finite_inputs=self.validator.finite_inputs if worker_checks else (),
-                                      non_finite=self.validator.non_finite if worker_checks else None)
+                                      finite_check=self.validator if worker_checks else None)
         self._slots = InstanceSlots(len(engines))  # which instance takes the next batch (slots.py)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None  # when the policy wants to look again; None: no timer
@@ -125,7 +124,9 @@ class ModelRunner:
         # Batches on their way to a peer; None: this daemon has no peers.
         self._offloads = None if offload is None else Offloader(
             self.name, offload, self.outputs, self._stats, requeue=self._retry_locally, fail=self._fail,
-            settled=self._schedule, progress=self._progress, non_finite=self.validator.non_finite)
+            settled=self._schedule, progress=self._progress,
+            # with a prepare hook, submit() has checked the client's inputs already
+            non_finite=self.validator.non_finite if self._finite_on_worker else None)
 
     # ------------------------------------------------------------------ lifecycle
 

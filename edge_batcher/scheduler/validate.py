@@ -154,6 +154,16 @@ class RequestValidator:
                 return self._non_finite_error(name, array, finite)
         return None
 
+    def batch_is_finite(self, batch: dict[str, Any]) -> bool:
+        """Whether an assembled batch's floating-point inputs are all finite, in one numpy call
+        each (the worker's check, execute.py); False also for a batch assembled on a device
+        (CUDA shared memory), whose requests' host parts `non_finite` then checks one by one."""
+        for name in self.finite_inputs:
+            value = batch[name]
+            if not isinstance(value, np.ndarray) or not np.isfinite(value).all():
+                return False
+        return True
+
     def _non_finite_error(self, name: str, array: NDArray[Any], finite: NDArray[np.bool_]) -> InvalidInput:
         bad = finite.size - int(np.count_nonzero(finite))
         first = [int(i) for i in np.unravel_index(int(np.argmin(finite)), array.shape)]

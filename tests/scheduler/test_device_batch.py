@@ -171,8 +171,7 @@ def test_a_host_request_with_nan_in_a_device_batch_is_refused_and_both_assemblie
     bad[0, 1, 2] = np.nan
     parts = [in_region(gpu, devices, a), bad]
     engine = DeviceInputEngine(gpu)
-    execute = BatchExecutor("m", [engine], [spec], lambda name: None, 0.0, ["y"],
-                            validator.finite_inputs, validator.non_finite)
+    execute = BatchExecutor("m", [engine], [spec], lambda name: None, 0.0, ["y"], finite_check=validator)
     used = gpu.used_memory()
     results, _, _ = execute(_executor_batch(parts, 2))
     assert results[0]["y"].tolist() == [a.sum()]
