@@ -193,6 +193,12 @@ class Client:
     def unload_model(self, model: str) -> None:
         req.json_answer(*self._request_json("POST", req.repository_path(model, "unload"), b"{}"))
 
+    def metrics(self) -> str:
+        """The daemon's Prometheus metrics, as text (GET /metrics; docs/observability.md)."""
+        status, _, data = self._request("GET", "/metrics")
+        req.check(status, data)  # ClientError naming the daemon's error
+        return data.decode()
+
     def live(self) -> bool:
         return self._health("/v2/health/live")
 

@@ -87,6 +87,9 @@ class ServerSettings:
     # Whether the event loop and the engine worker threads share one CPU (cpu_affinity.py):
     # "auto" (measured after warm-up, placement.py), "off", or a CPU number as a string ("3").
     loop_cpu: str = "auto"
+    # Once ready, move the objects alive then out of the cyclic GC's full collections, which
+    # otherwise stop the event loop for tens of ms (gc_freeze.py); again after every unload.
+    gc_freeze: bool = True
     # Triton's system shared memory (shared_memory/regions.py, docs/api.md): regions registered at
     # once (each holds 2 descriptors), their byte_size together, and the uids besides the daemon's
     # own whose /dev/shm objects may be registered.

@@ -26,6 +26,7 @@ from .config import DaemonConfig, parse_host_port
 from .cpu_affinity import choose as choose_cpu
 from .cpu_affinity import pin_this_thread
 from .errors import ConfigError
+from .gc_freeze import freeze_survivors, thaw
 from .runtime import Runtime
 from .scheduler.runner import WORKER_ON_EVERY_CPU_FROM_S
 from .shared_memory.cuda_regions import CudaRegionRegistry, link_namespaces
@@ -163,6 +164,9 @@ class Daemon:
             if self.mqtt is not None:
                 await self.mqtt.start()
             loop.add_signal_handler(signal.SIGHUP, self.request_reload)  # only once serving
+            if c.server.gc_freeze:
+                freeze_survivors("ready")
+                self.runtime.after_unload = freeze_survivors
             self.runtime.memory_watch.settle()
             self._tasks.append(asyncio.create_task(self._watch_memory()))
             self.notifier.ready(self._status_line())
@@ -185,6 +189,8 @@ class Daemon:
             if self.grpc is not None:
                 await self.grpc.stop(0)  # at once after an error; already stopped after a drain
             await self.runtime.close()
+            if c.server.gc_freeze:
+                thaw()  # the runners closed above are the collector's again
             self.shared_memory.close()  # after the drain: no request reads a region any more
             await loop.run_in_executor(None, self.cuda_shared_memory.close)  # IPC mappings closed: CUDA calls
             if self._socket_file is not None:

@@ -10,6 +10,7 @@ event loop thread only, so no locks.
 from __future__ import annotations
 
 import bisect
+import gc
 import math
 import os
 import resource
@@ -195,6 +196,28 @@ class ProcessMetrics:
         return lines
 
 
+class GcMetrics:
+    """The cyclic garbage collector's counters under the names the Prometheus Python client
+    exports (`python_gc_*`, per generation), and how many objects gc_freeze.py keeps out of its
+    walks. Read from `gc` at each scrape."""
+
+    def render(self) -> list[str]:
+        stats = gc.get_stats()
+        lines = []
+        for name, help, field in (
+            ("python_gc_objects_collected_total", "Objects collected during gc", "collected"),
+            ("python_gc_objects_uncollectable_total", "Uncollectable objects found during GC", "uncollectable"),
+            ("python_gc_collections_total", "Number of times this generation was collected", "collections"),
+        ):
+            lines += [f"# HELP {name} {help}", f"# TYPE {name} counter"]
+            lines += [f'{name}{{generation="{generation}"}} {s[field]}' for generation, s in enumerate(stats)]
+        name = PREFIX + "gc_frozen_objects"
+        lines += [f"# HELP {name} Objects moved out of the collector's walks once the daemon was ready ([server] "
+                  "gc_freeze), counted again after each unload.",
+                  f"# TYPE {name} gauge", f"{name} {gc.get_freeze_count()}"]
+        return lines
+
+
 class Metrics:
     """The daemon's metrics; one instance per runtime (no globals, so tests stay independent)."""
 
@@ -242,6 +265,7 @@ class Metrics:
             ("peer",),
         )
         self.process = ProcessMetrics()
+        self.gc = GcMetrics()
         # Called before each render: gauges read from elsewhere (the memory budget) update here.
         self.collectors: list = []
 
@@ -268,4 +292,5 @@ class Metrics:
         for metric in self.all():
             lines.extend(metric.render())
         lines.extend(self.process.render())
+        lines.extend(self.gc.render())
         return "\n".join(lines) + "\n"

@@ -170,6 +170,9 @@ class Runtime:
         self.ready = False
         # Called with a model's name before it loads (the daemon extends systemd's start timeout).
         self.on_model_loading: Callable[[str], None] | None = None
+        # Called with what happened once a model is unloaded and no longer referenced here (the
+        # daemon collects its runner's reference cycles then: gc_freeze.py).
+        self.after_unload: Callable[[str], object] | None = None
         self._fingerprints: dict[str, tuple] = {}
         # Peers for offloading (docs/offload.md); every runner gets it as its offload port.
         self.offload = None
@@ -274,36 +277,49 @@ class Runtime:
         one and the old one finishes what it has. A model that fails to load is logged and the
         old version (if any) stays."""
         async with self._reload_lock:
-            loop = asyncio.get_running_loop()
-            configs = await loop.run_in_executor(
-                None, discover_models, Path(self.config.models.repository), self.config.models.load
-            )
-            wanted = {mc.name: mc for mc in configs}
-            changes: dict[str, list[str]] = {"added": [], "changed": [], "removed": [], "failed": []}
-            for mc in _services_last(configs):
-                if mc.name in self.runners:
-                    fingerprint = await loop.run_in_executor(None, model_fingerprint, mc)
-                    if fingerprint == self._fingerprints.get(mc.name):
-                        continue
-                kind = "changed" if mc.name in self.runners else "added"
-                try:
-                    new = await self._load(mc)
-                except Exception as exc:  # a bad new version must not take the daemon down
-                    log.error("reload: model %s could not be loaded, keeping what was there: %s", mc.name, exc)
-                    changes["failed"].append(mc.name)
+            changes = await self._reload()
+        if changes["changed"] or changes["removed"]:
+            self._unloaded(f"reload: {', '.join(changes['changed'] + changes['removed'])} unloaded")
+        return changes
+
+    def _unloaded(self, what: str) -> None:
+        # Called by the public methods after the coroutine that unloaded has returned: its frame,
+        # which held the old runner, is gone, so the runner is garbage by now.
+        if self.after_unload is not None:
+            self.after_unload(what)
+
+    async def _reload(self) -> dict[str, list[str]]:
+        """reload()'s work, under its lock; returns the models added, changed, removed, failed."""
+        loop = asyncio.get_running_loop()
+        configs = await loop.run_in_executor(
+            None, discover_models, Path(self.config.models.repository), self.config.models.load
+        )
+        wanted = {mc.name: mc for mc in configs}
+        changes: dict[str, list[str]] = {"added": [], "changed": [], "removed": [], "failed": []}
+        for mc in _services_last(configs):
+            if mc.name in self.runners:
+                fingerprint = await loop.run_in_executor(None, model_fingerprint, mc)
+                if fingerprint == self._fingerprints.get(mc.name):
                     continue
-                old = self.runners.get(mc.name)
-                self.runners[mc.name] = new
-                if old is not None:
-                    await self._unload(old, self.config.server.drain_timeout_s)
-                changes[kind].append(mc.name)
-            for name in [n for n in self.runners if n not in wanted]:
-                old = self.runners.pop(name)
-                self._fingerprints.pop(name, None)
+            kind = "changed" if mc.name in self.runners else "added"
+            try:
+                new = await self._load(mc)
+            except Exception as exc:  # a bad new version must not take the daemon down
+                log.error("reload: model %s could not be loaded, keeping what was there: %s", mc.name, exc)
+                changes["failed"].append(mc.name)
+                continue
+            old = self.runners.get(mc.name)
+            self.runners[mc.name] = new
+            if old is not None:
                 await self._unload(old, self.config.server.drain_timeout_s)
-                changes["removed"].append(name)
-            log.info("reload: %s", ", ".join(f"{k} {v}" for k, v in changes.items() if v) or "no changes")
-            return changes
+            changes[kind].append(mc.name)
+        for name in [n for n in self.runners if n not in wanted]:
+            old = self.runners.pop(name)
+            self._fingerprints.pop(name, None)
+            await self._unload(old, self.config.server.drain_timeout_s)
+            changes["removed"].append(name)
+        log.info("reload: %s", ", ".join(f"{k} {v}" for k, v in changes.items() if v) or "no changes")
+        return changes
 
     async def load_model(self, name: str) -> str:
         """Load (or load again) one model of the repository, as Triton's repository extension
@@ -312,35 +328,45 @@ class Runtime:
         model that does not fit is not loaded (ModelDoesNotFit) and the old version stays.
         Returns "loaded" or "reloaded"."""
         async with self._reload_lock:
-            repository = Path(self.config.models.repository)
-            found = repository_models(repository)
-            if name not in found:
-                raise ModelNotFound(f"no model {name!r} in the repository {repository} (it has "
-                                    f"{', '.join(found) or 'none'})")
-            mc = await asyncio.get_running_loop().run_in_executor(None, load_model_config, found[name])
-            new = await self._load(mc)
-            old = self.runners.get(name)
-            self.runners[name] = new
-            if old is not None:
-                await self._unload(old, self.config.server.drain_timeout_s)
-            log.info("model %s %s through the API", name, "reloaded" if old is not None else "loaded")
-            return "reloaded" if old is not None else "loaded"
+            outcome = await self._load_model(name)
+        if outcome == "reloaded":
+            self._unloaded(f"model {name}'s old version unloaded")
+        return outcome
+
+    async def _load_model(self, name: str) -> str:
+        repository = Path(self.config.models.repository)
+        found = repository_models(repository)
+        if name not in found:
+            raise ModelNotFound(f"no model {name!r} in the repository {repository} (it has "
+                                f"{', '.join(found) or 'none'})")
+        mc = await asyncio.get_running_loop().run_in_executor(None, load_model_config, found[name])
+        new = await self._load(mc)
+        old = self.runners.get(name)
+        self.runners[name] = new
+        if old is not None:
+            await self._unload(old, self.config.server.drain_timeout_s)
+        log.info("model %s %s through the API", name, "reloaded" if old is not None else "loaded")
+        return "reloaded" if old is not None else "loaded"
 
     async def unload_model(self, name: str) -> None:
         """Take one model out of service (POST /v2/repository/models/{m}/unload): it stops taking
         requests, answers what it has, and its memory goes back to the budget. A model a loaded
         service uses (rag's embedding model, its generator) is refused: unload that one first."""
         async with self._reload_lock:
-            runner = self.runner(name)  # ModelNotFound
-            users = [other for other, servable in sorted(self.runners.items())
-                     if other != name and name in models_used_by(servable.config)]
-            if users:
-                raise InvalidInput(f"model {name!r} is used by {', '.join(users)}: unload "
-                                   f"{'it' if len(users) == 1 else 'them'} first")
-            del self.runners[name]
-            self._fingerprints.pop(name, None)
-            await self._unload(runner, self.config.server.drain_timeout_s)
-            log.info("model %s unloaded through the API", name)
+            await self._unload_model(name)
+        self._unloaded(f"model {name} unloaded")
+
+    async def _unload_model(self, name: str) -> None:
+        runner = self.runner(name)  # ModelNotFound
+        users = [other for other, servable in sorted(self.runners.items())
+                 if other != name and name in models_used_by(servable.config)]
+        if users:
+            raise InvalidInput(f"model {name!r} is used by {', '.join(users)}: unload "
+                               f"{'it' if len(users) == 1 else 'them'} first")
+        del self.runners[name]
+        self._fingerprints.pop(name, None)
+        await self._unload(runner, self.config.server.drain_timeout_s)
+        log.info("model %s unloaded through the API", name)
 
     def not_ready(self) -> dict[str, str]:
         """The loaded models that cannot serve a request now, and why (the readiness endpoints)."""
