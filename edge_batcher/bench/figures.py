@@ -31,9 +31,11 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def latency_summary(sorted_ms: list[float]) -> dict[str, float]:
-    """p50/p95/p99, mean and max of sorted latencies (NaN for none): what http_load and mqtt_load report."""
+    """p50/p95/p99/p99.9, mean and max of sorted latencies (NaN for none): what http_load and
+    mqtt_load report."""
     nan = float("nan")
     return {"p50": _percentile(sorted_ms, 50), "p95": _percentile(sorted_ms, 95), "p99": _percentile(sorted_ms, 99),
+            "p99.9": _percentile(sorted_ms, 99.9),
             "mean": statistics.fmean(sorted_ms) if sorted_ms else nan, "max": sorted_ms[-1] if sorted_ms else nan}
 
 

@@ -11,6 +11,7 @@ import time
 
 from .. import placement
 from ..errors import EdgeBatcherError
+from ..gc_freeze import freeze_survivors, thaw
 from ..metrics import Metrics
 from ..runtime import load_runner
 from ..types import InferRequest
@@ -20,14 +21,17 @@ from .open_loop import OpenLoopRun, generator_cost_us, poisson_arrivals
 
 
 async def in_process(model_config, sample, args, *, closed: bool, rate: float = 0.0,
-                     auto_cpu: int | None = None) -> dict:
+                     auto_cpu: int | None = None, gc_freeze: bool = True) -> dict:
     """One load phase on a fresh runner; `auto_cpu`: first let placement.choose decide
-    between that CPU and any CPU, as the daemon does with loop_cpu = "auto"."""
+    between that CPU and any CPU, as the daemon does with loop_cpu = "auto"; `gc_freeze`: keep
+    what is alive then out of the collector's walks, as the daemon does once ready."""
     loop = asyncio.get_running_loop()
     metrics = Metrics()
     runner = await loop.run_in_executor(None, load_runner, model_config, metrics, True)
     await runner.start()
     choice = await placement.choose(auto_cpu, [runner]) if auto_cpu is not None else None
+    if gc_freeze:
+        freeze_survivors("bench phase")
 
     cpu0 = time.thread_time()
     if closed:
@@ -40,6 +44,8 @@ async def in_process(model_config, sample, args, *, closed: bool, rate: float = 
     figures = _closed_figures(run) if closed else _open_figures(arrivals, rate)
     stats = runner.statistics()
     await runner.close()
+    if gc_freeze:
+        thaw()
     answered = sum(figures["statuses"].values())
     worker_io_s = stats["execution_ns"]["assemble_and_split"] / 1e9
     overhead = (loop_cpu + worker_io_s) / answered * 1e6 if answered else None

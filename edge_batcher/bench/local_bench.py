@@ -75,7 +75,10 @@ async def bench_local(config, args) -> dict:
     out["minimal_batcher_rps"] = statistics.median(floors)
     await runner.close()
 
-    batched = [await in_process(mc, sample, args, closed=True) for _ in runs("in-process, closed loop")]
+    def fresh_phase(*a, **kw):  # with the collector as the daemon would have it
+        return in_process(*a, gc_freeze=config.server.gc_freeze, **kw)
+
+    batched = [await fresh_phase(mc, sample, args, closed=True) for _ in runs("in-process, closed loop")]
     out["in_process_closed"] = median_run(batched)
     # Open loop at several loads: the closed loop's throughput is no capacity for Poisson
     # arrivals (docs/benchmarks.md), so one rate cannot say where the runtime stops keeping up.
@@ -83,7 +86,7 @@ async def bench_local(config, args) -> dict:
     out["in_process_open"] = []
     for rate in args.rate:
         per_s = rate.per_second(closed_rps)
-        phase = median_run([await in_process(mc, sample, args, closed=False, rate=per_s)
+        phase = median_run([await fresh_phase(mc, sample, args, closed=False, rate=per_s)
                             for _ in runs(f"in-process, open loop at {rate}")])
         out["in_process_open"].append({"load": str(rate), **phase})
 
@@ -91,7 +94,7 @@ async def bench_local(config, args) -> dict:
     unbatched_config.batching.preferred_batch_sizes = [1]
     unbatched_config.batching.max_batch_size = 1
     out["in_process_no_batching"] = median_run(
-        [await in_process(unbatched_config, sample, args, closed=True) for _ in runs("in-process, batching off")]
+        [await fresh_phase(unbatched_config, sample, args, closed=True) for _ in runs("in-process, batching off")]
     )
     # From here on this thread runs on every CPU: first the same closed loop with the loop
     # and engine threads free (loop_cpu = "off"), to show what sharing one CPU buys; then
@@ -100,11 +103,11 @@ async def bench_local(config, args) -> dict:
     pin_this_thread(None)
     if cpu is not None:
         out["in_process_closed_any_cpu"] = median_run(
-            [await in_process(mc, sample, args, closed=True) for _ in runs("in-process, threads on any CPU")]
+            [await fresh_phase(mc, sample, args, closed=True) for _ in runs("in-process, threads on any CPU")]
         )
     if auto:  # the placement the daemon would choose, measured as it measures, then loaded the same way
         out["in_process_closed_auto"] = median_run(
-            [await in_process(mc, sample, args, closed=True, auto_cpu=cpu) for _ in runs("in-process, loop_cpu auto")]
+            [await fresh_phase(mc, sample, args, closed=True, auto_cpu=cpu) for _ in runs("in-process, loop_cpu auto")]
         )
         pin_this_thread(None)
     out["ratio_to_ceiling"] = out["in_process_closed"]["throughput_rps"] / out["raw_ceiling_rps"]
