@@ -266,9 +266,9 @@ def main() -> None:
     finally:
         if broker:
             broker.stop()
-    if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)}, "results": results}, indent=1))
     print(report(results, args, settings))
+    if args.json:  # paths (--json, --baseline) written as strings
+        args.json.write_text(json.dumps({"args": vars(args), "results": results}, indent=1, default=str))
 
 
 def report(results: dict[str, list[dict]], args, settings: dict) -> str:
