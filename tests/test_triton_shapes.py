@@ -91,7 +91,7 @@ def test_statistics_have_tritons_counts() -> None:
     # two batches: 3 requests in a batch of 4, then 2 requests in a batch of 2
     for requests, size, seconds, engine in ((3, 4, 0.010, 0.008), (2, 2, 0.004, 0.003)):
         plan = BatchPlan(requests=[], rows=requests, size=size, bucket=0, reason=Reason.FULL)
-        stats.record_batch(plan, [0.0] * requests, 0.001, 0.02, seconds, engine)
+        stats.record_batch(plan, [0.0] * requests, requests, 0.001, 0.02, seconds, engine)
     body = stats.to_json(0, [])
     s = body["inference_stats"]
     assert body["execution_count"] == 2 and body["inference_count"] == 5

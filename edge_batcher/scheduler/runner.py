@@ -498,8 +498,8 @@ class ModelRunner:
     def _record(self, batch: LocalBatch, answered: list[Pending], seconds: float, engine_seconds: float) -> None:
         self.exec_time.observe(batch.plan.size, seconds)
         assert self._loop is not None  # batches run only once start() set the loop
-        self._stats.record_batch(batch.plan, [r.arrival for r in answered], batch.dispatched, self._loop.time(),
-                                 seconds, engine_seconds)
+        self._stats.record_batch(batch.plan, [r.arrival for r in answered], sum(r.rows for r in answered),
+                                 batch.dispatched, self._loop.time(), seconds, engine_seconds)
 
     def _fail(self, req: QueuedRequest, error: EdgeBatcherError) -> None:
         future = cast(Pending, req).future  # the queue holds only Pending

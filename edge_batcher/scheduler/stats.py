@@ -68,13 +68,15 @@ class RunnerStats:
             child = self._status[status] = self.metrics.requests_total.labels(model=self.model, status=str(status))
         child.inc()
 
-    def record_batch(self, plan: BatchPlan, arrivals: list[float], dispatched: float, now: float,
+    def record_batch(self, plan: BatchPlan, arrivals: list[float], rows: int, dispatched: float, now: float,
                      seconds: float, engine_seconds: float) -> None:
-        """A local batch ran: `arrivals` of the requests it answered, the loop's clock at
-        dispatch and now, the worker's whole time and the engine's share of it."""
+        """A local batch ran: `arrivals` of the requests it answered and their `rows`, the
+        loop's clock at dispatch and now, the worker's whole time and the engine's share of it.
+        The rows of requests it did not answer (expired on the worker, refused for NaN) ran as
+        padding."""
         s = self.counts
         s.execution_count += 1
-        s.inference_count += plan.rows
+        s.inference_count += rows
         s.compute_ns += int(seconds * 1e9)
         engine_ns = int(engine_seconds * 1e9)
         s.engine_ns += engine_ns
@@ -88,7 +90,7 @@ class RunnerStats:
         entry[2] += io_ns
         reason = str(plan.reason)
         s.reasons[reason] = s.reasons.get(reason, 0) + 1
-        s.padding_rows += plan.padding
+        s.padding_rows += plan.padding + plan.rows - rows
         s.batch_rows += plan.size
         key = (plan.size, plan.reason, plan.target)
         counter = self._batches.get(key)

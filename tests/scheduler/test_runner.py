@@ -370,7 +370,10 @@ async def test_nan_in_one_request_of_a_batch_refuses_that_request_alone_and_neve
     assert np.isfinite(engine.batches[0]).all()  # the refused request's rows became padding
     counts = {key[1]: value for key, value in metrics.requests_total.values.items() if key[0] == "rowsum"}
     assert counts == {"200": 3.0, "400": 1.0}
-    assert runner.statistics()["inference_stats"]["success"]["count"] == 3
+    stats = runner.statistics()
+    assert stats["inference_stats"]["success"]["count"] == 3
+    assert stats["inference_count"] == 3 and stats["execution_count"] == 1  # rows inferred, batches run
+    assert stats["padding_rows"] == 1  # the refused request's row ran as padding
     await runner.close()
 
 
