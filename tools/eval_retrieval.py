@@ -40,11 +40,13 @@ from edge_batcher.rag.embed import TextEmbeddingEngine  # noqa: E402
 from edge_batcher.rag.fusion import COVERAGE_ONLY, EQUAL_WEIGHTS, Fusion, minmax  # noqa: E402
 from edge_batcher.rag.index import Index, embed_passages  # noqa: E402
 from edge_batcher.rag.passages import split_file  # noqa: E402
+from edge_batcher.rag.spelling import Speller, tokenizer_words  # noqa: E402
 
 CORPUS = ROOT / "docs" / "corpus"
 QUESTION_FILES = ("questions.json", "questions-technician.json", "questions-paraphrase.json",
                   "questions-holdout.json", "questions-paraphrase-holdout.json", "questions-paraphrase-blind.json",
-                  "questions-paraphrase-blind2.json", "questions-paraphrase-blind3.json")
+                  "questions-paraphrase-blind2.json", "questions-paraphrase-blind3.json",
+                  "questions-paraphrase-blind4.json")
 # column name -> (file, split); None: the whole file
 SETS = {"shipped ten": ("questions.json", None),
         "technician dev": ("questions-technician.json", "dev"),
@@ -55,7 +57,8 @@ SETS = {"shipped ten": ("questions.json", None),
         "paraphrase held out": ("questions-paraphrase-holdout.json", None),
         "paraphrase blind": ("questions-paraphrase-blind.json", None),
         "paraphrase blind 2": ("questions-paraphrase-blind2.json", None),
-        "paraphrase blind 3": ("questions-paraphrase-blind3.json", None)}
+        "paraphrase blind 3": ("questions-paraphrase-blind3.json", None),
+        "paraphrase blind 4": ("questions-paraphrase-blind4.json", None)}
 DEV_SETS = ("shipped ten", "technician dev", "paraphrase dev")
 
 # A ranking: (index, query vectors, question texts) -> ids of the top 3 for each question.
@@ -131,8 +134,28 @@ def feedback(beta: float, lexical_weight: float = 0.5, depth: int = 3) -> Rankin
     return rank
 
 
-def rankings(configured: Fusion) -> dict[str, Ranking]:
-    """The rankings compared in docs/rag.md, by name: single methods first, then the hybrids."""
+def spelling_corrected(rank: Ranking, speller: Speller, embed) -> Ranking:
+    """`rank` on the questions as the daemon ranks them: misspelt words corrected first
+    (rag/spelling.py), the corrected questions embedded again by `embed`."""
+    def ranked(index: Index, vectors: np.ndarray, texts: list[str]) -> list[list[str]]:
+        corrected = [speller.correct(t) for t in texts]
+        changed = [i for i, (a, b) in enumerate(zip(texts, corrected)) if a != b]
+        if changed:
+            vectors = vectors.copy()
+            vectors[changed] = embed([corrected[i] for i in changed])
+        return rank(index, vectors, corrected)
+    return ranked
+
+
+def speller_for(index: Index, embedder: TextEmbeddingEngine) -> Speller:
+    """The daemon's speller for this index and embedding model (rag/pipeline.py builds the same)."""
+    return Speller(tokenizer_words(embedder.tokenizer.vocabulary()), (p.embed_text() for p in index.passages))
+
+
+def rankings(configured: Fusion, speller: Speller | None = None, embed=None) -> dict[str, Ranking]:
+    """The rankings compared in docs/rag.md, by name: single methods first, then the hybrids;
+    with a speller, the shipped default corrects the questions' spelling first, as the daemon
+    does, and the row without it is shown too."""
     return {"dense (passage cosine)": fused(Fusion("dense", sentence_weight=0.0)),
             "dense + best sentence": fused(Fusion("dense", 1.0, 0.0, 60.0, "minmax", 1.0)),
             "lexical (BM25)": fused(Fusion("lexical")),
@@ -147,7 +170,9 @@ def rankings(configured: Fusion) -> dict[str, Ranking]:
             "round 2 + heading 1 (equal weight)": fused(Fusion(coverage_exponent=0.5, heading_weight=1.0)),
             "round 2 + heading 0.5": fused(Fusion(coverage_exponent=0.5, heading_weight=0.5)),
             "round 2 + heading 0.25": fused(Fusion(coverage_exponent=0.5, heading_weight=0.25)),
-            "shipped default (as configured)": fused(configured)}
+            **({"shipped default without spelling correction": fused(configured),
+                "shipped default (as configured)": spelling_corrected(fused(configured), speller, embed)}
+               if speller is not None else {"shipped default (as configured)": fused(configured)})}
 
 
 SINGLE = ("dense (passage cosine)", "dense + best sentence", "lexical (BM25)")
@@ -206,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{q['file']}: {q['question']!r} names passage {q['passage']!r}, "
                          "which the corpus does not have")
     vectors = embedder.embed([q["question"] for q in questions])
-    configured = fusion_from(rag_settings(load_model_config(args.model_repo / "rag")))
+    settings = rag_settings(load_model_config(args.model_repo / "rag"))
+    configured = fusion_from(settings)
+    speller = speller_for(index, embedder) if settings.correct_spelling else None
     sets = dict(SETS)
     for path in args.questions:
         sets[f"{path.stem} (given)"] = (str(path), None)
@@ -230,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"shipped default = {configured}")
     print("| ranking | " + " | ".join(f"{name} ({len(members[name])})" for name in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
-    for label, rank in rankings(configured).items():
+    for label, rank in rankings(configured, speller, embedder.embed).items():
         cells = []
         for name in columns:
             t1, t3 = score(rank, name)
@@ -239,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.misses:
         for name in columns:
             idx = members[name]
-            ranked = fused(configured)(index, vectors[idx], [questions[i]["question"] for i in idx])
+            shipped = spelling_corrected(fused(configured), speller, embedder.embed) if speller else fused(configured)
+            ranked = shipped(index, vectors[idx], [questions[i]["question"] for i in idx])
             for i, ids in zip(idx, ranked):
                 if ids[0] != questions[i]["passage"]:
                     print(f"  {name} miss: {questions[i]['question']!r} -> {ids} (expected {questions[i]['passage']})")

@@ -41,6 +41,7 @@ from .service import (
     wait_idle,
 )
 from .settings import fusion_from, index_dir_for, rag_settings
+from .spelling import Speller, tokenizer_words
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +66,10 @@ class RagService(ServiceAccounting):
         self.queue = InFlight()
         self.stats = ServiceStats()
         self._index: Index | None = None
+        # Corrects misspelt words of questions (spelling.py): the embedding tokenizer's words,
+        # read at start; the speller itself is built with each index, from its passages.
+        self._general_words: frozenset[str] | None = None
+        self._speller: Speller | None = None
         self._index_problem: str | None = None
         self._watcher = IndexWatcher(self.index_dir)
         self._reload_lock: asyncio.Lock | None = None
@@ -73,7 +78,7 @@ class RagService(ServiceAccounting):
         self._max_rows = self.settings.max_rows
         self.counters = {"extractive": 0, "generated": 0, "index_reloads": 0, "embed_ns": 0, "search_ns": 0,
                          "generate_ns": 0, "extract_ns": 0, "passages_returned": 0,
-                         "sentences_embedded": 0}
+                         "sentences_embedded": 0, "questions_corrected": 0}
         self.routes = {"local": 0, "peer": 0, "extractive": 0}
         self.documents = Documents(self)  # added and removed over the API (documents.py)
         self.fallbacks: dict[str, int] = {}  # why a generated answer was not possible -> count
@@ -93,6 +98,10 @@ class RagService(ServiceAccounting):
         self._embedding_dim = embedder.outputs[0].shape[-1]
         self._max_rows = min(s.max_rows, embedder.config.batching.max_batch_size)
         self._embed_rows = embedder.config.batching.max_batch_size
+        tokenizer = self._embedding_tokenizer()
+        if s.correct_spelling and tokenizer is not None:
+            self._general_words = await asyncio.get_running_loop().run_in_executor(
+                None, tokenizer_words, tokenizer.vocabulary())
         if self.peer is not None:
             await self.peer.start()
         self._reload_lock = asyncio.Lock()
@@ -142,7 +151,7 @@ class RagService(ServiceAccounting):
                 if self._watcher.changed():
                     signature = self._watcher.signature()
                     try:
-                        index = await asyncio.get_running_loop().run_in_executor(None, load_index, self.index_dir)
+                        index, speller = await asyncio.get_running_loop().run_in_executor(None, self._load_index)
                     except Unavailable as exc:
                         if self._index is None:
                             raise
@@ -150,12 +159,22 @@ class RagService(ServiceAccounting):
                     else:
                         self._watcher.mark(signature)
                         self._set_index(index)
+                        self._speller = speller
         if self._index is None:
             raise Unavailable(f"model {self.name!r}: no document index in {self.index_dir}: build it with "
                               "`edge-batcher index add FILES...`")
         if self._index_problem:
             raise Unavailable(f"model {self.name!r}: {self._index_problem}")
         return self._index
+
+    def _load_index(self) -> tuple[Index | None, Speller | None]:
+        """The index (None: none built yet), and the speller of its words (on a worker thread:
+        both read the whole corpus)."""
+        index = load_index(self.index_dir)
+        general = self._general_words
+        if index is None or general is None:
+            return index, None
+        return index, Speller(general, (p.embed_text() for p in index.passages))
 
     def _set_index(self, index: Index | None) -> None:
         previous = self._index
@@ -222,6 +241,10 @@ class RagService(ServiceAccounting):
         """The hits of each question (best first) and the questions' embeddings."""
         index = await self._current_index()
         t0 = time.perf_counter()
+        if self._speller is not None:
+            corrected = [self._speller.correct(q) for q in questions]  # bounded: MAX_CORRECTIONS words each
+            self.counters["questions_corrected"] += sum(a != b for a, b in zip(questions, corrected))
+            questions = corrected
         vectors = await self._embed(questions, request)
         t1 = time.perf_counter()
         ranked = index.search_fused(vectors, questions, top_k, self.fusion)
@@ -413,7 +436,9 @@ class RagService(ServiceAccounting):
                           "coverage_exponent": self.fusion.coverage_exponent,
                           "heading_weight": self.fusion.heading_weight,
                           "sentence_vectors": bool(index is not None and index.sentences is not None),
-                          "heading_vectors": bool(index is not None and index.headings is not None)},
+                          "heading_vectors": bool(index is not None and index.headings is not None),
+                          "correct_spelling": self._speller is not None,
+                          "questions_corrected": c["questions_corrected"]},
             "passages_returned": c["passages_returned"],
             "sentences_embedded": c["sentences_embedded"],  # extractive answers' sentences, ranked by embedding model
             "stage_ns": {"embed": c["embed_ns"], "search": c["search_ns"], "generate": c["generate_ns"],

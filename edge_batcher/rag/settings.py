@@ -38,6 +38,7 @@ class RagSettings:
     answer_sentences: int = 2  # extractive answers: at most this many sentences ...
     sentence_margin: float = 0.1  # ... each within this cosine of the best one
     ambiguous_margin: float = DEFAULT_FUSION.ambiguous_margin  # sources: first passage ambiguous below this lead
+    correct_spelling: bool = True  # misspelt question words -> corpus words before retrieval (spelling.py)
     peer: ChatPeerSettings | None = None  # [rag.peer]: an OpenAI-compatible generation server
 
 

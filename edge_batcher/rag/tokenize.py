@@ -100,6 +100,10 @@ class TextTokenizer:
     def token_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    def vocabulary(self) -> list[str]:
+        """Every token of the vocabulary, as text (rag/spelling.py takes its whole words)."""
+        return list(self._tok.get_vocab())
+
     def encode(self, text: str, *, truncate: bool = False, special: bool | None = None) -> list[int]:
         """Token ids of one text. truncate=False leaves long texts whole (callers that need a
         limit check it and say so); truncate=True cuts at max_length, keeping the special tokens."""

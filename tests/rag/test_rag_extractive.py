@@ -108,3 +108,17 @@ def test_the_close_call_line_names_the_first_two_passages_only_when_they_are_clo
         "Close call: [1] Battery and [2] Battery storage ranked almost alike (lead 4%); the answer may be in either\n"
         "Sources: [1] Battery (m#a)")
     assert close_call_line(hits[:1]) == ""  # flagged, but no second passage retrieved to name
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_misspelt_question_is_corrected_before_retrieval(client):
+    async def corrected() -> int:
+        stats = await (await client.get("/v2/models/rag/stats")).json()
+        return stats["model_stats"][0]["retrieval"]["questions_corrected"]
+
+    before = await corrected()
+    r = await client.post("/v2/models/rag/generate", json={"text_input": "torqe for the mountng stud?"})
+    body = await r.json()
+    assert r.status == 200, body
+    assert "5 N·m" in body["answer"] and body["sources"][0]["id"].endswith("#stud-mounting")
+    assert await corrected() == before + 1
