@@ -241,8 +241,10 @@ class RagService(ServiceAccounting):
         """The hits of each question (best first) and the questions' embeddings."""
         index = await self._current_index()
         t0 = time.perf_counter()
-        if self._speller is not None:
-            corrected = [self._speller.correct(q) for q in questions]  # bounded: MAX_CORRECTIONS words each
+        speller = self._speller
+        if speller is not None:  # up to ~1 ms a question (MAX_CORRECTIONS unknown words): not on the loop
+            corrected = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: [speller.correct(q) for q in questions])
             self.counters["questions_corrected"] += sum(a != b for a, b in zip(questions, corrected))
             questions = corrected
         vectors = await self._embed(questions, request)
