@@ -109,5 +109,6 @@ def test_the_daemon_freezes_once_ready_and_again_after_an_unload(start_daemon):
 
 def test_gc_freeze_off_leaves_the_collector_as_python_sets_it(start_daemon):
     d = start_daemon('[server]\ngc_freeze = false\n[models]\nload = ["vibration"]\n[memory]\nprobe = "cpu"\n')
-    assert _metric(d.client().metrics(), "edge_batcher_gc_frozen_objects") == 0
+    # Only what the interpreter freezes itself (0 on Python 3.11, 375 on 3.12), not the daemon's ~20k+.
+    assert _metric(d.client().metrics(), "edge_batcher_gc_frozen_objects") < 1_000
     assert "gc: " not in d.log_text()
