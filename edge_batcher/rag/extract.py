@@ -44,7 +44,7 @@ def choose(question: np.ndarray, candidates: list[Sentence], vectors: np.ndarray
     in document order (passage rank, then position)."""
     if not candidates:
         return []
-    q = np.asarray(question, dtype=np.float32).reshape(-1)
+    q: np.ndarray = np.asarray(question, dtype=np.float32).reshape(-1)  # annotated: numpy 2.2 types it 1-d
     q = q / max(float(np.linalg.norm(q)), 1e-12)
     v = np.asarray(vectors, dtype=np.float32)
     scores = (v / np.maximum(np.linalg.norm(v, axis=1, keepdims=True), 1e-12)) @ q

@@ -33,7 +33,7 @@ def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     if params.greedy:
         return int(np.argmax(logits))  # the first of equal maxima: deterministic
     x = np.asarray(logits, dtype=np.float64) / params.temperature
-    candidates = np.arange(x.shape[0])
+    candidates: np.ndarray = np.arange(x.shape[0])  # annotated: numpy 2.2 types it 1-d, its slices not
     if 0 < params.top_k < x.shape[0]:
         candidates = np.argpartition(-x, params.top_k - 1)[: params.top_k]
     x = x[candidates]
