@@ -5,7 +5,7 @@ word into pieces that mean little, and BM25 does not find it at all, so the ques
 ranked by its other words. A word is corrected only when it is unknown twice over: not a
 whole word of the embedding model's tokenizer (an English vocabulary of ~20k words for
 MiniLM, so "puck" or "hose" stay as they are), nor a word of the corpus, nor an inflection of
-either ("volts" is not "bolts" misspelt). It then becomes the most frequent corpus word one
+either ("greased", "studs"). It then becomes the most frequent corpus word one
 edit away (a letter deleted, inserted, replaced, or two swapped) that starts with the same
 letter (first letters are rarely mistyped; this keeps "volts" from "bolts"), if there is one.
 Words shorter than five letters are left alone (too many neighbours), and at most
