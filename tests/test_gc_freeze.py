@@ -8,7 +8,6 @@ from __future__ import annotations
 import gc
 import re
 import shutil
-import socket
 import weakref
 
 import pytest
@@ -16,6 +15,7 @@ import pytest
 from edge_batcher.config import DaemonConfig, PeerSettings
 from edge_batcher.gc_freeze import freeze_survivors
 from edge_batcher.runtime import Runtime
+from tests.support.mqtt import free_port
 
 
 @pytest.fixture
@@ -24,19 +24,13 @@ def thawed_afterwards():
     gc.unfreeze()  # the rest of the suite runs with a collector as Python sets it
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _runtime_with_a_peer(repo) -> Runtime:
     config = DaemonConfig()
     config.models.repository = str(repo)
     config.models.load = ["vibration"]
     config.memory.probe = "cpu"
     config.offload.enabled = True  # nobody listens there: the peer is unhealthy, the Offloader is built all the same
-    config.offload.peers = [PeerSettings(url=f"http://127.0.0.1:{_closed_port()}", name="nobody")]
+    config.offload.peers = [PeerSettings(url=f"http://127.0.0.1:{free_port()}", name="nobody")]
     return Runtime(config)
 
 

@@ -149,7 +149,7 @@ def spelling_corrected(rank: Ranking, speller: Speller, embed) -> Ranking:
 
 def speller_for(index: Index, embedder: TextEmbeddingEngine) -> Speller:
     """The daemon's speller for this index and embedding model (rag/pipeline.py builds the same)."""
-    return Speller(tokenizer_words(embedder.tokenizer.vocabulary()), (p.embed_text() for p in index.passages))
+    return Speller.for_index(tokenizer_words(embedder.tokenizer.vocabulary()), index.passages)
 
 
 def rankings(configured: Fusion, speller: Speller | None = None, embed=None) -> dict[str, Ranking]:

@@ -174,7 +174,7 @@ class RagService(ServiceAccounting):
         general = self._general_words
         if index is None or general is None:
             return index, None
-        return index, Speller(general, (p.embed_text() for p in index.passages))
+        return index, Speller.for_index(general, index.passages)
 
     def _set_index(self, index: Index | None) -> None:
         previous = self._index

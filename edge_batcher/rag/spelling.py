@@ -20,6 +20,8 @@ import re
 from collections import Counter
 from collections.abc import Iterable
 
+from .passages import Passage
+
 MIN_LENGTH = 5
 MAX_CORRECTIONS = 8  # unknown words looked up per question: ~60-120 us each (the service runs it off the loop)
 _WORD = re.compile(r"[A-Za-z]+")
@@ -58,6 +60,11 @@ class Speller:
     def __init__(self, general: frozenset[str], corpus_texts: Iterable[str]):
         self.counts = Counter(w.lower() for text in corpus_texts for w in _WORD.findall(text))
         self._known = general | set(self.counts) | {b for w in self.counts for b in bases(w)}
+
+    @classmethod
+    def for_index(cls, general: frozenset[str], passages: Iterable[Passage]) -> Speller:
+        """The speller of an index: its passages as they are embedded (heading and text)."""
+        return cls(general, (p.embed_text() for p in passages))
 
     def correct(self, question: str) -> str:
         """`question` with its misspelt words replaced; the same string when none is."""
