@@ -12,7 +12,8 @@ import sys
 import numpy as np
 import pytest
 
-from tests.support.mqtt import MOSQUITTO, Broker, free_port, wait_mqtt
+from tests.support.mqtt import MOSQUITTO, Broker, wait_mqtt
+from tests.support.ports import free_port
 
 TOKEN = "bench-s3cret"
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +36,7 @@ from tests.fakes.fake_cuda_ipc import ExportedBuffer, FakeCudaIpc
 from tests.support.frames import brightness_via_regions, expected_brightness, expected_channel_mean
 from tests.support.models import _tool
 from tests.support.mqtt import LoopThread
+from tests.support.ports import free_port
 
 th = pytest.importorskip("tritonclient.http")
 tg = pytest.importorskip("tritonclient.grpc")
@@ -47,12 +47,6 @@ FRAME = (32, 48, 3)
 TOKEN = "cuda-shm-token"  # gRPC over TCP takes a bearer token (the HTTP app here has no auth middleware)
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 DELAY_MS = 400.0  # long enough for N concurrent requests to meet in one batch of N
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -77,7 +71,7 @@ def served(tmp_path_factory):
     config.models.repository = str(repo)
     config.memory.probe = "fixed"
     config.memory.budget_mb = 4096
-    config.server.grpc = [f"127.0.0.1:{_free_port()}"]
+    config.server.grpc = [f"127.0.0.1:{free_port()}"]
     config.server.token = TOKEN
     lt = LoopThread()
     runtime = Runtime(config)
@@ -89,7 +83,7 @@ def served(tmp_path_factory):
     app = create_app(runtime, max_body_bytes=1 << 24, shared_memory=system, cuda_shared_memory=cuda)
     app_runner = web.AppRunner(app)
     lt.run(app_runner.setup())
-    http_port = _free_port()
+    http_port = free_port()
     lt.run(web.TCPSite(app_runner, "127.0.0.1", http_port).start())
     grpc = grpc_server.GrpcServer(runtime, config.server.grpc, limits=build_edge(config.server), tls=None,
                                   shared_memory=system, cuda_shared_memory=cuda)

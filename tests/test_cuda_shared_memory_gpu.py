@@ -11,7 +11,6 @@ docs/api.md ("CUDA shared memory") says what was verified where.
 
 from __future__ import annotations
 
-import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +23,7 @@ import pytest
 from tests.support.daemon import DaemonProcess
 from tests.support.frames import brightness_via_regions
 from tests.support.models import _tool
+from tests.support.ports import free_port
 
 th = pytest.importorskip("tritonclient.http")
 tg = pytest.importorskip("tritonclient.grpc")
@@ -50,12 +50,6 @@ GRPC_AUTH = {"authorization": f"Bearer {TOKEN}"}
 FRAME = (64, 96, 3)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def gpu_daemon(tmp_path_factory):
     repo = tmp_path_factory.mktemp("frames_gpu")
@@ -71,7 +65,7 @@ def gpu_daemon(tmp_path_factory):
     token = home / "token"
     token.write_text(TOKEN)
     token.chmod(0o600)
-    http_port, grpc_port = _free_port(), _free_port()
+    http_port, grpc_port = free_port(), free_port()
     d = DaemonProcess(home, f'[server]\nhttp = "127.0.0.1:{http_port}"\ngrpc = ["127.0.0.1:{grpc_port}"]\n'
                             f'token_file = "{token}"\n', repo=repo)
     d.start().wait_ready()

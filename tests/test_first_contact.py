@@ -18,17 +18,12 @@ import pytest
 
 from edge_batcher.client import AsyncClient, Client, ClientError, DaemonUnreachable
 from tests.support.models import ROOT
+from tests.support.ports import free_port
 
 
 def cli(*args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "edge_batcher.cli", *args], capture_output=True, text=True,
                           timeout=timeout, env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ------------------------------------------------------------------ no daemon: ClientError naming the address

@@ -15,7 +15,7 @@ import pytest
 from edge_batcher.config import DaemonConfig, PeerSettings
 from edge_batcher.gc_freeze import freeze_survivors
 from edge_batcher.runtime import Runtime
-from tests.support.mqtt import free_port
+from tests.support.ports import free_port
 
 
 @pytest.fixture

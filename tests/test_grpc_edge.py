@@ -19,6 +19,7 @@ import pytest
 
 from tests.support.daemon import DaemonProcess, allow_descriptors, require_listen_queue
 from tests.support.faulty_engine import HELD, RELEASE_ENV
+from tests.support.ports import free_port
 from tests.support.rawhttp import UnixConnection
 from tests.support.stall_proxy import StallProxy
 
@@ -32,18 +33,12 @@ SERVICE = "/inference.GRPCInferenceService/"
 MiB = 1 << 20
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class GrpcDaemon:
     def __init__(self, home: Path, repo: Path, server: str, **kwargs):
         token = home / "token"
         token.write_text(TOKEN + "\n")
         token.chmod(0o600)
-        self.tcp = f"127.0.0.1:{_free_port()}"
+        self.tcp = f"127.0.0.1:{free_port()}"
         self.unix = f"unix:{home / 'grpc.sock'}"
         self.release = home / "release"  # tests/support/faulty_engine.py: HELD batches wait for it
         config = (f'[server]\ntoken_file = "{token}"\ngrpc = ["{self.tcp}", "{self.unix}"]\n{server}\n'

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import pytest
 
 from tests.support.daemon import DaemonProcess
 from tests.support.models import ROOT
+from tests.support.ports import free_port
 
 httpclient = pytest.importorskip("tritonclient.http")
 grpcclient = pytest.importorskip("tritonclient.grpc")
@@ -27,12 +27,6 @@ HEADERS = {"Authorization": f"Bearer {TOKEN}"}
 GRPC_HEADERS = {"authorization": f"Bearer {TOKEN}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def daemon(tmp_path, model_repo):
     repo = tmp_path / "engines"
@@ -40,7 +34,7 @@ def daemon(tmp_path, model_repo):
         shutil.copytree(model_repo / name, repo / name)
     (tmp_path / "token").write_text(TOKEN + "\n")
     (tmp_path / "token").chmod(0o600)
-    http, grpc_address = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
+    http, grpc_address = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     d = DaemonProcess(tmp_path / "d", f'[server]\nhttp = "{http}"\ntoken_file = "{tmp_path / "token"}"\n'
                                       f'grpc = ["{grpc_address}"]\n[models]\nload = ["vibration"]\n'
                                       # the process meter on any machine: on one with a GPU "auto" is

@@ -27,6 +27,7 @@ from tests.support import rawhttp
 from tests.support.daemon import DaemonProcess
 from tests.support.frames import expected_brightness, expected_channel_mean
 from tests.support.models import ROOT, _tool
+from tests.support.ports import free_port
 
 th = pytest.importorskip("tritonclient.http")
 tshm = pytest.importorskip("tritonclient.utils.shared_memory")
@@ -35,14 +36,6 @@ TOKEN = "shm-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 FRAME = (480, 640, 3)
 FRAME_BYTES = 480 * 640 * 3
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +55,7 @@ def shm_daemon(tmp_path_factory, frames_repo):
     token = home / "token"
     token.write_text(TOKEN)
     token.chmod(0o600)
-    port = _free_port()
+    port = free_port()
     d = DaemonProcess(home, f'[server]\nhttp = "127.0.0.1:{port}"\ntoken_file = "{token}"\nshm_max_regions = 8\n',
                       repo=frames_repo)
     d.start().wait_ready()

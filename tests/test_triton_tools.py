@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import threading
 import time
 import urllib.request
@@ -24,6 +23,7 @@ import pytest
 from tests.support.daemon import DaemonProcess
 from tests.support.faulty_engine import HELD, RELEASE_ENV, SLOW
 from tests.support.models import add_vibration_variant
+from tests.support.ports import free_port
 
 httpclient = pytest.importorskip("tritonclient.http", reason="tritonclient[http] is in the dev extra")
 grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc] is in the dev extra")
@@ -43,16 +43,10 @@ def headers() -> dict[str, str]:
     return {"Authorization": f"Bearer {TOKEN}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class Endpoints:
     def __init__(self, home: Path, model_repo: Path):
-        self.http = f"127.0.0.1:{_free_port()}"
-        self.grpc_tcp = f"127.0.0.1:{_free_port()}"
+        self.http = f"127.0.0.1:{free_port()}"
+        self.grpc_tcp = f"127.0.0.1:{free_port()}"
         self.grpc_unix = f"unix:{home / 'grpc.sock'}"
         (home / "token").write_text(TOKEN + "\n")
         config = (f'[server]\nhttp = "{self.http}"\ntoken_file = "{home / "token"}"\n'
@@ -355,7 +349,7 @@ def test_grpc_over_tls_with_the_token(tmp_path, model_repo) -> None:
     subprocess.run([openssl, "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
                     "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
                     "-keyout", str(key), "-out", str(cert)], check=True, capture_output=True, timeout=30)
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     (tmp_path / "token").write_text(TOKEN)
     daemon = DaemonProcess(tmp_path / "d", f'[server]\ntoken_file = "{tmp_path / "token"}"\ngrpc = ["{address}"]\n'
                                           f'tls_cert = "{cert}"\ntls_key = "{key}"\n[models]\nload = ["vibration"]\n',
@@ -385,7 +379,7 @@ def test_grpc_on_tcp_without_a_token_refuses_to_start(tmp_path, model_repo) -> N
 
     proc = subprocess.run(
         [sys.executable, "-m", "edge_batcher.cli", "serve", "--models", str(model_repo), "--unix-socket",
-         str(tmp_path / "s.sock"), "--grpc", f"127.0.0.1:{_free_port()}"],
+         str(tmp_path / "s.sock"), "--grpc", f"127.0.0.1:{free_port()}"],
         capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 2 and "needs a bearer token" in proc.stderr and "127.0.0.1:" in proc.stderr

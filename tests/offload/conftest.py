@@ -24,10 +24,9 @@ from edge_batcher.config import DaemonConfig
 from edge_batcher.runtime import Runtime
 from edge_batcher.transports.auth import bearer_auth_middleware, tls_context
 from edge_batcher.transports.http import create_app
+from tests.support.ports import free_port
 
 TOKEN = "s3cret-peer-token"
-
-
 
 
 def assert_matches_local(model_repo: Path, x: np.ndarray, got: dict[str, np.ndarray]) -> None:
@@ -42,12 +41,6 @@ def assert_matches_local(model_repo: Path, x: np.ndarray, got: dict[str, np.ndar
     for name in ("class_probs", "anomaly_score"):
         assert got[name].dtype == np.float32
         np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-6)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class PeerServer:

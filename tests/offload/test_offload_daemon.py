@@ -13,7 +13,8 @@ from edge_batcher.config import OffloadSettings, PeerSettings
 from edge_batcher.errors import InvalidInput
 from edge_batcher.offload.client import PeerClient
 from edge_batcher.offload.peers import PeerPool
-from tests.offload.conftest import TOKEN, assert_matches_local, free_port
+from tests.offload.conftest import TOKEN, assert_matches_local
+from tests.support.ports import free_port
 from tests.support.signals import windows
 
 

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from edge_batcher.client import AsyncClient, Client, ClientError
-from tests.offload.conftest import TOKEN, assert_matches_local, free_port
+from tests.offload.conftest import TOKEN, assert_matches_local
 from tests.support.faulty_engine import HELD, RELEASE_ENV
+from tests.support.ports import free_port
 from tests.support.signals import windows
 
 MiB = 1 << 20

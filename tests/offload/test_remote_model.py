@@ -21,7 +21,7 @@ from edge_batcher.offload.remote_model import RemoteModel, declared_specs
 from edge_batcher.runtime import Runtime
 from edge_batcher.types import InferRequest, TensorSpec
 from tests.offload import test_offload_two_daemons
-from tests.offload.conftest import assert_matches_local, free_port
+from tests.offload.conftest import assert_matches_local
 from tests.offload.test_offload_two_daemons import (
     edge_config,
     offloaded,
@@ -31,6 +31,7 @@ from tests.offload.test_offload_two_daemons import (
 from tests.scheduler.test_runner import PeerPort
 from tests.scheduler.test_runner import config as rowsum_config
 from tests.scheduler.test_runner import request as rowsum_request
+from tests.support.ports import free_port
 from tests.support.signals import windows
 
 # The fixture (a peer with batches up to 16), overriding conftest's session-scoped one here.

@@ -10,22 +10,16 @@ from __future__ import annotations
 
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.request
 from pathlib import Path
 
 from tests.support.models import ROOT
+from tests.support.ports import free_port
 from tests.support.processes import terminate
 
 MLSERVER = ROOT / ".venv-mlserver" / "bin" / "mlserver"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MLServerPeer:
@@ -43,10 +37,10 @@ class MLServerPeer:
             {"name": model, "implementation": "runtime.OnnxModel", "parameters": {"uri": str(folder / "model.onnx")},
              **(model_settings or {})}
         ))
-        self.port = _free_port()
+        self.port = free_port()
         (home / "settings.json").write_text(json.dumps({
-            "host": "127.0.0.1", "http_port": self.port, "grpc_port": _free_port(),
-            "metrics_port": _free_port(), "parallel_workers": parallel_workers,
+            "host": "127.0.0.1", "http_port": self.port, "grpc_port": free_port(),
+            "metrics_port": free_port(), "parallel_workers": parallel_workers,
         }))
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = home / "mlserver.log"

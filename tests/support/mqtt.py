@@ -23,6 +23,7 @@ from paho.mqtt.enums import CallbackAPIVersion, MQTTProtocolVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
+from tests.support.ports import free_port
 from tests.support.processes import terminate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -46,12 +47,6 @@ def v2_json(rows: np.ndarray, id: str | None = None) -> bytes:
     if id is not None:
         body["id"] = id
     return json.dumps(body).encode()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(predicate, timeout: float, what: str, interval: float = 0.02):
