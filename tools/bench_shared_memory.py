@@ -10,11 +10,12 @@ camera would write them there), so what is timed is the transport and the daemon
 process's encoding. Outputs come back as JSON, as binary tensors, or written into the caller's
 region. The three are run in turn, `--repeats` times in rotated order; the table has each one's
 median run (throughput, p50, p99, ratios to binary) and the daemon's CPU time per request in that
-run, with its event loop thread's share in brackets. It also splits each request's mean latency into the daemon's own time for it (from arrival at
-the model's queue to its answer: batching, the engine, the split; the model statistics' `success`
-time) and the rest, the transport's share (sending and reading the body, decoding, encoding and
-the answer's way back), and prints how far shared memory takes that share below binary tensors':
-what issue 30 asks where the model's own time dominates. The load generator shares the machine
+run, with its event loop thread's share in brackets. It also splits each request's mean latency
+into the daemon's own time for it (from arrival at the model's queue to its answer: batching, the
+engine, the split; the model statistics' `success` time) and the rest, the transport's share
+(sending and reading the body, decoding, encoding and the answer's way back), and prints how far
+shared memory takes that share below binary tensors': what issue 30 asks where the model's own
+time dominates. The load generator shares the machine
 with the daemon: compare figures from one run only.
 
 Usage: python tools/bench_shared_memory.py [--repo engines] [--model vision] [--shape 480,640,3]
