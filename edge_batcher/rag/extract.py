@@ -1,15 +1,16 @@
 """Extractive answers: the one or two sentences of the retrieved passages that answer the question.
 
 Without a generator, the answer is not the passages verbatim but their best sentences: every
-sentence of the top passages is embedded (with its passage's heading in front, so "It can slip"
-still knows it is about magnet mounts) by the same embedding model as the question, through the
-core scheduler, and ranked by cosine to the question. The best sentence is the answer; the
-runner-up joins it when it scores within `margin` of the best (two halves of one answer, e.g. a
-limit and its exception). Chosen sentences are given in document order, each followed by the
-number of its passage, and a last line names those passages ([n] title (id)). When the first
-two passages ranked almost alike (the fusion's close-call flag, `Hit.ambiguous`), a line before
-it says so and names both: the answer may come from the wrong one. The full passages stay in the
-`sources` output.
+sentence of the top passages, embedded with its passage's heading in front (so "It can slip" still
+knows it is about magnet mounts) by the same embedding model as the question, is ranked by cosine
+to the question. The index holds those vectors (sentences.npz, written by `index add`); only an
+index without them has the sentences embedded at question time, through the core scheduler.
+The best sentence is the answer; the runner-up joins it when it scores within `margin` of the
+best (two halves of one answer, e.g. a limit and its exception). Chosen sentences are given in
+document order, each followed by the number of its passage, and a last line names those
+passages ([n] title (id)). When the first two passages ranked almost alike (the fusion's
+close-call flag, `Hit.ambiguous`), a line before it says so and names both: the answer may come
+from the wrong one. The full passages stay in the `sources` output.
 """
 
 from __future__ import annotations
@@ -36,6 +37,21 @@ def sentences(hits: list[Hit]) -> list[Sentence]:
     """The sentences of the passages (sentences.py: list items count; code blocks stay whole)."""
     return [Sentence(h, n, text) for h, hit in enumerate(hits)
             for n, text in enumerate(split_sentences(hit.passage.text))]
+
+
+def stored_vectors(hits: list[Hit], candidates: list[Sentence]) -> np.ndarray | None:
+    """The index's vectors of the candidates, in their order, or None when a hit has none or not
+    one per sentence (an index from another sentence split): then they are embedded instead."""
+    counts = [0] * len(hits)
+    for c in candidates:
+        counts[c.hit] += 1
+    parts = []
+    for hit, count in zip(hits, counts):
+        vectors = hit.sentence_vectors
+        if vectors is None or len(vectors) != count:
+            return None
+        parts.append(vectors)
+    return np.concatenate(parts) if parts else None
 
 
 def choose(question: np.ndarray, candidates: list[Sentence], vectors: np.ndarray, *, max_sentences: int = 2,

@@ -36,7 +36,7 @@ import json
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -155,6 +155,9 @@ class Hit:
     heading: float | None = None  # cosine of its heading alone, when the index has heading vectors
     margin: float | None = None  # first hit only: its lead over the second in fused score (lead())
     ambiguous: bool | None = None  # first hit only: margin below the fusion's ambiguous_margin
+    # The index's vectors of the passage's sentences, in split order (None: the index has none):
+    # extractive answers rank these instead of embedding the sentences again.
+    sentence_vectors: np.ndarray | None = field(default=None, repr=False, compare=False)
 
     def to_json(self) -> dict:
         out = {"rank": self.rank, "id": self.passage.id, "title": self.passage.title,
@@ -194,6 +197,12 @@ class Index:
             raise ValueError(f"sentence vectors of shape {list(sentences.vectors.shape)} do not fit "
                              f"{len(passages)} passages of dimension {self.dim}")
         self.sentences = sentences
+        self._sentence_rows: list[np.ndarray] = []
+        if sentences is not None and len(sentences.passage):
+            # each passage's sentence rows, in stored (split) order
+            order = np.argsort(sentences.passage, kind="stable")
+            bounds = np.searchsorted(sentences.passage[order], np.arange(len(passages) + 1))
+            self._sentence_rows = [order[bounds[i]:bounds[i + 1]] for i in range(len(passages))]
         if headings is not None:
             headings = np.ascontiguousarray(headings, dtype=np.float32)
             if headings.shape != self.embeddings.shape:
@@ -208,6 +217,13 @@ class Index:
     def __len__(self) -> int:
         return len(self.passages)
 
+    def sentence_vectors_of(self, passage: int) -> np.ndarray | None:
+        """The vectors of passage `passage`'s sentences, in split order; None without sentence vectors."""
+        sentences = self.sentences
+        if sentences is None or not self._sentence_rows:
+            return None
+        return sentences.vectors[self._sentence_rows[passage]]
+
     def search(self, queries: np.ndarray, k: int) -> list[list[Hit]]:
         """Cosine top-k for each query row (queries need not be normalised). Best first."""
         queries = np.asarray(queries, dtype=np.float32).reshape(-1, self.dim)
@@ -221,7 +237,8 @@ class Index:
         for row in scores:
             top = np.argpartition(-row, k - 1)[:k] if k < len(row) else np.arange(len(row))
             top = top[np.argsort(-row[top], kind="stable")]
-            out.append([Hit(self.passages[i], float(row[i]), r + 1) for r, i in enumerate(top)])
+            out.append([Hit(self.passages[i], float(row[i]), r + 1, sentence_vectors=self.sentence_vectors_of(i))
+                        for r, i in enumerate(top)])
         return out
 
     def best_sentence(self, dense_rows: np.ndarray, queries: np.ndarray) -> np.ndarray | None:
@@ -260,7 +277,8 @@ class Index:
             row = [Hit(self.passages[i], float(dense[i]), r + 1, float(lexical[i]),
                        float(fused[i]) if fusion.mode != "lexical" else None,
                        float(sentence[i]) if sentence is not None else None,
-                       heading=float(heading_row[i]) if heading_row is not None else None)
+                       heading=float(heading_row[i]) if heading_row is not None else None,
+                       sentence_vectors=self.sentence_vectors_of(i))
                    for r, i in enumerate(order[:k])]
             if row and fusion.mode != "lexical":
                 row[0].margin = lead(fused, order)

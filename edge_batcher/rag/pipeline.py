@@ -25,7 +25,7 @@ from ..types import InferRequest, InferResponse, TensorSpec
 from .deadline import estimate as estimate_local
 from .deadline import too_slow
 from .documents import Documents
-from .extract import answer_text, choose, sentences
+from .extract import answer_text, choose, sentences, stored_vectors
 from .index import Hit, Index, IndexWatcher, load_index
 from .peer import ChatPeer
 from .prompt import assemble, render
@@ -78,7 +78,7 @@ class RagService(ServiceAccounting):
         self._max_rows = self.settings.max_rows
         self.counters = {"extractive": 0, "generated": 0, "index_reloads": 0, "embed_ns": 0, "search_ns": 0,
                          "generate_ns": 0, "extract_ns": 0, "passages_returned": 0,
-                         "sentences_embedded": 0, "questions_corrected": 0}
+                         "sentences_embedded": 0, "sentences_from_index": 0, "questions_corrected": 0}
         self.routes = {"local": 0, "peer": 0, "extractive": 0}
         self.documents = Documents(self)  # added and removed over the API (documents.py)
         self.fallbacks: dict[str, int] = {}  # why a generated answer was not possible -> count
@@ -280,8 +280,12 @@ class RagService(ServiceAccounting):
         if not candidates:
             return ""
         t0 = time.perf_counter()
-        vectors = await self._embed([c.embed_text(hits) for c in candidates], request)
-        self.counters["sentences_embedded"] += len(candidates)
+        vectors = stored_vectors(hits, candidates)
+        if vectors is None:
+            vectors = await self._embed([c.embed_text(hits) for c in candidates], request)
+            self.counters["sentences_embedded"] += len(candidates)
+        else:
+            self.counters["sentences_from_index"] += len(candidates)
         chosen = choose(vector, candidates, vectors, max_sentences=self.settings.answer_sentences,
                         margin=self.settings.sentence_margin)
         self.counters["extract_ns"] += int((time.perf_counter() - t0) * 1e9)
@@ -442,7 +446,9 @@ class RagService(ServiceAccounting):
                           "correct_spelling": self._speller is not None,
                           "questions_corrected": c["questions_corrected"]},
             "passages_returned": c["passages_returned"],
-            "sentences_embedded": c["sentences_embedded"],  # extractive answers' sentences, ranked by embedding model
+            # extractive answers' sentences: their vectors read from the index, or embedded (an index without them)
+            "sentences_from_index": c["sentences_from_index"],
+            "sentences_embedded": c["sentences_embedded"],
             "stage_ns": {"embed": c["embed_ns"], "search": c["search_ns"], "generate": c["generate_ns"],
                          "extract": c["extract_ns"]},
             "index": {"dir": str(self.index_dir), "passages": len(index) if index is not None else 0,

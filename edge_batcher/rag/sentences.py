@@ -4,7 +4,8 @@ A passage is split into sentences (list items count as sentences; code blocks st
 each is embedded with its passage's heading in front ("Battery: Replace the battery when ..."),
 so that "It can slip" still knows it is about magnet mounts. The index stores these sentence
 vectors to score a passage by its best sentence (fusion.py); extractive answers rank the same
-sentences against the question (extract.py).
+sentences against the question (extract.py), reading the stored vectors back by position: a
+change to the split needs the indexes rebuilt (a new index.FORMAT).
 """
 
 from __future__ import annotations

@@ -4,18 +4,23 @@ MiniLM model against the question, with the passages named as sources (and kept 
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
 from edge_batcher.config import DaemonConfig, MemorySettings, ModelsSettings
-from edge_batcher.rag.extract import Sentence, answer_text, choose, close_call_line, sentences
-from edge_batcher.rag.index import Hit
+from edge_batcher.rag.extract import Sentence, answer_text, choose, close_call_line, sentences, stored_vectors
+from edge_batcher.rag.index import Hit, load_index, write_index
 from edge_batcher.rag.passages import Passage
 from edge_batcher.runtime import Runtime
 from edge_batcher.transports.http import create_app
 from edge_batcher.transports.http_generate import add_generate_routes
+from edge_batcher.transports.http_keys import RUNTIME
+from edge_batcher.types import InferRequest
+from tests.support.models import ROOT
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -122,3 +127,82 @@ async def test_a_misspelt_question_is_corrected_before_retrieval(client):
     assert r.status == 200, body
     assert "5 N·m" in body["answer"] and body["sources"][0]["id"].endswith("#stud-mounting")
     assert await corrected() == before + 1
+
+
+def test_stored_vectors_are_the_hits_rows_in_sentence_order_or_none():
+    hits = [Hit(Passage("m#a", "Manual > Battery", "Replace it below 3.3 V. Use ER14505 cells."), 0.9, 1,
+                sentence_vectors=np.array([[1, 0], [0, 1]], dtype=np.float32)),
+            Hit(Passage("m#b", "Manual > Mounting", "Torque 5 N·m."), 0.5, 2,
+                sentence_vectors=np.array([[0.5, 0.75]], dtype=np.float32))]
+    cands = sentences(hits)
+    assert stored_vectors(hits, cands).tolist() == [[1, 0], [0, 1], [0.5, 0.75]]
+    hits[1].sentence_vectors = None  # an index without sentence vectors: embed them
+    assert stored_vectors(hits, cands) is None
+    hits[1].sentence_vectors = np.zeros((2, 2), dtype=np.float32)  # split another way than today's
+    assert stored_vectors(hits, cands) is None
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_answers_rank_the_index_sentence_vectors_as_they_would_rank_fresh_embeddings(client, rag_repo):
+    """The sentence vectors stored by `index add` stand in for embedding the retrieved passages'
+    sentences at question time (~10 texts through the embedding model per question): the same
+    sentences are chosen, and the embedding model sees only the question."""
+    runtime = client.server.app[RUNTIME]
+
+    async def embed(texts: list[str]) -> np.ndarray:  # in requests of the embedding model's batch size
+        rows = []
+        for i in range(0, len(texts), 8):
+            text = np.array([s.encode() for s in texts[i:i + 8]], dtype=object)
+            rows.append(next(iter((await runtime.infer(InferRequest("minilm", {"text": text}))).outputs.values())))
+        return np.concatenate(rows)
+
+    async def rag_stats() -> dict:
+        return (await (await client.get("/v2/models/rag/stats")).json())["model_stats"][0]
+
+    index = load_index(rag_repo / "index")
+    shipped = json.loads((ROOT / "docs" / "corpus" / "questions.json").read_text())["questions"]
+    questions = [q["question"] for q in shipped]
+    before = await rag_stats()
+    embedded_before = runtime.runners["minilm"].stats.inference_count
+    for question in questions:
+        r = await client.post("/v2/models/rag/generate", json={"text_input": question})
+        assert r.status == 200, await r.text()
+    after = await rag_stats()
+    assert after["sentences_embedded"] == before["sentences_embedded"]
+    assert after["sentences_from_index"] - before["sentences_from_index"] >= 3 * len(questions)
+    assert runtime.runners["minilm"].stats.inference_count - embedded_before == len(questions)
+
+    q_vectors = await embed(questions)
+    for question, q_vector, hits in zip(questions, q_vectors, index.search(q_vectors, 3), strict=True):
+        cands = sentences(hits)
+        stored = stored_vectors(hits, cands)
+        fresh = await embed([c.embed_text(hits) for c in cands])
+        fresh = fresh / np.linalg.norm(fresh, axis=1, keepdims=True)
+        assert np.min(np.sum(stored * fresh, axis=1)) > 0.9999, question
+        assert ([c.text for c, _ in choose(q_vector, cands, stored)]
+                == [c.text for c, _ in choose(q_vector, cands, fresh)]), question
+
+
+@pytest.mark.asyncio
+async def test_an_index_without_sentence_vectors_has_the_sentences_embedded(rag_repo, tmp_path):
+    """An index written before sentences.npz existed still answers extractively: the retrieved
+    passages' sentences go through the embedding model, as they all did before."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "minilm").symlink_to(rag_repo / "minilm")
+    old = load_index(rag_repo / "index")
+    write_index(tmp_path / "index", old.passages, old.embeddings, embedding_model="minilm")
+    (repo / "rag").mkdir()
+    (repo / "rag" / "model.toml").write_text(
+        f'backend = "rag"\n[rag]\nembedding_model = "minilm"\nindex_dir = "{tmp_path / "index"}"\n')
+    runtime = Runtime(DaemonConfig(models=ModelsSettings(repository=str(repo), warmup=False, load=["minilm", "rag"]),
+                                   memory=MemorySettings(probe="fixed", budget_mb=1024)))
+    await runtime.start()
+    try:
+        question = np.array([b"What torque should I use to tighten the sensor's mounting stud?"], dtype=object)
+        response = await runtime.infer(InferRequest("rag", {"question": question}))
+        assert "5 N·m" in response.outputs["answer"][0].decode()
+        stats = runtime.runners["rag"].statistics()
+        assert stats["sentences_embedded"] >= 3 and stats["sentences_from_index"] == 0
+    finally:
+        await runtime.close()

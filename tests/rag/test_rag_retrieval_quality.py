@@ -250,6 +250,7 @@ def test_lexical_statistics_are_stored_and_follow_index_add_and_remove(tmp_path,
     np.testing.assert_array_equal(index.sentences.vectors[0], forklift_sentence)
     hits = index.search_fused(np.ones((1, index.dim)), ["where is the forklift key"], 3, DEFAULT_FUSION)[0]
     assert hits[0].lexical > 0
+    np.testing.assert_array_equal(hits[0].sentence_vectors, [forklift_sentence])  # for extractive answers
 
 
 def test_an_index_written_without_lexical_statistics_still_loads(tmp_path):
@@ -264,6 +265,7 @@ def test_an_index_written_without_lexical_statistics_still_loads(tmp_path):
     hits = index.search_fused(vectors[1:2], ["torque"], 2, DEFAULT_FUSION)[0]
     assert [h.passage.id for h in hits] == ["d#2", "d#1"] and hits[0].lexical > 0 and hits[1].lexical == 0
     assert index.sentences is None and hits[0].sentence is None  # no sentence vectors: the passage cosine alone
+    assert hits[0].sentence_vectors is None  # extractive answers embed the sentences
 
 
 def test_index_add_to_an_index_without_sentence_vectors_embeds_them(tmp_path, minilm_dir):
