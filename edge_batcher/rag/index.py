@@ -197,12 +197,13 @@ class Index:
             raise ValueError(f"sentence vectors of shape {list(sentences.vectors.shape)} do not fit "
                              f"{len(passages)} passages of dimension {self.dim}")
         self.sentences = sentences
-        self._sentence_rows: list[np.ndarray] = []
+        # passage i's sentence rows, in stored (split) order: _sentence_order[bounds[i]:bounds[i + 1]]
+        self._sentence_order: np.ndarray | None = None
+        self._sentence_bounds: np.ndarray | None = None
         if sentences is not None and len(sentences.passage):
-            # each passage's sentence rows, in stored (split) order
-            order = np.argsort(sentences.passage, kind="stable")
-            bounds = np.searchsorted(sentences.passage[order], np.arange(len(passages) + 1))
-            self._sentence_rows = [order[bounds[i]:bounds[i + 1]] for i in range(len(passages))]
+            self._sentence_order = np.argsort(sentences.passage, kind="stable")
+            self._sentence_bounds = np.searchsorted(sentences.passage[self._sentence_order],
+                                                    np.arange(len(passages) + 1))
         if headings is not None:
             headings = np.ascontiguousarray(headings, dtype=np.float32)
             if headings.shape != self.embeddings.shape:
@@ -219,10 +220,10 @@ class Index:
 
     def sentence_vectors_of(self, passage: int) -> np.ndarray | None:
         """The vectors of passage `passage`'s sentences, in split order; None without sentence vectors."""
-        sentences = self.sentences
-        if sentences is None or not self._sentence_rows:
+        sentences, order, bounds = self.sentences, self._sentence_order, self._sentence_bounds
+        if sentences is None or order is None or bounds is None:
             return None
-        return sentences.vectors[self._sentence_rows[passage]]
+        return sentences.vectors[order[bounds[passage]:bounds[passage + 1]]]
 
     def search(self, queries: np.ndarray, k: int) -> list[list[Hit]]:
         """Cosine top-k for each query row (queries need not be normalised). Best first."""
