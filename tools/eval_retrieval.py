@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Retrieval quality of the RAG index on the question sets in docs/corpus: top-1 and top-3 of
 every ranking on every set, side by side, and the search time per question (docs/rag.md,
-"Retrieval quality").
+"Retrieval quality"). The last two rows are answers, not rankings: the passage whose sentence
+the extractive answer shows first, as the rag model's settings make it and quoting any of the
+passages retrieved (docs/rag.md, "Extractive answers").
 
     .venv/bin/python tools/eval_retrieval.py            # dev splits only: what settings are chosen on
     .venv/bin/python tools/eval_retrieval.py --test     # add the test splits and the held-out set (once)
@@ -22,6 +24,7 @@ splits say and is reported as a column of its own, named after the file.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import statistics
@@ -37,8 +40,9 @@ sys.path.insert(0, str(ROOT))
 
 from edge_batcher.config import load_model_config  # noqa: E402
 from edge_batcher.rag.embed import TextEmbeddingEngine  # noqa: E402
+from edge_batcher.rag.extract import choose, sentences, stored_vectors  # noqa: E402
 from edge_batcher.rag.fusion import COVERAGE_ONLY, EQUAL_WEIGHTS, Fusion, minmax  # noqa: E402
-from edge_batcher.rag.index import Index, embed_passages  # noqa: E402
+from edge_batcher.rag.index import Index, embed_passages, on_topic  # noqa: E402
 from edge_batcher.rag.passages import split_file  # noqa: E402
 from edge_batcher.rag.spelling import Speller, tokenizer_words  # noqa: E402
 
@@ -134,6 +138,27 @@ def feedback(beta: float, lexical_weight: float = 0.5, depth: int = 3) -> Rankin
     return rank
 
 
+def answered(fusion: Fusion, settings) -> Ranking:
+    """The extractive answer the daemon gives with `fusion` and the rag model's settings: the
+    passage whose sentence the answer's text shows first, then the other passages retrieved (the
+    same top-3 as the ranking; only the first place can differ)."""
+    def rank(index: Index, vectors: np.ndarray, texts: list[str]) -> list[list[str]]:
+        out = []
+        for vector, row in zip(vectors, index.search_fused(vectors, texts, settings.top_k, fusion)):
+            hits = on_topic(row, settings.min_score)
+            ids = [h.passage.id for h in hits]
+            quoted = hits[:settings.answer_passages]
+            candidates = sentences(quoted)
+            if candidates:
+                chosen = choose(vector, candidates, stored_vectors(quoted, candidates),
+                                max_sentences=settings.answer_sentences, margin=settings.sentence_margin)
+                first = quoted[chosen[0][0].hit].passage.id
+                ids = [first] + [i for i in ids if i != first]
+            out.append(ids[:3])
+        return out
+    return rank
+
+
 def spelling_corrected(rank: Ranking, speller: Speller, embed) -> Ranking:
     """`rank` on the questions as the daemon ranks them: misspelt words corrected first
     (rag/spelling.py), the corrected questions embedded again by `embed`."""
@@ -152,10 +177,19 @@ def speller_for(index: Index, embedder: TextEmbeddingEngine) -> Speller:
     return Speller.for_index(tokenizer_words(embedder.tokenizer.vocabulary()), index.passages)
 
 
-def rankings(configured: Fusion, speller: Speller | None = None, embed=None) -> dict[str, Ranking]:
+def rankings(configured: Fusion, speller: Speller | None = None, embed=None, settings=None) -> dict[str, Ranking]:
     """The rankings compared in docs/rag.md, by name: single methods first, then the hybrids;
     with a speller, the shipped default corrects the questions' spelling first, as the daemon
-    does, and the row without it is shown too."""
+    does, and the row without it is shown too; with the rag model's settings, a last row for
+    the passage its extractive answer quotes first."""
+    extra = {}
+    if settings is not None:
+        for label, answer_settings in (
+                ("extractive answer quoting any passage retrieved (before 2026-11-27): the one it quotes first",
+                 dataclasses.replace(settings, answer_passages=settings.top_k)),
+                ("extractive answer (as configured): the passage it quotes first", settings)):
+            answer = answered(configured, answer_settings)
+            extra[label] = spelling_corrected(answer, speller, embed) if speller is not None else answer
     return {"dense (passage cosine)": fused(Fusion("dense", sentence_weight=0.0)),
             "dense + best sentence": fused(Fusion("dense", 1.0, 0.0, 60.0, "minmax", 1.0)),
             "lexical (BM25)": fused(Fusion("lexical")),
@@ -172,14 +206,15 @@ def rankings(configured: Fusion, speller: Speller | None = None, embed=None) -> 
             "round 2 + heading 0.25": fused(Fusion(coverage_exponent=0.5, heading_weight=0.25)),
             **({"shipped default without spelling correction": fused(configured),
                 "shipped default (as configured)": spelling_corrected(fused(configured), speller, embed)}
-               if speller is not None else {"shipped default (as configured)": fused(configured)})}
+               if speller is not None else {"shipped default (as configured)": fused(configured)}),
+            **extra}
 
 
 SINGLE = ("dense (passage cosine)", "dense + best sentence", "lexical (BM25)")
 
 
 def top_hits(ranked: list[list[str]], questions: list[dict]) -> tuple[int, int]:
-    return (sum(ids[0] == q["passage"] for ids, q in zip(ranked, questions)),
+    return (sum(ids[:1] == [q["passage"]] for ids, q in zip(ranked, questions)),  # none retrieved: a miss
             sum(q["passage"] in ids for ids, q in zip(ranked, questions)))
 
 
@@ -257,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"shipped default = {configured}")
     print("| ranking | " + " | ".join(f"{name} ({len(members[name])})" for name in columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
-    for label, rank in rankings(configured, speller, embedder.embed).items():
+    for label, rank in rankings(configured, speller, embedder.embed, settings).items():
         cells = []
         for name in columns:
             t1, t3 = score(rank, name)

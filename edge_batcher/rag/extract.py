@@ -1,10 +1,11 @@
 """Extractive answers: the one or two sentences of the retrieved passages that answer the question.
 
 Without a generator, the answer is not the passages verbatim but their best sentences: every
-sentence of the top passages, embedded with its passage's heading in front (so "It can slip" still
-knows it is about magnet mounts) by the same embedding model as the question, is ranked by cosine
-to the question. The index holds those vectors (sentences.npz, written by `index add`); only an
-index without them has the sentences embedded at question time, through the core scheduler.
+sentence of the passage ranked first ([rag] answer_passages), embedded with its passage's heading
+in front (so "It can slip" still knows it is about magnet mounts) by the same embedding model as
+the question, is ranked by cosine to the question. The index holds those vectors (sentences.npz,
+written by `index add`); only an index without them has the sentences embedded at question time,
+through the core scheduler.
 The best sentence is the answer; the runner-up joins it when it scores within `margin` of the
 best (two halves of one answer, e.g. a limit and its exception). Chosen sentences are given in
 document order, each followed by the number of its passage, and a last line names those

@@ -147,7 +147,7 @@ def headings_of(passage_vectors: np.ndarray, heading_vectors: np.ndarray, where:
 @dataclass
 class Hit:
     passage: Passage
-    score: float  # cosine similarity to the question (what [rag] min_score compares)
+    score: float  # cosine similarity of the passage to the question (what [rag] min_score compares)
     rank: int
     lexical: float | None = None  # BM25 score, when the lexical ranking took part
     fused: float | None = None  # the fused score it was ranked by (fusion.py)
@@ -286,6 +286,14 @@ class Index:
                 row[0].ambiguous = row[0].margin < fusion.ambiguous_margin
             out.append(row)
         return out
+
+
+def on_topic(hits: list[Hit], min_score: float) -> list[Hit]:
+    """The hits, or none when not one of them reaches min_score in passage cosine: the question
+    is about nothing in the index. The fused order is kept as it is: a passage ranked first for
+    one sentence that answers, or for the question's words, stays first though its whole
+    passage's vector is further from the question than min_score."""
+    return hits if any(h.score >= min_score for h in hits) else []
 
 
 def lead(fused: np.ndarray, order: np.ndarray) -> float:

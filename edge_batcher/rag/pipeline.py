@@ -26,7 +26,7 @@ from .deadline import estimate as estimate_local
 from .deadline import too_slow
 from .documents import Documents
 from .extract import answer_text, choose, sentences, stored_vectors
-from .index import Hit, Index, IndexWatcher, load_index
+from .index import Hit, Index, IndexWatcher, load_index, on_topic
 from .peer import ChatPeer
 from .prompt import assemble, render
 from .service import (
@@ -250,7 +250,7 @@ class RagService(ServiceAccounting):
         vectors = await self._embed(questions, request)
         t1 = time.perf_counter()
         ranked = index.search_fused(vectors, questions, top_k, self.fusion)
-        hits = [[h for h in row if h.score >= self.settings.min_score] for row in ranked]
+        hits = [on_topic(row, self.settings.min_score) for row in ranked]
         self.counters["embed_ns"] += int((t1 - t0) * 1e9)
         self.counters["search_ns"] += int((time.perf_counter() - t1) * 1e9)
         self.counters["passages_returned"] += sum(len(h) for h in hits)
@@ -275,14 +275,16 @@ class RagService(ServiceAccounting):
         return prompt, used, tokens
 
     async def _extract(self, vector, hits: list[Hit], request: InferRequest) -> str:
-        """The extractive answer: the best one or two sentences of the hits (extract.py)."""
-        candidates = sentences(hits)
+        """The extractive answer: the best one or two sentences of the first `answer_passages`
+        hits (extract.py); the close-call line still names the first two."""
+        quoted = hits[:self.settings.answer_passages]
+        candidates = sentences(quoted)
         if not candidates:
             return ""
         t0 = time.perf_counter()
-        vectors = stored_vectors(hits, candidates)
+        vectors = stored_vectors(quoted, candidates)
         if vectors is None:
-            vectors = await self._embed([c.embed_text(hits) for c in candidates], request)
+            vectors = await self._embed([c.embed_text(quoted) for c in candidates], request)
             self.counters["sentences_embedded"] += len(candidates)
         else:
             self.counters["sentences_from_index"] += len(candidates)

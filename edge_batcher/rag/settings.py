@@ -36,7 +36,8 @@ class RagSettings:
     coverage_exponent: float = DEFAULT_FUSION.coverage_exponent  # 0: BM25's weight does not depend on the question
     rrf_k: float = DEFAULT_FUSION.rrf_k  # "rrf" only: rank offset; small values let the first places dominate
     answer_sentences: int = 2  # extractive answers: at most this many sentences ...
-    sentence_margin: float = 0.1  # ... each within this cosine of the best one
+    sentence_margin: float = 0.1  # ... each within this cosine of the best one ...
+    answer_passages: int = 1  # ... from the first this many passages retrieved (1: the one ranked first)
     ambiguous_margin: float = DEFAULT_FUSION.ambiguous_margin  # sources: first passage ambiguous below this lead
     correct_spelling: bool = True  # misspelt question words -> corpus words before retrieval (spelling.py)
     peer: ChatPeerSettings | None = None  # [rag.peer]: an OpenAI-compatible generation server
@@ -50,8 +51,8 @@ def fusion_from(s: RagSettings) -> Fusion:
 def rag_settings(config: ModelConfig) -> RagSettings:
     s = backend_settings(config, "rag", RagSettings)
     where = f"{config.directory / 'model.toml'}: [rag]"
-    if s.answer_sentences < 1 or s.sentence_margin < 0:
-        raise ConfigError(f"{where} answer_sentences must be >= 1 and sentence_margin >= 0")
+    if s.answer_sentences < 1 or s.sentence_margin < 0 or s.answer_passages < 1:
+        raise ConfigError(f"{where} answer_sentences and answer_passages must be >= 1 and sentence_margin >= 0")
     if s.peer is not None and not (s.peer.url and s.peer.model):
         raise ConfigError(f"{where}.peer: url and model are required (the chat-completions server and its model name)")
     if s.retrieval not in MODES:
