@@ -72,6 +72,11 @@ def choose(question: np.ndarray, candidates: list[Sentence], vectors: np.ndarray
     return [(candidates[i], float(scores[i])) for i in chosen]
 
 
+# The extractive answer to a question none of whose passages reaches [rag] min_score (or of an
+# empty index): said, not left blank, for whoever reads the answer alone.
+NO_PASSAGE = "No passage of the indexed documents is close enough to this question to answer it."
+
+
 def answer_text(chosen: list[tuple[Sentence, float]], hits: list[Hit]) -> str:
     """'<sentence> [n] <sentence> [m]', a close-call line when the first two passages ranked
     almost alike, and a line naming the cited passages."""

@@ -25,7 +25,7 @@ from ..types import InferRequest, InferResponse, TensorSpec
 from .deadline import estimate as estimate_local
 from .deadline import too_slow
 from .documents import Documents
-from .extract import answer_text, choose, sentences, stored_vectors
+from .extract import NO_PASSAGE, answer_text, choose, sentences, stored_vectors
 from .index import Hit, Index, IndexWatcher, load_index, on_topic
 from .peer import ChatPeer
 from .prompt import assemble, render
@@ -277,6 +277,8 @@ class RagService(ServiceAccounting):
     async def _extract(self, vector, hits: list[Hit], request: InferRequest) -> str:
         """The extractive answer: the best one or two sentences of the first `answer_passages`
         hits (extract.py); the close-call line still names the first two."""
+        if not hits:
+            return NO_PASSAGE
         quoted = hits[:self.settings.answer_passages]
         candidates = sentences(quoted)
         if not candidates:
