@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,47 +30,35 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from bench_compare import Server, start_daemon  # noqa: E402
 
 from edge_batcher.client import Client  # noqa: E402
 
 
-def start_daemon(home: Path, model_repo: Path, index: Path, source: Path) -> subprocess.Popen:
-    """`source`'s daemon serving rag and its embedding model from a repository made in `home`."""
+def rag_repository(home: Path, model_repo: Path, index: Path) -> Path:
+    """A repository in `home` with model_repo's rag model (reading `index`) and its embedding model."""
     repo = home / "models"
     (repo / "rag").mkdir(parents=True)
     toml = (model_repo / "rag" / "model.toml").read_text()
     (repo / "rag" / "model.toml").write_text(toml.replace('index_dir = ""', f'index_dir = "{index}"', 1))
     (repo / "minilm").symlink_to(model_repo / "minilm")
-    sock = home / "eb.sock"
-    (home / "config.toml").write_text(f'[server]\nunix_socket = "{sock}"\nlog_level = "WARNING"\n'
-                                      f'[models]\nrepository = "{repo}"\nload = ["minilm", "rag"]\n')
-    proc = subprocess.Popen([sys.executable, "-m", "edge_batcher.cli", "serve", "--config", str(home / "config.toml")],
-                            cwd=source, env=dict(os.environ, PYTHONPATH=str(source)),
-                            stdout=open(home / "daemon.log", "wb"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 180
-    with Client(f"unix://{sock}", timeout=2) as client:
-        while not client.ready():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"daemon of {source} did not start:\n{(home / 'daemon.log').read_text()[-3000:]}")
-            time.sleep(0.2)
-    return proc
+    return repo
 
 
-def ask(sock: str, pid: int, questions: list[str]) -> tuple[list[float], float, dict, list[str]]:
+def ask(server: Server, questions: list[str]) -> tuple[list[float], float, dict, list[str]]:
     """(latencies, daemon CPU seconds, the rag stats' change, answers) for one pass."""
-    import psutil
-
-    daemon = psutil.Process(pid)
-    with Client(f"unix://{sock}", timeout=120) as client:
+    with Client(server.address, timeout=120) as client:
         before = client.stats("rag")["model_stats"][0]
-        cpu0 = sum(daemon.cpu_times()[:2])
+        cpu0 = server.cpu()[0]
         latencies, answers = [], []
         for question in questions:
             t0 = time.perf_counter()
             out = client.infer("rag", {"question": np.array([question.encode()], dtype=object)})
             latencies.append(time.perf_counter() - t0)
             answers.append(out["answer"][0].decode())
-        cpu = sum(daemon.cpu_times()[:2]) - cpu0
+        cpu = server.cpu()[0] - cpu0
         after = client.stats("rag")["model_stats"][0]
     stages = {k: after["stage_ns"][k] - before["stage_ns"][k] for k in after["stage_ns"]}
     return latencies, cpu, stages, answers
@@ -91,14 +78,16 @@ def main() -> int:
     results: dict[str, dict] = {name: {"latencies": [], "cpu": 0.0, "stages": {}, "answers": None}
                                 for name in sources}
     with tempfile.TemporaryDirectory(prefix="eb-bench-rag-") as tmp:
-        daemons = {name: start_daemon(Path(tmp) / f"d{i}", args.model_repo.resolve(), args.index.resolve(), source)
-                   for i, (name, source) in enumerate(sources.items())}
+        repo = rag_repository(Path(tmp), args.model_repo.resolve(), args.index.resolve())
+        daemons: dict[str, Server] = {}
         try:
+            for i, (name, source) in enumerate(sources.items()):
+                daemons[name] = start_daemon(Path(tmp) / f"d{i}", repo, None, {"models": {"load": ["minilm", "rag"]}},
+                                             source)
             names = list(sources)
             for r in range(args.rounds):
                 for name in names if r % 2 == 0 else names[::-1]:
-                    sock = str(Path(tmp) / f"d{names.index(name)}" / "eb.sock")
-                    latencies, cpu, stages, answers = ask(sock, daemons[name].pid, questions)
+                    latencies, cpu, stages, answers = ask(daemons[name], questions)
                     res = results[name]
                     res["latencies"] += latencies
                     res["cpu"] += cpu
@@ -106,9 +95,8 @@ def main() -> int:
                         res["stages"][k] = res["stages"].get(k, 0) + v
                     res["answers"] = res["answers"] or answers
         finally:
-            for proc in daemons.values():
-                proc.terminate()
-                proc.wait(30)
+            for server in daemons.values():
+                server.stop()
     n = len(questions) * args.rounds
     print(f"{len(questions)} questions of {args.questions.name} x {args.rounds} rounds, one at a time over the "
           f"Unix socket, {os.cpu_count()} CPUs\n")
