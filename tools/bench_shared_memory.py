@@ -30,7 +30,6 @@ import json
 import math
 import os
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,6 +42,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from bench_compare import Server, start_daemon  # noqa: E402
 
 from edge_batcher.client import Client, SharedMemoryRegion  # noqa: E402
 from edge_batcher.client_shared_memory import encode_request as encode_with_regions  # noqa: E402
@@ -65,23 +67,6 @@ class UnixConnection(http.client.HTTPConnection):
     def connect(self) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(self.path)
-
-
-def start_daemon(home: Path, repo: Path, model: str) -> subprocess.Popen:
-    sock = home / "eb.sock"
-    (home / "config.toml").write_text(f'[server]\nunix_socket = "{sock}"\nlog_level = "WARNING"\n'
-                                      f'max_body_bytes = {256 << 20}\n[models]\nrepository = "{repo}"\n'
-                                      f'load = ["{model}"]\n')
-    proc = subprocess.Popen([sys.executable, "-m", "edge_batcher.cli", "serve", "--config", str(home / "config.toml")],
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=open(home / "daemon.log", "wb"),
-                            stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 180
-    with Client(f"unix://{sock}", timeout=2) as client:
-        while not client.ready():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"daemon did not start:\n{(home / 'daemon.log').read_text()}")
-            time.sleep(0.1)
-    return proc
 
 
 class Caller:
@@ -171,11 +156,6 @@ def closed_loop(callers: list[Caller], seconds: float, server_time: Callable[[],
             "mean_ms": mean_ms, "model_ms": in_daemon_ms, "transport_ms": mean_ms - in_daemon_ms}
 
 
-def loop_thread_cpu(daemon) -> float:
-    """CPU seconds of the daemon's main thread, the one that runs its event loop."""
-    return next(t.user_time + t.system_time for t in daemon.threads() if t.id == daemon.pid)
-
-
 def success_time(sock: str, model: str) -> tuple[int, int]:
     """The model's answered requests and their summed time from arrival to answer (ns)."""
     with Client(f"unix://{sock}") as client:
@@ -192,10 +172,7 @@ def model_io(sock: str, model: str) -> tuple[str, dict[str, int]]:
     return meta["inputs"][0]["name"], outputs
 
 
-def run(args: argparse.Namespace, sock: str, daemon_pid: int) -> dict[str, dict]:
-    import psutil
-
-    daemon = psutil.Process(daemon_pid)
+def run(args: argparse.Namespace, sock: str, daemon: Server) -> dict[str, dict]:
     shape = tuple(int(d) for d in args.shape.split(","))
     frames = np.random.default_rng(0).integers(0, 256, (args.frames, *shape), dtype=np.uint8)
     input_name, outputs = model_io(sock, args.model)
@@ -204,13 +181,14 @@ def run(args: argparse.Namespace, sock: str, daemon_pid: int) -> dict[str, dict]
     for repeat in range(args.repeats):
         for mode in modes[repeat % len(modes):] + modes[:repeat % len(modes)]:
             callers = [Caller(sock, mode, args.model, input_name, frames, outputs) for _ in range(args.concurrency)]
-            cpu0, loop0 = sum(daemon.cpu_times()[:2]), loop_thread_cpu(daemon)
+            cpu0, loop0 = daemon.cpu()
             result = closed_loop(callers, args.seconds, lambda: success_time(sock, args.model))
             # the daemon's CPU per request: the server's cost, apart from the load generator's;
             # of it, the event loop's thread (HTTP, decoding, scheduling, answers)
             answered = result["requests"] + len(callers)
-            result["daemon_cpu_ms"] = (sum(daemon.cpu_times()[:2]) - cpu0) / answered * 1e3
-            result["loop_cpu_ms"] = (loop_thread_cpu(daemon) - loop0) / answered * 1e3
+            cpu1, loop1 = daemon.cpu()
+            result["daemon_cpu_ms"] = (cpu1 - cpu0) / answered * 1e3
+            result["loop_cpu_ms"] = (loop1 - loop0) / answered * 1e3
             runs[mode].append(result)
             for caller in callers:
                 caller.close(sock)
@@ -235,12 +213,12 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="eb-bench-shm-") as tmp:
-        proc = start_daemon(Path(tmp), Path(args.repo).resolve(), args.model)
+        daemon = start_daemon(Path(tmp), Path(args.repo).resolve(), None,
+                              {"server": {"max_body_bytes": 256 << 20}, "models": {"load": [args.model]}})
         try:
-            medians = run(args, str(Path(tmp) / "eb.sock"), proc.pid)
+            medians = run(args, str(Path(tmp) / "eb.sock"), daemon)
         finally:
-            proc.terminate()
-            proc.wait(30)
+            daemon.stop()
     if args.json:
         print(json.dumps(medians, indent=2))
         return 0
