@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 
 from edge_batcher.config import load_model_config  # noqa: E402
 from edge_batcher.rag.embed import TextEmbeddingEngine  # noqa: E402
-from edge_batcher.rag.extract import choose, sentences, stored_vectors  # noqa: E402
+from edge_batcher.rag.extract import choose, quoted_sentences, stored_vectors  # noqa: E402
 from edge_batcher.rag.fusion import COVERAGE_ONLY, EQUAL_WEIGHTS, Fusion, minmax  # noqa: E402
 from edge_batcher.rag.index import Index, embed_passages, on_topic  # noqa: E402
 from edge_batcher.rag.passages import split_file  # noqa: E402
@@ -147,8 +147,7 @@ def answered(fusion: Fusion, settings) -> Ranking:
         for vector, row in zip(vectors, index.search_fused(vectors, texts, settings.top_k, fusion)):
             hits = on_topic(row, settings.min_score)
             ids = [h.passage.id for h in hits]
-            quoted = hits[:settings.answer_passages]
-            candidates = sentences(quoted)
+            quoted, candidates = quoted_sentences(hits, settings.answer_passages)
             if candidates:
                 chosen = choose(vector, candidates, stored_vectors(quoted, candidates),
                                 max_sentences=settings.answer_sentences, margin=settings.sentence_margin)

@@ -40,6 +40,13 @@ def sentences(hits: list[Hit]) -> list[Sentence]:
             for n, text in enumerate(split_sentences(hit.passage.text))]
 
 
+def quoted_sentences(hits: list[Hit], answer_passages: int) -> tuple[list[Hit], list[Sentence]]:
+    """The passages an extractive answer may quote (the first `answer_passages`, [rag]) and their
+    sentences, the candidates it chooses from."""
+    quoted = hits[:answer_passages]
+    return quoted, sentences(quoted)
+
+
 def stored_vectors(hits: list[Hit], candidates: list[Sentence]) -> np.ndarray | None:
     """The index's vectors of the candidates, in their order, or None when a hit has none or not
     one per sentence (an index from another sentence split): then they are embedded instead."""

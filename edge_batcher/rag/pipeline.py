@@ -25,7 +25,7 @@ from ..types import InferRequest, InferResponse, TensorSpec
 from .deadline import estimate as estimate_local
 from .deadline import too_slow
 from .documents import Documents
-from .extract import NO_PASSAGE, answer_text, choose, sentences, stored_vectors
+from .extract import NO_PASSAGE, answer_text, choose, quoted_sentences, stored_vectors
 from .index import Hit, Index, IndexWatcher, load_index, on_topic
 from .peer import ChatPeer
 from .prompt import assemble, render
@@ -279,8 +279,7 @@ class RagService(ServiceAccounting):
         hits (extract.py); the close-call line still names the first two."""
         if not hits:
             return NO_PASSAGE
-        quoted = hits[:self.settings.answer_passages]
-        candidates = sentences(quoted)
+        quoted, candidates = quoted_sentences(hits, self.settings.answer_passages)
         if not candidates:
             return ""
         t0 = time.perf_counter()
