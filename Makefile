@@ -31,19 +31,23 @@ setup: $(BIN)/edge-batcher
 # A real MLServer for the offload interop tests (tests/offload/test_offload_mlserver.py), in a
 # venv of its own: FastAPI, gRPC, pandas and the rest stay out of the daemon's. MLServer 1.7
 # supports Python 3.9-3.12: with a newer $(PYTHON) (Debian 13 has 3.13) its venv takes the newest
-# python3.12..3.10 on PATH, and without one the interop tests skip, which make test says.
-MLSERVER_PYTHON ?= $(shell $(PYTHON) -c 'import sys; print(sys.executable if sys.version_info < (3, 13) else "")')
-ifeq ($(strip $(MLSERVER_PYTHON)),)
-override MLSERVER_PYTHON := $(firstword $(foreach v,3.12 3.11 3.10,\
-  $(shell python$(v) -c 'import sys; print(sys.executable)' 2>/dev/null)))
-endif
-
+# python3.12..3.10 that runs (or MLSERVER_PYTHON), and without one the interop tests skip, which
+# make test says. The interpreters are tried here, not when the Makefile is read.
+MLSERVER_PYTHON ?=
 $(MLSERVER_VENV)/bin/mlserver: pyproject.toml
-	@if [ -z "$(MLSERVER_PYTHON)" ]; then \
+	@py="$(MLSERVER_PYTHON)"; \
+	if [ -z "$$py" ]; then \
+	  for candidate in $(PYTHON) python3.12 python3.11 python3.10; do \
+	    if $$candidate -c 'import sys; sys.exit(not (3, 9) <= sys.version_info < (3, 13))' 2>/dev/null; then \
+	      py=$$candidate; break; \
+	    fi; \
+	  done; \
+	fi; \
+	if [ -z "$$py" ]; then \
 	  echo "note: MLServer needs Python 3.9-3.12 and none is on PATH: the MLServer interop tests will skip"; \
 	else \
 	  set -e; \
-	  $(MLSERVER_PYTHON) -m venv $(MLSERVER_VENV); \
+	  $$py -m venv $(MLSERVER_VENV); \
 	  $(MLSERVER_VENV)/bin/pip install --quiet --upgrade pip; \
 	  $(MLSERVER_VENV)/bin/pip install --quiet '.[mlserver-peer]'; \
 	  touch $@; \
