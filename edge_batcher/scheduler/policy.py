@@ -230,6 +230,11 @@ def decide(
     # Requests are never split: the batch must hold at least the head request's rows.
     size = max(size, _smallest_at_least(next(bq.in_order()).rows, sizes))
     taken = queue.take(bq.bucket, size)
+    if reason is Reason.IDLE:
+        # The cheapest cover split the company (5 rows: 4 + 2): the rest came with it and
+        # is due too, not after max_queue_delay_s waiting for partners already gone.
+        for r in bq.in_order():
+            r.left_by_company = True
     rows = sum(r.rows for r in taken)
     plan = BatchPlan(requests=taken, rows=rows, size=_smallest_at_least(rows, sizes), bucket=bq.bucket, reason=reason)
     # Another bucket (or the rest of this one) may be due now too: the caller decides again.
@@ -323,8 +328,12 @@ def company_arrived(bq: BucketQueue, settings: PolicySettings, company: int) -> 
     batch of one (a lone client) that is at once; after a batch of 8 closed-loop clients' requests,
     when the eight are back. O(1): a request that found the model idle heads its bucket, nothing
     was queued before it (with priority levels, a higher one arriving meanwhile takes the head,
-    and the queue delay ends the wait as before)."""
-    return settings.dispatch_when_idle and bq.count >= company and next(bq.in_order()).found_idle
+    and the queue delay ends the wait as before). What an idle batch's cheapest cover left of
+    its company is due at once."""
+    if not settings.dispatch_when_idle:
+        return False
+    head = next(bq.in_order())
+    return head.left_by_company or (head.found_idle and bq.count >= company)
 
 
 def _due_time(

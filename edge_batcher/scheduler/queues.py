@@ -36,6 +36,7 @@ class QueuedRequest:
     taken: bool = False  # dispatched or expired: no longer in the queue
     local_only: bool = False  # its offload failed: retry locally, never send it back
     found_idle: bool = False  # nothing was queued or running when it arrived
+    left_by_company: bool = False  # queued with an idle arrival's company, not in its (split) batch
 
 
 @dataclass(eq=False, slots=True)

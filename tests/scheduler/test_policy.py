@@ -59,12 +59,12 @@ def push(queue, clock, n=1, *, priority=0, timeout=1.0, rows=1, bucket=0, tag=No
     return reqs
 
 
-def drain_plans(queue, clock, settings=SETTINGS, times=None, fits=always_fits, draining=False):
+def drain_plans(queue, clock, settings=SETTINGS, times=None, fits=always_fits, draining=False, company=1):
     """Call decide until it stops planning at this instant; return the plans."""
     plans = []
     times = times or linear_times()
     while True:
-        d = decide(queue, clock.now, settings, times, fits, PlanState(draining=draining))
+        d = decide(queue, clock.now, settings, times, fits, PlanState(draining=draining, company=company))
         if not isinstance(d, Dispatch):
             return plans, d
         plans.append(d.plan)
@@ -176,6 +176,27 @@ def test_requests_queued_beside_an_idle_arrival_join_its_batch():
     plans, after = drain_plans(q, clock, settings=idle_first)
     assert [(p.size, p.rows, p.reason) for p in plans] == [(8, 5, IDLE)]
     assert isinstance(after, Wait) and after.wake_at is None and len(q) == 0
+
+
+def test_the_rest_of_a_company_split_by_the_cover_goes_at_once():
+    """When a batch of 8 costs more than 4 + 2 (a CPU model, or one slow measurement), five
+    requests of an idle company go as 4 + 2, both at once: the fifth must not wait the queue
+    delay for partners that already came (CI saw it wait the whole 5 s)."""
+    idle_first = PolicySettings((2, 4, 8), 8, 5.0, dispatch_when_idle=True)
+    times = linear_times()
+    for size, seconds in ((2, 0.003), (4, 0.005), (8, 0.05)):
+        times.observe(size, seconds)
+    assert cheapest_cover(5, [2, 4, 8], times) == [4, 2]
+    clock, q = FakeClock(), make_queue()
+    first, *rest = push(q, clock, 5, timeout=20.0)
+    first.found_idle = True
+    plans, after = drain_plans(q, clock, settings=idle_first, times=times, company=5)
+    assert [(p.size, p.rows, p.reason) for p in plans] == [(4, 4, IDLE), (2, 1, IDLE)]
+    assert isinstance(after, Wait) and len(q) == 0
+    # A request that arrives later is no part of that company: it waits as before.
+    (late,) = push(q, clock, timeout=20.0)
+    d = decide(q, clock.now, idle_first, times, always_fits, PlanState(company=5, busy=True))
+    assert isinstance(d, Wait) and d.wake_at == pytest.approx(clock.now + 5.0)
 
 
 def test_cheapest_cover_prefers_exact_fits_of_large_sizes():

@@ -182,8 +182,11 @@ async def test_a_request_that_finds_the_model_idle_runs_without_waiting_for_part
     outs = await asyncio.wait_for(asyncio.gather(*(runner.infer(r) for r in burst)), 4.0)
     for x, out in zip(xs, outs):
         np.testing.assert_allclose(out.outputs["y"], x.sum(axis=1), rtol=1e-6)
-    assert engine.sizes == [2, 8]  # the lone one padded to 2; the burst of 5 in one batch of 8
-    assert runner.statistics()["dispatch_reasons"] == {"idle": 2}
+    # The lone one padded to 2; the burst of 5 in one batch of 8, or in 4 + 2 at once when the
+    # measured times (noisy on a loaded machine) make that the cheaper cover.
+    assert engine.sizes[0] == 2 and engine.sizes[1:] in ([8], [4, 2])
+    burst_batches = len(engine.sizes) - 1
+    assert runner.statistics()["dispatch_reasons"] == {"idle": 1 + burst_batches}
     # The five come back one loop turn apart, as closed-loop clients do: the first to find the
     # model idle waits for the company the last batch had, and the five go together again.
     xs, again = zip(*(request(seed=20 + i) for i in range(5)))
@@ -194,8 +197,9 @@ async def test_a_request_that_finds_the_model_idle_runs_without_waiting_for_part
     outs = await asyncio.wait_for(asyncio.gather(*calls), 4.0)
     for x, out in zip(xs, outs):
         np.testing.assert_allclose(out.outputs["y"], x.sum(axis=1), rtol=1e-6)
-    assert engine.sizes == [2, 8, 8]
-    assert runner.statistics()["dispatch_reasons"] == {"idle": 3}
+    again_sizes = engine.sizes[1 + burst_batches:]
+    assert again_sizes in ([8], [4, 2])
+    assert runner.statistics()["dispatch_reasons"] == {"idle": 1 + burst_batches + len(again_sizes)}
     await runner.close()
 
     engine = GatedEngine()
