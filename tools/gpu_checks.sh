@@ -41,6 +41,9 @@ install_kit() {
   "$system_python" -m pip install --quiet --no-index --no-deps --target "$site" "$stash"/kit/wheels/*.whl || return 1
   cp -r "$stash"/kit/ort/. "$site/" || return 1  # onnxruntime-gpu, over the image's CPU build
   echo "$PWD" > "$site/edge_batcher_checkout.pth"
+  # The image's python3 may itself be a venv (/opt/torch/.venv): its packages are not the system
+  # site a venv sees; a .pth adds them after the kit's.
+  "$system_python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' > "$site/image_site.pth"
   "$system_python" -m zipfile -e "$stash"/kit/perf_analyzer/*.whl "$stash/pa" &&
     chmod +x "$stash/pa/perf_analyzer/bin/perf_analyzer"
   "$stash/venv/bin/python" -c "
