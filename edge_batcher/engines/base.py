@@ -16,7 +16,7 @@ of probing with getattr.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -37,12 +37,15 @@ FootprintHook = Callable[[int, "int | None"], "dict[str, int]"]
 @dataclass(frozen=True)
 class DeviceArray:
     """A batch input assembled in device memory (scheduler/device_batch.py), handed to an engine
-    whose `device_inputs` names its device: `ptr` is valid until infer() returns."""
+    whose `device_inputs` names its device: `ptr` is valid until infer() returns. `copy_to(dst)`
+    copies it to a device address of the same device and returns once the copy is done (the
+    engine's own buffers, so a batch can replay a captured graph)."""
 
     ptr: int
     device_id: int
     dtype: np.dtype
     shape: tuple[int, ...]
+    copy_to: Callable[[int], None] = field(repr=False, compare=False)
 
 
 @runtime_checkable

@@ -184,9 +184,10 @@ class OnnxRuntimeEngine(Engine):
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         assert self.session is not None, "infer() before load()"
         try:
-            if any(isinstance(value, DeviceArray) for value in inputs.values()):
+            on_device = any(isinstance(value, DeviceArray) for value in inputs.values())
+            if on_device and (self.bound is None or not self.bound.knows(inputs)):
                 values = self._run_device_inputs(inputs)
-            elif self.bound is not None:
+            elif self.bound is not None:  # a device batch too: copied into the shape's buffers
                 try:
                     values = self.bound.run(inputs)
                 except Exception as exc:
@@ -207,8 +208,11 @@ class OnnxRuntimeEngine(Engine):
     def _run_device_inputs(self, inputs: dict[str, Any]) -> list[np.ndarray]:
         """One run with the device batches bound where they are (IOBinding, no copy) and the
         others from the host; outputs come back to the host, where the batch is cut per request.
-        A binding of its own, outside any CUDA graph: a graph replays fixed buffers, and these
-        change with every batch."""
+        Only without CUDA graphs, or for a shape warm-up did not bind: with graphs a device batch
+        is copied into its shape's buffers and replays the graph (BoundShape.run). Outside a graph
+        every change of batch size makes ONNX Runtime's CUDA Conv plan again (cuDNN heuristics):
+        26-35 ms a request on the vision model under perf_analyzer on an H200, against 0.3 ms
+        a batch in a graph (docs/benchmarks.md, "CUDA shared memory through perf_analyzer")."""
         binding = self.session.io_binding()
         for name, value in inputs.items():
             if isinstance(value, DeviceArray):

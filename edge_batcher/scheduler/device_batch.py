@@ -2,7 +2,8 @@
 engine instance's worker thread (the only place their bytes are read). Each request is copied
 once: for an engine that takes device inputs (`Engine.device_inputs`, ONNX Runtime's CUDA EP)
 into one device buffer of the batch on that device (device-to-device for a region, host-to-device
-for an ordinary request), handed to the engine as a DeviceArray and freed after the run; for any
+for an ordinary request), handed to the engine as a DeviceArray (which an engine with CUDA graphs
+copies into its bound buffer: `DeviceArray.copy_to`) and freed after the run; for any
 other engine, or a region on another device, straight into its rows of the host batch
 (device-to-host). Padding rows copy the last real row, as batch.py's do. A sequence input, padded
 on its sequence axis, is brought to the host first and then stacked by batch.py: two copies, the
@@ -79,11 +80,12 @@ def _on_device(parts: Sequence[Part], size: int, device_id: int) -> tuple[Device
     row_shape = _row_shape(parts)
     dtype = parts[0].dtype
     row_bytes = math.prod(row_shape) * dtype.itemsize
+    nbytes = size * row_bytes
     devices = next(part.devices for part in parts if isinstance(part, DeviceTensor))
     with devices.on(device_id) as api:
         # One allocation per batch: simple, and freed at once; a cache per shape would save the
         # cuMemAlloc but hold device memory the memory plan does not count.
-        buffer = api.mem_alloc(max(size * row_bytes, 1))
+        buffer = api.mem_alloc(max(nbytes, 1))
         try:
             at = buffer.ptr
             for part in parts:
@@ -93,7 +95,7 @@ def _on_device(parts: Sequence[Part], size: int, device_id: int) -> tuple[Device
                     api.copy_htod(at, np.ascontiguousarray(part))
                 at += part.nbytes
             last = at - row_bytes
-            while at < buffer.ptr + size * row_bytes:
+            while at < buffer.ptr + nbytes:
                 api.copy_dtod(at, last, row_bytes)
                 at += row_bytes
             # Device-to-device copies may return before they finish; the engine runs on its own
@@ -103,8 +105,13 @@ def _on_device(parts: Sequence[Part], size: int, device_id: int) -> tuple[Device
             buffer.free()
             raise
 
+    def copy_to(dst: int) -> None:
+        with devices.on(device_id) as api:
+            api.copy_dtod(dst, buffer.ptr, nbytes)
+            api.synchronize()
+
     def release() -> None:
         with devices.on(device_id):
             buffer.free()
 
-    return DeviceArray(buffer.ptr, device_id, dtype, (size, *row_shape)), release
+    return DeviceArray(buffer.ptr, device_id, dtype, (size, *row_shape), copy_to), release

@@ -79,6 +79,16 @@ def test_device_engine_one_copy_per_request_into_a_device_buffer_freed_by_releas
     # 2 requests device-to-device, 1 host-to-device, 4 padding rows device-to-device, nothing to the host
     assert counts == {"memcpy_dtod": 2 + 4, "memcpy_htod": 1, "memcpy_dtoh": 0}
     assert gpu.used_memory() == used + 8 * 24  # one buffer, the batch's
+    # copy_to: the engine's bound buffer of that shape gets the batch in one device-to-device copy
+    with devices.on(0) as api:
+        bound = api.mem_alloc(8 * 24)
+    copies = gpu.counters["memcpy_dtod"]
+    batch.copy_to(bound.ptr)
+    assert gpu.counters["memcpy_dtod"] == copies + 1
+    np.testing.assert_array_equal(gpu.read(bound.ptr, 8 * 24).view(np.float32).reshape(8, 2, 3),
+                                  read_device(gpu, batch))
+    with devices.on(0):
+        bound.free()
     assert release is not None
     release()
     assert gpu.used_memory() == used
