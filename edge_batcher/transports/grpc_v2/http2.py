@@ -34,9 +34,13 @@ SETTINGS_HEADER_TABLE_SIZE, SETTINGS_MAX_CONCURRENT_STREAMS, SETTINGS_INITIAL_WI
 SETTINGS_MAX_FRAME_SIZE, SETTINGS_MAX_HEADER_LIST_SIZE = 0x5, 0x6
 
 DEFAULT_WINDOW = 65535  # HTTP/2's initial window: what a client may send before a call is read
-MAX_FRAME = 16384  # the frames we accept (HTTP/2's default, advertised)
+DEFAULT_FRAME = 16384  # HTTP/2's default and smallest SETTINGS_MAX_FRAME_SIZE
+# The frames we accept, advertised: a 0.9 MB camera frame comes in one DATA frame, not 56 of
+# 16 KiB, each parsed and copied by Python (docs/benchmarks.md, "gRPC against HTTP").
+MAX_FRAME = 1 << 20
 MAX_STREAMS = 1000  # per connection; a client queues beyond it (the edge refuses by its own count)
 CONNECTION_WINDOW = 1 << 24  # the connection-level window, refilled as DATA arrives
+CONNECTION_ACK_AT = CONNECTION_WINDOW // 4  # DATA bytes received before the window is refilled
 # Acknowledgements (PING, SETTINGS) held while the client reads nothing, beyond which it is
 # disconnected: a flood of 9-byte frames must not grow our memory for ever.
 MAX_UNREAD_CONTROL = 4 << 20
@@ -104,7 +108,7 @@ class GrpcConnection(asyncio.Protocol):
         self.streams: dict[int, Call] = {}
         self.stream_window = DEFAULT_WINDOW
         self.peer_initial_window = DEFAULT_WINDOW
-        self.peer_max_frame = MAX_FRAME
+        self.peer_max_frame = DEFAULT_FRAME
         self.send_window = DEFAULT_WINDOW  # the connection-level window the peer grants us
         self._window_grown: asyncio.Future | None = None
         self._drained: asyncio.Future | None = None  # set while the transport's buffer is full
@@ -253,9 +257,11 @@ class GrpcConnection(asyncio.Protocol):
         finally:
             view.release()
             del buf[:pos]
-        if self._unacked and self.transport is not None and not self.transport.is_closing():
-            # every DATA byte is buffered in its call at once: the connection window never blocks a
-            # stream; each stream's own window is what bounds a call's unread bytes
+        if self._unacked >= CONNECTION_ACK_AT and self.transport is not None and not self.transport.is_closing():
+            # Every DATA byte is buffered in its call at once, so the connection window only has
+            # to stay open: each stream's own window bounds a call's unread bytes. Acknowledged a
+            # quarter at a time, not per read: on loopback TCP each write also runs the client's
+            # receive path, ~4 writes per 0.9 MB message.
             self._write(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", self._unacked)))
             self._unacked = 0
 
@@ -385,7 +391,7 @@ class GrpcConnection(asyncio.Protocol):
                     call.send_window += delta
                 self._window_changed()
             elif key == SETTINGS_MAX_FRAME_SIZE:
-                self.peer_max_frame = max(MAX_FRAME, min(value, (1 << 24) - 1))
+                self.peer_max_frame = max(DEFAULT_FRAME, min(value, (1 << 24) - 1))
         self._acknowledge(frame(SETTINGS, ACK, 0))
 
     def _acknowledge(self, ack: bytes) -> None:

@@ -35,6 +35,7 @@ from ..descriptors import ACCEPT_BATCH, serve_with_small_accept_batches
 from ..edge import EdgeLimits
 from ..listeners import check_unix_socket_path, remove_stale_socket
 from ..triton_config import MODEL_VERSION, PLATFORMS, model_config, servable_for
+from ..v2_decode import off_loop_if_large
 from . import grpc_service_pb2 as pb
 from . import model_config_pb2
 from .codec import decode_infer_request, encode_infer_response
@@ -252,7 +253,8 @@ class GrpcServer:
         servable.refuse_if_full()
         # the regions it uses stay mapped until it ends
         with Lease(self.shared_memory, self.cuda_shared_memory) as regions:
-            decoded = decode_infer_request(request, regions.read_input)
+            # Input-sized work (raw_input_contents are copied out of the message) off the loop.
+            decoded = await off_loop_if_large(request.ByteSize(), decode_infer_request, request, regions.read_input)
             targets = regions.output_targets(decoded.outputs)
             infer_request = to_infer_request(model, decoded, servable.config.batching.priority_levels)
             remaining = context.time_remaining()
