@@ -74,6 +74,18 @@ def test_a_device_batch_is_copied_into_its_shapes_buffers_and_reuses_them(vibrat
     for value, want in zip(got, vibration_session.run(None, {name: x}), strict=True):
         np.testing.assert_allclose(value, want, rtol=1e-6)
     assert len(bound.shapes) == 1 and shape.runs == 2
+    # Assembled in place (Engine.device_batch_buffers): the buffer is the input, nothing is copied.
+    assert bound.buffers_for({name: ((2, 256), np.dtype(np.float32))}) is None
+    (target,) = bound.buffers_for({name: ((4, 256), np.dtype(np.float32))}).values()
+    y = batches(4, 1, seed=9)[0]
+    ctypes.memmove(target, y.ctypes.data, y.nbytes)
+
+    def must_not_copy(dst: int) -> None:
+        raise AssertionError("a batch already in the bound buffer was copied")
+
+    got = bound.run({name: DeviceArray(target, 0, y.dtype, y.shape, must_not_copy)})
+    for value, want in zip(got, vibration_session.run(None, {name: y}), strict=True):
+        np.testing.assert_allclose(value, want, rtol=1e-6)
 
 
 def test_cuda_graphs_setting_is_checked(model_repo, tmp_path):
@@ -180,6 +192,16 @@ def test_a_batch_in_device_memory_replays_its_shapes_graph(model_repo, tmp_path)
             want = engine.infer_without_graphs({name: x})
             for spec in engine.outputs:
                 np.testing.assert_allclose(got[spec.name], want[spec.name], rtol=1e-5, atol=1e-5)
+            # Assembled in the graph's own input buffer (what the executor does): no copy at all.
+            assert engine.device_batch_buffers is not None
+            targets = engine.device_batch_buffers({name: (x.shape, x.dtype)})
+            assert targets is not None
+            with devices.on(0) as api:
+                api.copy_htod(targets[name], x)
+                api.synchronize()
+            in_place = engine.infer({name: DeviceArray(targets[name], 0, x.dtype, x.shape, copy_to)})
+            for spec in engine.outputs:
+                np.testing.assert_allclose(in_place[spec.name], want[spec.name], rtol=1e-5, atol=1e-5)
             with devices.on(0):
                 buffer.free()
     finally:

@@ -7,7 +7,7 @@ the preferred sizes). It never sees the event loop.
 
 Besides the four required members, `Engine` declares the optional hooks with their defaults
 (`batch_inputs`, `prepare`, `memory_footprint`, `tokenizer`, `token_padding`,
-`accepts_any_length`, `device_inputs`, `cuda_graphs`): an engine that subclasses it inherits
+`accepts_any_length`, `device_inputs`, `device_batch_buffers`, `cuda_graphs`): an engine that subclasses it inherits
 them; `with_hook_defaults` gives an engine that only duck-types the protocol (a user's backend,
 a test's fake) the same defaults once, at creation, so callers read the hooks directly instead
 of probing with getattr.
@@ -32,14 +32,17 @@ DEVICE_PROVIDERS = frozenset({"CUDAExecutionProvider", "TensorrtExecutionProvide
 PrepareHook = Callable[[dict[str, np.ndarray]], "tuple[dict[str, np.ndarray], int]"]
 # memory_footprint(batch, seq_len) -> {"resident": bytes, "per_batch": bytes}
 FootprintHook = Callable[[int, "int | None"], "dict[str, int]"]
+# device_batch_buffers({input: (batch shape, dtype)}) -> {input: device address} of the engine's
+# own buffers for a batch of exactly those shapes, or None when it has none for them
+BuffersHook = Callable[[dict[str, "tuple[tuple[int, ...], np.dtype]"]], "dict[str, int] | None"]
 
 
 @dataclass(frozen=True)
 class DeviceArray:
     """A batch input assembled in device memory (scheduler/device_batch.py), handed to an engine
-    whose `device_inputs` names its device: `ptr` is valid until infer() returns. `copy_to(dst)`
-    copies it to a device address of the same device and returns once the copy is done (the
-    engine's own buffers, so a batch can replay a captured graph)."""
+    whose `device_inputs` names its device: `ptr` is valid until infer() returns; it is one of
+    the engine's own buffers when `device_batch_buffers` gave one. `copy_to(dst)` copies it to a
+    device address of the same device and returns once the copy is done."""
 
     ptr: int
     device_id: int
@@ -67,6 +70,10 @@ class Engine(Protocol):
     # The CUDA device whose memory infer() takes as input (a DeviceArray in place of an array, bound
     # with IOBinding): batches of inputs in CUDA shared memory are assembled there. None: host only.
     device_inputs: int | None = None
+    # Where a device batch of given shapes may be assembled: the engine's own buffers (the bound
+    # buffers a CUDA graph replays), written on its worker thread just before infer(), so the
+    # batch is copied once. None: into a buffer of the batch's own (device_batch.py).
+    device_batch_buffers: BuffersHook | None = None
 
     @property
     def cuda_graphs(self) -> bool:
@@ -88,7 +95,7 @@ class Engine(Protocol):
 
 HOOK_DEFAULTS: dict[str, Any] = {
     "batch_inputs": None, "prepare": None, "memory_footprint": None, "tokenizer": None, "token_padding": None,
-    "accepts_any_length": False, "device_inputs": None, "cuda_graphs": False,
+    "accepts_any_length": False, "device_inputs": None, "device_batch_buffers": None, "cuda_graphs": False,
 }
 
 

@@ -142,6 +142,7 @@ class OnnxRuntimeEngine(Engine):
             self._open_session(ort, path, self._graphs_refused(f"ONNX Runtime cannot capture it: {exc}", exc))
         if graphs and self.providers[0] == "CUDAExecutionProvider":
             self.bound = BoundSession(self.session, "cuda", graphs=True)
+            self.device_batch_buffers = self.bound.buffers_for
         if self.providers[0] == "CUDAExecutionProvider":  # its device: the EP's device_id option (default 0)
             self.device_inputs = int(dict(self._chain)["CUDAExecutionProvider"].get("device_id", 0))
         self.inputs = apply_overrides(
@@ -187,7 +188,7 @@ class OnnxRuntimeEngine(Engine):
             on_device = any(isinstance(value, DeviceArray) for value in inputs.values())
             if on_device and (self.bound is None or not self.bound.knows(inputs)):
                 values = self._run_device_inputs(inputs)
-            elif self.bound is not None:  # a device batch too: copied into the shape's buffers
+            elif self.bound is not None:  # a device batch too: in (or copied into) the shape's buffers
                 try:
                     values = self.bound.run(inputs)
                 except Exception as exc:
@@ -209,7 +210,8 @@ class OnnxRuntimeEngine(Engine):
         """One run with the device batches bound where they are (IOBinding, no copy) and the
         others from the host; outputs come back to the host, where the batch is cut per request.
         Only without CUDA graphs, or for a shape warm-up did not bind: with graphs a device batch
-        is copied into its shape's buffers and replays the graph (BoundShape.run). Outside a graph
+        is assembled in (or copied into) its shape's buffers and replays the graph (BoundShape.run,
+        Engine.device_batch_buffers). Outside a graph
         every change of batch size makes ONNX Runtime's CUDA Conv plan again (cuDNN heuristics):
         26-35 ms a request on the vision model under perf_analyzer on an H200, against 0.3 ms
         a batch in a graph (docs/benchmarks.md, "CUDA shared memory through perf_analyzer")."""
@@ -252,6 +254,7 @@ class OnnxRuntimeEngine(Engine):
         log.warning("model %s: no CUDA graphs (%s); serving without them "
                     "([onnxruntime] cuda_graphs = \"off\" skips the attempt)", self.config.name, why)
         self.bound = None
+        self.device_batch_buffers = None
         self._chain = [(name, {k: v for k, v in opts.items() if k != "enable_cuda_graph"})
                        for name, opts in self._chain]
         return self._chain
@@ -259,6 +262,7 @@ class OnnxRuntimeEngine(Engine):
     def close(self) -> None:
         self.session = None
         self.bound = None
+        self.device_batch_buffers = None
 
 
 def _sequence_dim_is_dynamic(nodes, sequence) -> bool:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ..engines.base import Engine
-from ..errors import InvalidInput
+from ..errors import EngineError, InvalidInput
 from ..types import TensorSpec
 from . import batch as batching
 from . import device_batch, policy
@@ -95,19 +95,35 @@ class BatchExecutor:
     def _assemble(self, live: list[Pending], plan: policy.BatchPlan, engine: Engine,
                   releases: list[device_batch.Release]) -> dict[str, Any]:
         inputs: dict[str, Any] = {}
+        parts_of = {spec.name: [r.inputs[spec.name] for r in live] for spec in self.batch_inputs}
+        targets = self._engine_buffers(parts_of, plan.size, engine)
         for spec in self.batch_inputs:
-            parts = [r.inputs[spec.name] for r in live]
+            parts = parts_of[spec.name]
             seq_axis = self.seq_axis(spec.name)
             if device_batch.has_device_part(parts):
                 inputs[spec.name], release = device_batch.assemble(
                     parts, plan.size, seq_axis, plan.bucket, self.pad_value, engine.accepts_any_length,
-                    engine.device_inputs)
+                    engine.device_inputs, targets.get(spec.name))
                 if release is not None:
                     releases.append(release)
             else:
                 inputs[spec.name] = batching.stack(parts, plan.size, seq_axis, plan.bucket, self.pad_value,
                                                    engine.accepts_any_length)
         return inputs
+
+    def _engine_buffers(self, parts_of: dict[str, list[Any]], size: int, engine: Engine) -> dict[str, int]:
+        """The engine's own buffers for this batch's shapes, to assemble device batches in
+        (Engine.device_batch_buffers: a CUDA graph's inputs), or none. Only for batches with a
+        part in device memory and no sequence input (those are padded on the host)."""
+        if engine.device_batch_buffers is None or not any(map(device_batch.has_device_part, parts_of.values())):
+            return {}
+        if any(self.seq_axis(name) is not None for name in parts_of):
+            return {}
+        try:
+            shapes = {name: device_batch.batch_shape(parts, size) for name, parts in parts_of.items()}
+        except EngineError:
+            return {}  # rows that disagree on their shape: assemble says so
+        return engine.device_batch_buffers(shapes) or {}
 
 
 def _release(releases: list[device_batch.Release]) -> None:

@@ -94,6 +94,25 @@ def test_device_engine_one_copy_per_request_into_a_device_buffer_freed_by_releas
     assert gpu.used_memory() == used
 
 
+def test_a_batch_is_assembled_in_place_in_the_engines_buffer_when_it_gives_one(gpu_and_devices):
+    """A CUDA graph's input buffer as the target: the same copies, no allocation, nothing to free."""
+    gpu, devices = gpu_and_devices
+    a, b, c = rows(1, 0), rows(1, 100), rows(2, 200)
+    parts = [in_region(gpu, devices, a), b, in_region(gpu, devices, c)]
+    with devices.on(0) as api:
+        graph_input = api.mem_alloc(8 * 24)
+    used, before = gpu.used_memory(), dict(gpu.counters)
+    assert device_batch.batch_shape(parts, 8) == ((8, 2, 3), np.dtype(np.float32))
+    batch, release = device_batch.assemble(parts, 8, None, 0, 0.0, False, engine_device=0, target=graph_input.ptr)
+    assert release is None and isinstance(batch, DeviceArray) and batch.ptr == graph_input.ptr
+    np.testing.assert_array_equal(read_device(gpu, batch), np.concatenate([a, b, c] + [c[-1:]] * 4))
+    counts = {k: gpu.counters[k] - before[k] for k in ("memcpy_dtod", "memcpy_htod", "memcpy_dtoh")}
+    assert counts == {"memcpy_dtod": 2 + 4, "memcpy_htod": 1, "memcpy_dtoh": 0}
+    assert gpu.used_memory() == used
+    with devices.on(0):
+        graph_input.free()
+
+
 def test_a_region_on_another_device_than_the_engine_takes_the_host_path(gpu_and_devices):
     gpu, devices = gpu_and_devices
     a = rows(2, 0)
@@ -127,6 +146,7 @@ class DeviceInputEngine:
     inputs = outputs = []
     accepts_any_length = False
     device_inputs = 0
+    device_batch_buffers = None
 
     def __init__(self, gpu: FakeCuda, fail: bool = False):
         self.gpu, self.fail = gpu, fail
@@ -165,6 +185,38 @@ def test_the_executor_hands_a_device_engine_its_device_batch_and_frees_it_after_
         assert [r["y"].tolist() for r in results] == [[a.sum()], [b.sum()]]
     assert isinstance(engine.seen[0], DeviceArray) and engine.seen[0].shape == (4, 2, 3)
     assert gpu.used_memory() == used  # the batch's device buffer is freed, also when the engine fails
+
+
+class GraphInputEngine(DeviceInputEngine):
+    """A DeviceInputEngine with a CUDA graph's fixed input buffer for batches of 4 x 2 x 3 float32
+    (Engine.device_batch_buffers), as ONNX Runtime's engine has one per warmed-up shape."""
+
+    def __init__(self, gpu: FakeCuda, devices: CudaDevices):
+        super().__init__(gpu)
+        with devices.on(0) as api:
+            self.buffer = api.mem_alloc(4 * 24)
+        self.asked: list[dict] = []
+
+    def device_batch_buffers(self, shapes):
+        self.asked.append(shapes)
+        return {"x": self.buffer.ptr} if shapes == {"x": ((4, 2, 3), np.dtype(np.float32))} else None
+
+
+def test_the_executor_assembles_a_device_batch_in_the_engines_graph_buffer(gpu_and_devices):
+    gpu, devices = gpu_and_devices
+    a, b = rows(1, 0), rows(1, 50)
+    engine = GraphInputEngine(gpu, devices)
+    execute = BatchExecutor("m", [engine], [TensorSpec("x", "FP32", (-1, 2, 3))], lambda name: None, 0.0, ["y"])
+    parts = [in_region(gpu, devices, a), in_region(gpu, devices, b)]
+    used = gpu.used_memory()
+    results, _, _ = execute(_executor_batch(parts, 4))
+    assert [r["y"].tolist() for r in results] == [[a.sum()], [b.sum()]]
+    assert engine.seen[0].ptr == engine.buffer.ptr and engine.asked == [{"x": ((4, 2, 3), np.dtype(np.float32))}]
+    assert gpu.used_memory() == used
+    # A shape the engine has no buffer for: a buffer of the batch's own, freed after the run.
+    results, _, _ = execute(_executor_batch(parts, 2))
+    assert [r["y"].tolist() for r in results] == [[a.sum()], [b.sum()]]
+    assert engine.seen[1].ptr != engine.buffer.ptr and gpu.used_memory() == used
 
 
 def test_a_host_request_with_nan_in_a_device_batch_is_refused_and_both_assemblies_are_freed(gpu_and_devices):
