@@ -233,6 +233,26 @@ def test_broken_framing_after_the_preface_closes_only_that_connection(echo):
         assert channel.unary_unary("/t/Echo")(b"ok", timeout=10) == b"ok"
 
 
+def test_a_header_block_over_the_limit_in_one_frame_closes_only_that_connection(echo):
+    """DATA frames may be 1 MiB; a HEADERS frame that size would hand pure-Python HPACK a 1 MiB
+    block (table size updates decode to nothing, so the header list limit never stops it)."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(str(echo.path))
+        block = b"\x20" * (grpc_headers.MAX_HEADER_LIST + 1)  # dynamic table size updates to 0, over and over
+        s.sendall(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0)
+                  + http2.frame(http2.HEADERS, http2.END_HEADERS, 1, block))
+        received = b""
+        try:
+            while chunk := s.recv(65536):
+                received += chunk
+        except ConnectionResetError:
+            pass
+    assert f"a header block over {grpc_headers.MAX_HEADER_LIST} bytes".encode() in received
+    with _channel(echo) as channel:
+        assert channel.unary_unary("/t/Echo")(b"ok", timeout=10) == b"ok"
+
+
 def test_a_client_that_floods_pings_without_reading_the_answers_is_disconnected(echo):
     ping = http2.frame(http2.PING, 0, 0, b"12345678")
     burst = ping * 4096  # 100 KiB of PINGs a write

@@ -330,6 +330,9 @@ class GrpcConnection(asyncio.Protocol):
         block = self._unpad(flags, payload)
         if flags & PRIORITY_FLAG:
             block = block[5:]
+        if len(block) > MAX_HEADER_LIST:  # frames may be 1 MiB: pure-Python HPACK must not see that
+            self._fail(ENHANCE_YOUR_CALM, f"a header block over {MAX_HEADER_LIST} bytes")
+            return
         if flags & END_HEADERS:
             self._headers_complete(stream_id, flags, block)
         else:
