@@ -422,3 +422,15 @@ def test_header_blocks_are_read_into_a_calls_path_metadata_deadline_and_refusal(
     assert call == grpc_headers.CallHeaders("/s/M", metadata, None, 0.25)
     refused = decoder.decode(encoder.encode([(":method", "GET"), (":path", "/s/M")]))
     assert refused.refusal == "method GET: gRPC calls are POST"
+
+
+def test_a_block_may_open_with_two_table_size_updates_not_more():
+    """RFC 7541 allows two (after a SETTINGS_HEADER_TABLE_SIZE change); hpack takes any number,
+    each decoding to nothing: 16 KiB of them kept the event loop 28 ms."""
+    hpack = pytest.importorskip("hpack")
+    decoder = grpc_headers.HeaderDecoder()
+    path = hpack.Encoder().encode([(":path", "/s/M")], huffman=False)
+    two = b"\x3f\xe1\x1f" + b"\x20"  # size 4096 (a multi-byte integer), then 0
+    assert decoder.decode(two + path).path == "/s/M"
+    with pytest.raises(hpack.HPACKDecodingError, match="more than 2 dynamic table size updates"):
+        grpc_headers.HeaderDecoder().decode(two + b"\x20" + path)

@@ -9,12 +9,15 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from hpack import Decoder
+from hpack import Decoder, HPACKDecodingError
 
 from .call import parse_grpc_timeout
 
 MAX_HEADER_LIST = 16384  # decoded request headers per call
 HEADER_CACHE = 64  # header blocks remembered per connection (cleared when full)
+# Dynamic table size updates a block may open with: RFC 7541 4.2 allows two (a smaller size, then
+# the final one) after a SETTINGS_HEADER_TABLE_SIZE change
+MAX_SIZE_UPDATES = 2
 
 
 class CallHeaders(NamedTuple):
@@ -66,12 +69,30 @@ class HeaderDecoder:
         known = self._known.get(block)
         if known is not None and _same_state(known[0], state):
             return known[1]
+        if _leading_size_updates(block) > MAX_SIZE_UPDATES:
+            # hpack takes any number, each costing Python time and decoding to nothing:
+            # 16 KiB of them kept the event loop 28 ms
+            raise HPACKDecodingError(f"more than {MAX_SIZE_UPDATES} dynamic table size updates at the block's start")
         headers = call_headers(self._decoder.decode(block, raw=True))
         if _same_state(self._table_state(), state):
             if len(self._known) >= HEADER_CACHE:
                 self._known.clear()
             self._known[block] = (state, headers)
         return headers
+
+
+def _leading_size_updates(block: bytes) -> int:
+    """How many dynamic table size updates (001xxxxx, an HPACK integer with a 5-bit prefix)
+    open the block; counting stops past MAX_SIZE_UPDATES."""
+    count, i = 0, 0
+    while i < len(block) and block[i] & 0xE0 == 0x20 and count <= MAX_SIZE_UPDATES:
+        count += 1
+        if block[i] & 0x1F == 0x1F:  # the integer goes on in bytes with the high bit set
+            i += 1
+            while i < len(block) and block[i] & 0x80:
+                i += 1
+        i += 1
+    return count
 
 
 def _same_state(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
