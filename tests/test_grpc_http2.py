@@ -215,20 +215,25 @@ def test_a_client_that_does_not_speak_http2_is_closed(echo):
         assert channel.unary_unary("/t/Echo")(b"ok", timeout=10) == b"ok"
 
 
-def test_broken_framing_after_the_preface_closes_only_that_connection(echo):
+def _goaway_text(echo, after_preface: bytes) -> bytes:
+    """All the daemon answers a connection that sends these bytes after the preface, to its close."""
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(5)
         s.connect(str(echo.path))
-        size = http2.MAX_FRAME + 1
-        oversized = size.to_bytes(3, "big") + bytes([0, 0]) + (1).to_bytes(4, "big")
-        s.sendall(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0) + oversized + b"\0" * 20000)
+        s.sendall(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0) + after_preface)
         received = b""
         try:
             while chunk := s.recv(65536):
                 received += chunk
         except ConnectionResetError:
             pass
-    assert f"a frame of {http2.MAX_FRAME + 1} bytes".encode() in received
+    return received
+
+
+def test_broken_framing_after_the_preface_closes_only_that_connection(echo):
+    size = http2.MAX_FRAME + 1
+    oversized = size.to_bytes(3, "big") + bytes([0, 0]) + (1).to_bytes(4, "big")
+    assert f"a frame of {size} bytes".encode() in _goaway_text(echo, oversized + b"\0" * 20000)
     with _channel(echo) as channel:
         assert channel.unary_unary("/t/Echo")(b"ok", timeout=10) == b"ok"
 
@@ -236,19 +241,10 @@ def test_broken_framing_after_the_preface_closes_only_that_connection(echo):
 def test_a_header_block_over_the_limit_in_one_frame_closes_only_that_connection(echo):
     """DATA frames may be 1 MiB; a HEADERS frame that size would hand pure-Python HPACK a 1 MiB
     block (table size updates decode to nothing, so the header list limit never stops it)."""
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(5)
-        s.connect(str(echo.path))
-        block = b"\x20" * (grpc_headers.MAX_HEADER_LIST + 1)  # dynamic table size updates to 0, over and over
-        s.sendall(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0)
-                  + http2.frame(http2.HEADERS, http2.END_HEADERS, 1, block))
-        received = b""
-        try:
-            while chunk := s.recv(65536):
-                received += chunk
-        except ConnectionResetError:
-            pass
-    assert f"a header block over {grpc_headers.MAX_HEADER_LIST} bytes".encode() in received
+    limit = grpc_headers.MAX_HEADER_LIST
+    block = b"\x20" * (limit + 1)  # dynamic table size updates to 0, over and over
+    received = _goaway_text(echo, http2.frame(http2.HEADERS, http2.END_HEADERS, 1, block))
+    assert f"a header block over {limit} bytes".encode() in received
     with _channel(echo) as channel:
         assert channel.unary_unary("/t/Echo")(b"ok", timeout=10) == b"ok"
 
