@@ -430,3 +430,25 @@ def test_a_block_may_open_with_two_table_size_updates_not_more():
     assert decoder.decode(two + path).path == "/s/M"
     with pytest.raises(hpack.HPACKDecodingError, match="more than 2 dynamic table size updates"):
         grpc_headers.HeaderDecoder().decode(two + b"\x20" + path)
+
+
+def test_a_padded_data_frame_gives_its_message_without_the_padding(echo):
+    """DATA frames are appended to their call from the connection's buffer (no copy first):
+    the PADDED flag's length byte and padding must still stay out of the message."""
+    hpack = pytest.importorskip("hpack")
+    message = b"\x00" + (5).to_bytes(4, "big") + b"hello"
+    headers = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", "/t/Echo"),
+                                      (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
+    padded = bytes([7]) + message + b"\xff" * 7
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(echo.path))
+        s.sendall(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0)
+                  + http2.frame(http2.HEADERS, http2.END_HEADERS, 1, headers)
+                  + http2.frame(http2.DATA, http2.PADDED | http2.END_STREAM, 1, padded))
+        answer = b""
+        for kind, flags, stream, payload in _frames(s, 10.0):
+            if kind == http2.DATA and stream == 1:
+                answer += payload
+            elif kind == http2.HEADERS and flags & http2.END_STREAM:
+                break
+    assert answer == message

@@ -15,6 +15,7 @@ import asyncio
 import logging
 import struct
 from collections.abc import Callable
+from typing import TypeVar
 
 from hpack import HPACKError
 
@@ -44,6 +45,9 @@ CONNECTION_ACK_AT = CONNECTION_WINDOW // 4  # DATA bytes received before the win
 # Acknowledgements (PING, SETTINGS) held while the client reads nothing, beyond which it is
 # disconnected: a flood of 9-byte frames must not grow our memory for ever.
 MAX_UNREAD_CONTROL = 4 << 20
+
+
+B = TypeVar("B", bytes, memoryview)
 
 
 def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
@@ -251,9 +255,14 @@ class GrpcConnection(asyncio.Protocol):
                     break
                 kind, flags = buf[pos + 3], buf[pos + 4]
                 stream_id = int.from_bytes(view[pos + 5:pos + 9], "big") & 0x7FFFFFFF
-                payload = bytes(view[pos + 9:pos + 9 + length])
-                pos += 9 + length
-                self._on_frame(kind, flags, stream_id, payload)
+                start, pos = pos + 9, pos + 9 + length
+                if kind == DATA and self._headers is None:
+                    # appended to its call straight from the buffer: one copy of a camera frame
+                    # fewer on the loop (released here, before the buffer is cut below)
+                    with view[start:pos] as chunk:
+                        self._on_data(flags, stream_id, chunk)
+                else:
+                    self._on_frame(kind, flags, stream_id, bytes(view[start:pos]))
         finally:
             view.release()
             del buf[:pos]
@@ -268,9 +277,7 @@ class GrpcConnection(asyncio.Protocol):
     def _on_frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self._headers is not None and kind != CONTINUATION:
             self._fail(PROTOCOL_ERROR, "a header block interrupted before its END_HEADERS")
-        elif kind == DATA:
-            self._on_data(flags, stream_id, payload)
-        elif kind == HEADERS:
+        elif kind == HEADERS:  # (DATA frames go to _on_data from data_received, without a copy)
             self._on_headers(flags, stream_id, payload)
         elif kind == CONTINUATION:
             self._on_continuation(flags, stream_id, payload)
@@ -294,13 +301,13 @@ class GrpcConnection(asyncio.Protocol):
         # PRIORITY and unknown frame types are ignored, as HTTP/2 says
 
     @staticmethod
-    def _unpad(flags: int, payload: bytes) -> bytes:
+    def _unpad(flags: int, payload: B) -> B:
         if flags & PADDED:
             pad = payload[0] if payload else 0
             return payload[1:len(payload) - pad]
         return payload
 
-    def _on_data(self, flags: int, stream_id: int, payload: bytes) -> None:
+    def _on_data(self, flags: int, stream_id: int, payload: memoryview) -> None:
         self._unacked += len(payload)
         call = self.streams.get(stream_id)
         if call is None or call.ended:
