@@ -61,13 +61,14 @@ class EchoServer:
 
     async def _serve(self, call) -> None:
         try:
-            message = await call.read_message(64 * MiB)
+            view = await call.read_message(64 * MiB)  # a view of the call's body
+            message = bytes(view)
             if call.path == "/t/Echo":
                 await call.conn.respond_with(call, message)
             elif call.path == "/t/Fail":
                 call.conn.respond(call, Status.INVALID_ARGUMENT, message.decode())
             elif call.path == "/t/Hold":
-                await asyncio.sleep(3600)
+                await asyncio.sleep(3600)  # holding its message's view, as the daemon's parse does
             else:
                 call.conn.respond(call, Status.UNIMPLEMENTED, f"Method not found: {call.path}")
         except CallError as exc:
@@ -450,5 +451,35 @@ def test_a_padded_data_frame_gives_its_message_without_the_padding(echo):
             if kind == http2.DATA and stream == 1:
                 answer += payload
             elif kind == http2.HEADERS and flags & http2.END_STREAM:
+                break
+    assert answer == message
+
+
+def test_bytes_after_a_calls_message_are_dropped_and_the_connection_serves_on(echo):
+    """The handler gets its message as a view of the call's body, not a copy, so the body cannot
+    grow any more: a client that sends more after the message was read (a unary call carries
+    one) has those bytes dropped, and its connection serves its next call."""
+    hpack = pytest.importorskip("hpack")
+    encoder = hpack.Encoder()
+
+    def headers(path: str) -> bytes:
+        return encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "x"),
+                               ("content-type", "application/grpc"), ("te", "trailers")])
+
+    message = b"\x00" + (5).to_bytes(4, "big") + b"hello"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(echo.path))
+        s.sendall(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0)
+                  + http2.frame(http2.HEADERS, http2.END_HEADERS, 1, headers("/t/Hold"))
+                  + http2.frame(http2.DATA, 0, 1, message))
+        time.sleep(0.3)  # the handler has read its message and holds the call
+        s.sendall(http2.frame(http2.DATA, 0, 1, b"trailing bytes")
+                  + http2.frame(http2.HEADERS, http2.END_HEADERS, 3, headers("/t/Echo"))
+                  + http2.frame(http2.DATA, http2.END_STREAM, 3, message))
+        answer = b""
+        for kind, flags, stream, payload in _frames(s, 10.0):
+            if kind == http2.DATA and stream == 3:
+                answer += payload
+            elif kind == http2.HEADERS and stream == 3 and flags & http2.END_STREAM:
                 break
     assert answer == message

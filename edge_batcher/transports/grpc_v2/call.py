@@ -83,6 +83,7 @@ class Call:
         self.reset = False  # the client reset it, or the connection closed
         self.reading = False  # the handler asked for the message: its window is open
         self.wanted: int | None = None  # body bytes that complete the message, once its prefix is read
+        self.taken = False  # its message went to the handler as a view of body: no byte may follow
         self.recv_window = conn.stream_window
         self.send_window = conn.peer_initial_window
         self._arrived: asyncio.Future | None = None  # wakes read_message
@@ -101,8 +102,9 @@ class Call:
     def time_remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - asyncio.get_running_loop().time()
 
-    def complete_message(self, max_bytes: int) -> bytes | None:
-        """The call's one message (its 5-byte prefix removed) if all of it has arrived, else None."""
+    def complete_message(self, max_bytes: int) -> memoryview | None:
+        """The call's one message (its 5-byte prefix removed) if all of it has arrived, else None:
+        a view of the body, not a copy (a camera frame's 0.9 MB copied once less on the loop)."""
         body = self.body
         if len(body) >= 5:
             if body[0] != 0:
@@ -113,14 +115,15 @@ class Call:
                 raise CallError(Status.RESOURCE_EXHAUSTED,
                                 f"Received message larger than max ({length} vs. {max_bytes})")
             if len(body) >= 5 + length:
-                return bytes(memoryview(body)[5:5 + length])
+                self.taken = True
+                return memoryview(body)[5:5 + length]
         if self.ended:
             if not body:
                 raise CallError(Status.INVALID_ARGUMENT, "the call carried no request message")
             raise CallError(Status.INVALID_ARGUMENT, "the stream ended inside the request message")
         return None
 
-    async def read_message(self, max_bytes: int) -> bytes:
+    async def read_message(self, max_bytes: int) -> memoryview:
         """The call's one message, opening the stream's window for it and waiting for the rest."""
         self.reading = True
         if self.recv_window < self.conn.stream_window and not self.ended:

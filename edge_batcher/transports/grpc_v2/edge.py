@@ -137,7 +137,7 @@ class GrpcEdge:
                     return
         raise Unauthorized("missing or invalid bearer token (gRPC metadata 'authorization: Bearer <token>')")
 
-    async def _receive(self, call: Call) -> bytes:
+    async def _receive(self, call: Call) -> memoryview:
         """The call's one message, within body_timeout_s of asking for a receive slot."""
         message = call.complete_message(self.limits.max_body_bytes)
         if message is not None:
@@ -155,12 +155,12 @@ class GrpcEdge:
                 ) from None
 
 
-async def _parse(raw: bytes, request_type: Any) -> Any:
+async def _parse(raw: memoryview, request_type: Any) -> Any:
     """The message from its bytes; a large one is parsed on a worker thread, off the event loop."""
     return await off_loop_if_large(len(raw), _parse_now, raw, request_type)
 
 
-def _parse_now(raw: bytes, request_type: Any) -> Any:
+def _parse_now(raw: memoryview, request_type: Any) -> Any:
     try:
         return request_type.FromString(raw)
     except DecodeError as exc:

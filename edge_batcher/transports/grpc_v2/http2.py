@@ -317,6 +317,9 @@ class GrpcConnection(asyncio.Protocol):
         if call.recv_window < 0:
             self._reset(call, FLOW_CONTROL_ERROR)
             return
+        if call.taken:  # bytes after its one message (a unary call carries one): dropped
+            call.ended = call.ended or bool(flags & END_STREAM)
+            return
         call.body += data
         if flags & END_STREAM:
             call.ended = True
