@@ -99,7 +99,8 @@ def grpc_caller(address: str, model: str, x: np.ndarray):
     return call, channel.close
 
 
-def start_daemon(home: Path, repo: Path, model: str) -> tuple[subprocess.Popen, dict[str, str]]:
+def start_daemon(home: Path, repo: Path, model: str, root: Path = ROOT) -> tuple[subprocess.Popen, dict[str, str]]:
+    """A daemon of the checkout at `root` with the four listeners, once it is ready."""
     (home / "token").write_text(TOKEN)
     http_port, grpc_port = free_port(), free_port()
     targets = {
@@ -113,7 +114,8 @@ def start_daemon(home: Path, repo: Path, model: str) -> tuple[subprocess.Popen, 
         f'token_file = "{home / "token"}"\ngrpc = ["127.0.0.1:{grpc_port}", "unix:{home / "grpc.sock"}"]\n'
         f'log_level = "WARNING"\n[models]\nrepository = "{repo}"\nload = ["{model}"]\n')
     proc = subprocess.Popen([sys.executable, "-m", "edge_batcher.cli", "serve", "--config", str(home / "config.toml")],
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=open(home / "daemon.log", "wb"),
+                            env=dict(os.environ, PYTHONPATH=str(root)), cwd=root,
+                            stdout=open(home / "daemon.log", "wb"),
                             stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 120
     while not _ready(home / "eb.sock"):  # the sockets are bound before the models load: wait for ready

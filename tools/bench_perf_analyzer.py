@@ -12,10 +12,13 @@ server's cost, apart from the load generator's, which shares the machine), and e
 mean latency split into the time the daemon's statistics count (queue and compute) and the
 rest: the transport's share (sending, reading and decoding the body, the answer's way back).
 perf_analyzer needs glibc 2.38: tools/fetch_perf_analyzer.sh brings it on Debian 12.
+`--baseline DIR` starts another checkout's daemon beside this one and runs every variant on
+both, alternating within each round: a change's A/B in one command (rows marked "(baseline)").
 
 Usage: python tools/bench_perf_analyzer.py --perf-analyzer .perf_analyzer/perf_analyzer
            [--concurrency 8 16] [--rounds 3] [--interval-ms 2000] [--model vibration] [--repo engines]
            [--variants http grpc]        # e.g. --variants http http+shm --model vision
+           [--baseline DIR]              # e.g. git worktree add /tmp/base HEAD~3
 """
 
 from __future__ import annotations
@@ -95,46 +98,55 @@ def main() -> int:
                         help="the first is the one the others are compared with")
     parser.add_argument("--output-shm-bytes", type=int, default=4096,
                         help="bytes of shared memory perf_analyzer gives each output (+shm, +cudashm)")
+    parser.add_argument("--baseline", type=Path, help="another checkout whose daemon runs in the same rounds")
     args = parser.parse_args()
-    runs: dict[tuple[str, int], list[dict]] = {}
-    ratios: dict[tuple[str, int], list[float]] = {}
+    sides = [("", ROOT)] + ([(" (baseline)", args.baseline.resolve())] if args.baseline else [])
+    rows = [(variant, side) for variant in args.variants for side, _ in sides]
+    runs: dict[tuple[str, str, int], list[dict]] = {}
+    ratios: dict[tuple[str, str, int], list[float]] = {}
     with tempfile.TemporaryDirectory(prefix="eb-bench-pa-") as tmp:
-        home = Path(tmp)
-        proc, targets = start_daemon(home, Path(args.repo).resolve(), args.model)
-        daemon = psutil.Process(proc.pid)
-        urls = {"http": targets["HTTP, TCP"].removeprefix("http://"), "grpc": targets["gRPC, TCP"]}
+        daemons = {}
         try:
+            for i, (side, root) in enumerate(sides):
+                home = Path(tmp) / f"d{i}"
+                home.mkdir()
+                proc, targets = start_daemon(home, Path(args.repo).resolve(), args.model, root)
+                daemons[side] = (home, proc, psutil.Process(proc.pid),
+                                 {"http": targets["HTTP, TCP"].removeprefix("http://"), "grpc": targets["gRPC, TCP"]})
             for round_ in range(args.rounds):
                 for concurrency in args.concurrency:
-                    shift = round_ % len(args.variants)
+                    shift = round_ % len(rows)
                     this_round = {}
-                    for variant in args.variants[shift:] + args.variants[:shift]:
+                    for variant, side in rows[shift:] + rows[:shift]:
+                        home, _, daemon, urls = daemons[side]
                         cpu0, n0 = cpu_seconds(daemon), served(home / "eb.sock", args.model)
                         r = run_once(args, variant, urls[variant.partition("+")[0]], concurrency, home / "pa.csv")
                         n = served(home / "eb.sock", args.model) - n0
                         if n == 0:
-                            raise SystemExit(f"perf_analyzer ({variant}) reported {r['throughput']:.0f} infer/s "
-                                             "but the daemon answered nothing")
+                            raise SystemExit(f"perf_analyzer ({variant}{side}) reported {r['throughput']:.0f} "
+                                             "infer/s but the daemon answered nothing")
                         r["cpu_us"] = (cpu_seconds(daemon) - cpu0) / max(n, 1) * 1e6
-                        runs.setdefault((variant, concurrency), []).append(r)
-                        this_round[variant] = r["throughput"]
-                    for variant in args.variants[1:]:
-                        ratios.setdefault((variant, concurrency), []).append(
-                            this_round[variant] / this_round[args.variants[0]])
+                        runs.setdefault((variant, side, concurrency), []).append(r)
+                        this_round[(variant, side)] = r["throughput"]
+                    for variant, side in rows:
+                        if variant != args.variants[0]:
+                            ratios.setdefault((variant, side, concurrency), []).append(
+                                this_round[(variant, side)] / this_round[(args.variants[0], side)])
         finally:
-            proc.terminate()
-            proc.wait(30)
+            for _, proc, _, _ in daemons.values():
+                proc.terminate()
+                proc.wait(30)
     print(f"{args.model}, batch 1, perf_analyzer, {args.rounds} rounds of {args.interval_ms} ms windows "
           f"(medians), {os.cpu_count()} CPUs\n")
     print(f"| concurrency | variant | infer/s | vs {label(args.variants[0])} (range) | p50 ms | p99 ms "
           "| daemon CPU us/infer | mean ms = in the daemon + transport |\n|---|---|---|---|---|---|---|---|")
     for concurrency in args.concurrency:
-        for variant in args.variants:
-            rs = runs[(variant, concurrency)]
-            ratio = ratios.get((variant, concurrency))
+        for variant, side in rows:
+            rs = runs[(variant, side, concurrency)]
+            ratio = ratios.get((variant, side, concurrency))
             ratio_text = f"{statistics.median(ratio):.2f}x ({min(ratio):.2f}-{max(ratio):.2f})" if ratio else ""
             mean, in_daemon = (statistics.median(r[k] for r in rs) for k in ("mean_ms", "in_daemon_ms"))
-            print(f"| {concurrency} | {label(variant)} | {statistics.median(r['throughput'] for r in rs):.0f} | "
+            print(f"| {concurrency} | {label(variant)}{side} | {statistics.median(r['throughput'] for r in rs):.0f} | "
                   f"{ratio_text} | {statistics.median(r['p50_ms'] for r in rs):.2f} | "
                   f"{statistics.median(r['p99_ms'] for r in rs):.2f} | "
                   f"{statistics.median(r['cpu_us'] for r in rs):.0f} | "
