@@ -7,6 +7,8 @@
 #     env       nvidia-smi, glibc, the onnxruntime build, a CUDA EP session that runs
 #     tests     the test files that need CUDA: graph replay against the plain path, CUDA shared
 #               memory across processes, device batches, the memory probes
+#     devbatch  tools/bench_device_batches.py on vision: ms per batch on the host and in device
+#               memory, with and without graphs, each size repeated and the sizes alternating
 #     selftest  tools/gpu_selftest.py --require-gpu on the kit's models (probes, parity, memory)
 #     bench     edge-batcher bench per model on the CUDA EP: the raw ceiling with and without CUDA
 #               graphs, and the daemon's in-process ratio to it
@@ -81,6 +83,10 @@ step_tests() {
     tests/memory/test_memory_cuda.py
 }
 
+step_devbatch() {
+  "$python" tools/bench_device_batches.py --models "$stash/engines-cuda" --model vision --runs 30
+}
+
 step_selftest() {
   "$python" tools/gpu_selftest.py --models "$stash/engines-cuda" --require-gpu
 }
@@ -126,7 +132,7 @@ case "${1:-}" in
   run)
     shift
     steps=("$@")
-    [ ${#steps[@]} -eq 0 ] && steps=(env tests selftest bench pa)
+    [ ${#steps[@]} -eq 0 ] && steps=(env tests devbatch selftest bench pa)
     mkdir -p "$out"
     install_kit 2>&1 | tee "$out/install.log" | tail -5
     [ -f "$stash/installed" ] || { echo "install failed: $out/install.log"; exit 1; }
