@@ -32,9 +32,9 @@ rm -rf "$dir/kit/ort/onnxruntime/transformers" "$dir/kit/ort/onnxruntime/quantiz
 
 # The project's dependencies, the grpc extra and what the GPU tests import (tritonclient's HTTP,
 # gRPC and CUDA shared memory clients, pytest-asyncio, hypothesis; py-spy for gpu_checks.sh's
-# profile step), resolved for the device's
-# Python, in one resolution (pytest and aiohttp too, so that the versions agree); numpy and onnx
-# are the image's own (large, and what its onnxruntime was built against): not carried.
+# profile step), resolved for the device's Python, in one resolution (pytest and aiohttp too, so
+# that the versions agree); numpy and onnx are the image's own (large, and what its onnxruntime
+# was built against): not carried.
 "$python" -m pip download --quiet "${target[@]}" -d "$dir/kit/wheels" \
   "paho-mqtt>=2.2,<3" "psutil>=5.9.8" "orjson>=3.13,<4" "aiohttp>=3.9.5" "hpack>=4.0,<5" "protobuf>=6.33.5" \
   "tritonclient[http,grpc]>=2.73" "pytest>=8.2" "pytest-asyncio>=0.24" "hypothesis>=6.168" "py-spy>=0.4" \
