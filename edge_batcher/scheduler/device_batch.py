@@ -78,7 +78,7 @@ def _on_host(parts: Sequence[Part], size: int) -> NDArray[Any]:
     return out
 
 
-def batch_shape(parts: Sequence[Part], size: int) -> tuple[tuple[int, ...], np.dtype]:
+def batch_shape(parts: Sequence[Part], size: int) -> tuple[tuple[int, ...], np.dtype[Any]]:
     """The shape and dtype of the batch `assemble` makes of `parts` (no sequence axis)."""
     return (size, *_row_shape(parts)), parts[0].dtype
 
