@@ -70,10 +70,13 @@ class Engine(Protocol):
     # The CUDA device whose memory infer() takes as input (a DeviceArray in place of an array, bound
     # with IOBinding): batches of inputs in CUDA shared memory are assembled there. None: host only.
     device_inputs: int | None = None
-    # Where a device batch of given shapes may be assembled: the engine's own buffers (the bound
-    # buffers a CUDA graph replays), written on its worker thread just before infer(), so the
-    # batch is copied once. None: into a buffer of the batch's own (device_batch.py).
-    device_batch_buffers: BuffersHook | None = None
+
+    @property
+    def device_batch_buffers(self) -> BuffersHook | None:
+        """Where a device batch of given shapes may be assembled: the engine's own buffers (the
+        bound buffers a CUDA graph replays), written on its worker thread just before infer(), so
+        the batch is copied once. None: into a buffer of the batch's own (device_batch.py)."""
+        return None
 
     @property
     def cuda_graphs(self) -> bool:

@@ -17,7 +17,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ConfigError, EngineError, OutOfMemory
 from ..types import TensorSpec
-from .base import DEVICE_PROVIDERS, DeviceArray, Engine, apply_overrides
+from .base import DEVICE_PROVIDERS, BuffersHook, DeviceArray, Engine, apply_overrides
 from .onnx_file import onnx_file_problem
 from .ort_graphs import BoundSession, graph_ids_missing, outside_graphs
 
@@ -102,6 +102,10 @@ class OnnxRuntimeEngine(Engine):
     def cuda_graphs(self) -> bool:
         return self.bound is not None
 
+    @property
+    def device_batch_buffers(self) -> BuffersHook | None:
+        return self.bound.buffers_for if self.bound is not None else None
+
     def load(self) -> None:
         import onnxruntime as ort  # lazily: importing it costs time and memory
 
@@ -142,7 +146,6 @@ class OnnxRuntimeEngine(Engine):
             self._open_session(ort, path, self._graphs_refused(f"ONNX Runtime cannot capture it: {exc}", exc))
         if graphs and self.providers[0] == "CUDAExecutionProvider":
             self.bound = BoundSession(self.session, "cuda", graphs=True)
-            self.device_batch_buffers = self.bound.buffers_for
         if self.providers[0] == "CUDAExecutionProvider":  # its device: the EP's device_id option (default 0)
             self.device_inputs = int(dict(self._chain)["CUDAExecutionProvider"].get("device_id", 0))
         self.inputs = apply_overrides(
@@ -254,7 +257,6 @@ class OnnxRuntimeEngine(Engine):
         log.warning("model %s: no CUDA graphs (%s); serving without them "
                     "([onnxruntime] cuda_graphs = \"off\" skips the attempt)", self.config.name, why)
         self.bound = None
-        self.device_batch_buffers = None
         self._chain = [(name, {k: v for k, v in opts.items() if k != "enable_cuda_graph"})
                        for name, opts in self._chain]
         return self._chain
@@ -262,7 +264,6 @@ class OnnxRuntimeEngine(Engine):
     def close(self) -> None:
         self.session = None
         self.bound = None
-        self.device_batch_buffers = None
 
 
 def _sequence_dim_is_dynamic(nodes, sequence) -> bool:
