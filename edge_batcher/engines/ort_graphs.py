@@ -107,8 +107,7 @@ class BoundSession:
     def buffers_for(self, shapes: dict[str, tuple[tuple[int, ...], np.dtype]]) -> dict[str, int] | None:
         """The device addresses of the bound input buffers of a batch of these shapes, or None
         for a shape not bound yet (Engine.device_batch_buffers)."""
-        bound = self.shapes.get(tuple((name, tuple(shape), np.dtype(dtype).str)
-                                      for name, (shape, dtype) in sorted(shapes.items())))
+        bound = self.shapes.get(_shape_key(shapes))
         if bound is None:
             return None
         return {name: value.data_ptr() for name, value in bound.input_values.items()}
@@ -128,4 +127,9 @@ class BoundSession:
 
 
 def _key(inputs: Mapping[str, np.ndarray | DeviceArray]) -> tuple:
-    return tuple((name, tuple(value.shape), np.dtype(value.dtype).str) for name, value in sorted(inputs.items()))
+    return _shape_key({name: (value.shape, value.dtype) for name, value in inputs.items()})
+
+
+def _shape_key(shapes: Mapping[str, tuple[tuple[int, ...], Any]]) -> tuple:
+    """A batch's shapes as BoundSession keys its BoundShapes: (name, shape, dtype) by name."""
+    return tuple((name, tuple(shape), np.dtype(dtype).str) for name, (shape, dtype) in sorted(shapes.items()))
