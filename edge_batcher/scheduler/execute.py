@@ -96,11 +96,12 @@ class BatchExecutor:
                   releases: list[device_batch.Release]) -> dict[str, Any]:
         inputs: dict[str, Any] = {}
         parts_of = {spec.name: [r.inputs[spec.name] for r in live] for spec in self.batch_inputs}
-        targets = self._engine_buffers(parts_of, plan.size, engine)
+        on_device = {name for name, parts in parts_of.items() if device_batch.has_device_part(parts)}
+        targets = self._engine_buffers(parts_of, plan.size, engine) if on_device else {}
         for spec in self.batch_inputs:
             parts = parts_of[spec.name]
             seq_axis = self.seq_axis(spec.name)
-            if device_batch.has_device_part(parts):
+            if spec.name in on_device:
                 inputs[spec.name], release = device_batch.assemble(
                     parts, plan.size, seq_axis, plan.bucket, self.pad_value, engine.accepts_any_length,
                     engine.device_inputs, targets.get(spec.name))
@@ -112,18 +113,17 @@ class BatchExecutor:
         return inputs
 
     def _engine_buffers(self, parts_of: dict[str, list[Any]], size: int, engine: Engine) -> dict[str, int]:
-        """The engine's own buffers for this batch's shapes, to assemble device batches in
-        (Engine.device_batch_buffers: a CUDA graph's inputs), or none. Only for batches with a
-        part in device memory and no sequence input (those are padded on the host)."""
-        if engine.device_batch_buffers is None or not any(map(device_batch.has_device_part, parts_of.values())):
-            return {}
-        if any(self.seq_axis(name) is not None for name in parts_of):
+        """The engine's own buffers for this batch's shapes, to assemble a batch with parts in
+        device memory in (Engine.device_batch_buffers: a CUDA graph's inputs), or none. None
+        for a batch with a sequence input (padded on the host)."""
+        buffers_for = engine.device_batch_buffers
+        if buffers_for is None or any(self.seq_axis(name) is not None for name in parts_of):
             return {}
         try:
             shapes = {name: device_batch.batch_shape(parts, size) for name, parts in parts_of.items()}
         except EngineError:
             return {}  # rows that disagree on their shape: assemble says so
-        return engine.device_batch_buffers(shapes) or {}
+        return buffers_for(shapes) or {}
 
 
 def _release(releases: list[device_batch.Release]) -> None:
