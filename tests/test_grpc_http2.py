@@ -114,6 +114,23 @@ def _frames(sock: socket.socket, seconds: float):
             buf = buf[9 + length:]
 
 
+def _call_headers(encoder, path: str = "/t/Echo") -> bytes:
+    """A raw client's request header block for a gRPC call to `path`."""
+    return encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "x"),
+                           ("content-type", "application/grpc"), ("te", "trailers")])
+
+
+def _answer(sock: socket.socket, stream: int, seconds: float = 10.0) -> bytes:
+    """What a raw client reads as `stream`'s answer: its DATA, up to its trailers."""
+    answer = b""
+    for kind, flags, at, payload in _frames(sock, seconds):
+        if kind == http2.DATA and at == stream:
+            answer += payload
+        elif kind == http2.HEADERS and at == stream and flags & http2.END_STREAM:
+            break
+    return answer
+
+
 def test_a_large_message_gets_its_whole_window_once_its_length_is_read(echo):
     # A 0.9 MB frame took a WINDOW_UPDATE round trip per 16 KiB frame (gRPC 0.69x HTTP's
     # throughput for camera frames): once the handler reads the message and its 5-byte prefix
@@ -121,8 +138,7 @@ def test_a_large_message_gets_its_whole_window_once_its_length_is_read(echo):
     hpack = pytest.importorskip("hpack")
     size = MiB
     message = b"\x00" + size.to_bytes(4, "big") + bytes(size)
-    headers = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", "/t/Echo"),
-                                      (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
+    headers = _call_headers(hpack.Encoder())
     chunk = http2.DEFAULT_FRAME
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(str(echo.path))
@@ -143,13 +159,7 @@ def test_a_large_message_gets_its_whole_window_once_its_length_is_read(echo):
                            for i, part in enumerate(rest)))
         s.sendall(http2.frame(http2.WINDOW_UPDATE, 0, 0, (2**31 - 1 - 65535).to_bytes(4, "big"))
                   + http2.frame(http2.SETTINGS, 0, 0, (0x4).to_bytes(2, "big") + (2**31 - 1).to_bytes(4, "big")))
-        answer = b""
-        for kind, flags, stream, payload in _frames(s, 10.0):
-            if kind == http2.DATA and stream == 1:
-                answer += payload
-            elif kind == http2.HEADERS and flags & http2.END_STREAM:
-                break  # the trailers
-        assert answer == message
+        assert _answer(s, 1) == message
 
 
 def test_concurrent_calls_on_one_connection_get_their_own_answers(echo):
@@ -311,9 +321,7 @@ def _echo_calls(n: int) -> tuple[bytes, bytes]:
                                                   + (2**31 - 1).to_bytes(4, "big"))
                       + http2.frame(http2.WINDOW_UPDATE, 0, 0, (2**31 - 1 - 65535).to_bytes(4, "big")))
     for stream in range(1, 2 * n, 2):
-        headers = encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", "/t/Echo"),
-                                  (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
-        calls += http2.frame(http2.HEADERS, http2.END_HEADERS, stream, headers)
+        calls += http2.frame(http2.HEADERS, http2.END_HEADERS, stream, _call_headers(encoder))
         calls += http2.frame(http2.DATA, http2.END_STREAM, stream, message)
     return bytes(calls), message
 
@@ -438,20 +446,14 @@ def test_a_padded_data_frame_gives_its_message_without_the_padding(echo):
     the PADDED flag's length byte and padding must still stay out of the message."""
     hpack = pytest.importorskip("hpack")
     message = b"\x00" + (5).to_bytes(4, "big") + b"hello"
-    headers = hpack.Encoder().encode([(":method", "POST"), (":scheme", "http"), (":path", "/t/Echo"),
-                                      (":authority", "x"), ("content-type", "application/grpc"), ("te", "trailers")])
+    headers = _call_headers(hpack.Encoder())
     padded = bytes([7]) + message + b"\xff" * 7
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(str(echo.path))
         s.sendall(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0)
                   + http2.frame(http2.HEADERS, http2.END_HEADERS, 1, headers)
                   + http2.frame(http2.DATA, http2.PADDED | http2.END_STREAM, 1, padded))
-        answer = b""
-        for kind, flags, stream, payload in _frames(s, 10.0):
-            if kind == http2.DATA and stream == 1:
-                answer += payload
-            elif kind == http2.HEADERS and flags & http2.END_STREAM:
-                break
+        answer = _answer(s, 1)
     assert answer == message
 
 
@@ -461,25 +463,15 @@ def test_bytes_after_a_calls_message_are_dropped_and_the_connection_serves_on(ec
     one) has those bytes dropped, and its connection serves its next call."""
     hpack = pytest.importorskip("hpack")
     encoder = hpack.Encoder()
-
-    def headers(path: str) -> bytes:
-        return encoder.encode([(":method", "POST"), (":scheme", "http"), (":path", path), (":authority", "x"),
-                               ("content-type", "application/grpc"), ("te", "trailers")])
-
     message = b"\x00" + (5).to_bytes(4, "big") + b"hello"
     with socket.socket(socket.AF_UNIX) as s:
         s.connect(str(echo.path))
         s.sendall(http2.PREFACE + http2.frame(http2.SETTINGS, 0, 0)
-                  + http2.frame(http2.HEADERS, http2.END_HEADERS, 1, headers("/t/Hold"))
+                  + http2.frame(http2.HEADERS, http2.END_HEADERS, 1, _call_headers(encoder, "/t/Hold"))
                   + http2.frame(http2.DATA, 0, 1, message))
         time.sleep(0.3)  # the handler has read its message and holds the call
         s.sendall(http2.frame(http2.DATA, 0, 1, b"trailing bytes")
-                  + http2.frame(http2.HEADERS, http2.END_HEADERS, 3, headers("/t/Echo"))
+                  + http2.frame(http2.HEADERS, http2.END_HEADERS, 3, _call_headers(encoder))
                   + http2.frame(http2.DATA, http2.END_STREAM, 3, message))
-        answer = b""
-        for kind, flags, stream, payload in _frames(s, 10.0):
-            if kind == http2.DATA and stream == 3:
-                answer += payload
-            elif kind == http2.HEADERS and stream == 3 and flags & http2.END_STREAM:
-                break
+        answer = _answer(s, 3)
     assert answer == message
