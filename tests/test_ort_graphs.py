@@ -16,7 +16,7 @@ import pytest
 
 from edge_batcher.config import load_model_config
 from edge_batcher.engines.base import DeviceArray
-from edge_batcher.engines.onnxruntime import OnnxRuntimeEngine
+from edge_batcher.engines.onnxruntime import OnnxRuntimeEngine, without_graphs
 from edge_batcher.engines.ort_graphs import BoundSession, graph_ids_missing
 from edge_batcher.errors import ConfigError
 
@@ -111,6 +111,17 @@ def test_cpu_sessions_never_use_graphs(model_repo):
     engine = OnnxRuntimeEngine(load_model_config(model_repo / "vibration"))
     engine.load()
     assert not engine.cuda_graphs
+
+
+def test_without_graphs_the_cuda_ep_plans_convolutions_heuristically_unless_told():
+    chain = [("CUDAExecutionProvider", {"device_id": "0", "enable_cuda_graph": "1"}), ("CPUExecutionProvider", {})]
+    assert without_graphs(chain) == [
+        ("CUDAExecutionProvider", {"device_id": "0", "cudnn_conv_algo_search": "HEURISTIC"}),
+        ("CPUExecutionProvider", {}),
+    ]
+    told = [("CUDAExecutionProvider", {"cudnn_conv_algo_search": "EXHAUSTIVE"})]
+    assert without_graphs(told) == told
+    assert chain[0][1]["enable_cuda_graph"] == "1"  # the chain given is left as it was
 
 
 def _cuda_available() -> bool:
@@ -212,6 +223,10 @@ def test_a_batch_in_device_memory_replays_its_shapes_graph(model_repo, tmp_path)
 def test_graphs_off_is_the_plain_cuda_session(model_repo, tmp_path):
     engine = _cuda_engine(model_repo, tmp_path, "off")
     assert not engine.cuda_graphs
+    options = engine.session.get_provider_options()["CUDAExecutionProvider"]
+    assert options["cudnn_conv_algo_search"] == "HEURISTIC" and options["enable_cuda_graph"] == "0"
+    with_graphs = _cuda_engine(model_repo, tmp_path, "on").session.get_provider_options()["CUDAExecutionProvider"]
+    assert with_graphs["cudnn_conv_algo_search"] == "EXHAUSTIVE" and with_graphs["enable_cuda_graph"] == "1"
     out = engine.infer({engine.inputs[0].name: np.zeros((2, 256), np.float32)})
     assert all(v.shape[0] == 2 for v in out.values())
 
@@ -273,6 +288,7 @@ def test_a_model_graphs_refuse_at_session_creation_is_served_without_them(tmp_pa
     with caplog.at_level("WARNING"):
         engine.load()
     assert not engine.cuda_graphs and "no CUDA graphs" in caplog.text and "graph capture" in caplog.text
+    assert engine.session.get_provider_options()["CUDAExecutionProvider"]["cudnn_conv_algo_search"] == "HEURISTIC"
     x = np.array([[[2, 1], [1, 3]], [[1, 2], [3, 4]]], np.float32)  # determinants 5 and 0 (Relu of -2)
     np.testing.assert_allclose(engine.infer({"x": x})["y"], [5.0, 0.0], rtol=1e-5)
     with pytest.raises(ConfigError, match='cuda_graphs = "on" but ONNX Runtime cannot capture it'):

@@ -4,7 +4,8 @@
 ONNX Runtime's CUDA `Conv` keeps its plan for the last input shape only, so outside a CUDA graph a
 change of batch size plans every convolution again (docs/benchmarks.md, "CUDA shared memory
 through perf_analyzer"). This loads one model of a repository (its model.toml, put on the CUDA
-EP first) with `cuda_graphs` "auto" and "off", and times `engine.infer` at sizes 2, 4 and 8, each
+EP first) with `cuda_graphs` "auto", "off" (cuDNN's heuristic search, the daemon's default
+without graphs) and "off" with ONNX Runtime's exhaustive search, and times `engine.infer` at sizes 2, 4 and 8, each
 size repeated and the sizes alternating (8, 2, 4, 8, ...), with the batch on the host and, with
 a CUDA binding and device, in device memory: in a buffer of its own (copied into the graph's
 input, or bound with IOBinding without graphs) and in place in the graph's input buffer, as
@@ -37,11 +38,13 @@ from edge_batcher.shared_memory.cuda_regions import CudaDevices  # noqa: E402
 from edge_batcher.types import DATATYPE_TO_NUMPY  # noqa: E402
 
 SIZES = (2, 4, 8)
+# cuda_graphs, and CUDA EP options over the daemon's defaults
+CONFIGURATIONS = [("auto", {}), ("off", {}), ("off", {"cudnn_conv_algo_search": "EXHAUSTIVE"})]
 
 
-def engine_for(model_dir: Path, graphs: str) -> OnnxRuntimeEngine:
+def engine_for(model_dir: Path, graphs: str, cuda_options: dict[str, str]) -> OnnxRuntimeEngine:
     config = load_model_config(model_dir)
-    providers = [ExecutionProvider("CUDAExecutionProvider"),
+    providers = [ExecutionProvider("CUDAExecutionProvider", cuda_options),
                  *(ep for ep in config.onnxruntime.execution_providers if ep.name != "CUDAExecutionProvider")]
     onnxruntime = dataclasses.replace(config.onnxruntime, execution_providers=providers, cuda_graphs=graphs)
     engine = OnnxRuntimeEngine(dataclasses.replace(config, onnxruntime=onnxruntime))
@@ -137,12 +140,13 @@ def main() -> int:
     header = " | ".join(f"size {size}, {how}" for size in SIZES for how in ("repeated", "alternating"))
     print(f"| cuda_graphs | first provider | batch | {header} |\n|---|---|---|" + "---|" * 2 * len(SIZES))
     buffers: list = []
-    for graphs in ("auto", "off"):
-        engine = engine_for(args.models / args.model, graphs)
+    for graphs, cuda_options in CONFIGURATIONS:
+        engine = engine_for(args.models / args.model, graphs, cuda_options)
         for way, run in ways_to_run(engine, batches(engine), devices, buffers).items():
             rep, alt = medians_ms(run, repeated), medians_ms(run, alternating)
             cells = " | ".join(f"{rep[size]:.3f} | {alt[size]:.3f}" for size in SIZES)
             used = "with graphs" if engine.cuda_graphs else "without"
+            used += "".join(f", {value.lower()} search" for value in cuda_options.values())
             print(f"| {graphs} ({used}) | {engine.providers[0]} | {way} | {cells} |")
         engine.close()
     if devices is not None:

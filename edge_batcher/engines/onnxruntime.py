@@ -74,6 +74,23 @@ def provider_options(provider: str, options: dict, device_memory_limit: int | No
     return result
 
 
+def without_graphs(chain: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """The provider chain for a session that runs without CUDA graphs. The CUDA EP then searches
+    cuDNN's convolution algorithms heuristically unless model.toml says otherwise: its `Conv`
+    keeps the plan of the last input shape only, so every change of batch size plans again, and
+    ONNX Runtime's default exhaustive search times every algorithm each time (vision on an H200,
+    sizes alternating 8, 2, 4: 22.3 ms a batch exhaustive, 3.6 ms heuristic, against 1.05 and
+    1.11 ms with one size repeated; docs/benchmarks.md, "Batch sizes that alternate"). Inside
+    a graph the plan is made once per shape at warm-up, so the exhaustive search stays there."""
+    result = []
+    for name, options in chain:
+        options = {k: v for k, v in options.items() if k != "enable_cuda_graph"}
+        if name == "CUDAExecutionProvider":
+            options.setdefault("cudnn_conv_algo_search", "HEURISTIC")
+        result.append((name, options))
+    return result
+
+
 def uses_memory_pattern(providers: list[str]) -> bool:
     """Whether a session on these providers keeps ONNX Runtime's memory pattern (on by default).
     Off with the CUDA EP: the pattern, planned on a shape's first run, is allocated as one more
@@ -132,7 +149,7 @@ class OnnxRuntimeEngine(Engine):
         graphs = settings.cuda_graphs != "off" and chain[0][0] == "CUDAExecutionProvider"
         if graphs:
             chain[0] = (chain[0][0], {**chain[0][1], "enable_cuda_graph": "1"})
-        self._chain = chain
+        self._chain = chain if graphs else without_graphs(chain)
         too_old = graph_ids_missing(ort.__version__) if graphs else None
         if too_old:
             graphs = False
@@ -257,8 +274,7 @@ class OnnxRuntimeEngine(Engine):
         log.warning("model %s: no CUDA graphs (%s); serving without them "
                     "([onnxruntime] cuda_graphs = \"off\" skips the attempt)", self.config.name, why)
         self.bound = None
-        self._chain = [(name, {k: v for k, v in opts.items() if k != "enable_cuda_graph"})
-                       for name, opts in self._chain]
+        self._chain = without_graphs(self._chain)
         return self._chain
 
     def close(self) -> None:
