@@ -14,8 +14,8 @@
 #               graphs, and the daemon's in-process ratio to it
 #     pa        perf_analyzer against vision on the CUDA EP: HTTP and gRPC, each with binary
 #               tensors, system shared memory and CUDA shared memory, concurrency 4 and 16
-#     profile   where the daemon's threads are under perf_analyzer (VARIANTS, default
-#               http+cudashm): three `py-spy dump --native` and a 5 s native record, in $OUT
+#     profile   where the daemon's threads are under perf_analyzer, per variant of VARIANTS
+#               (default http+cudashm): a `py-spy dump --native` and a 6 s record per thread
 #   (no STEP: all but profile, in that order). Each step's output is kept in $OUT/STEP.log and its
 #   last lines printed; a failing step does not stop the next; the exit status is 1 if any failed.
 # Nothing is installed system-wide: the kit goes into a venv under $STASH that sees the image's
@@ -107,22 +107,34 @@ step_pa() {
 }
 
 step_profile() {
-  local spy daemon
+  local spy status=0 variant
   spy=$(dirname "$python")/py-spy
   [ -x "$spy" ] || spy=$("$python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/bin/py-spy
-  # shellcheck disable=SC2086  # VARIANTS is a list
+  for variant in ${VARIANTS:-http+cudashm}; do
+    profile_variant "$spy" "$variant" || status=1
+  done
+  return $status
+}
+
+# One variant under perf_analyzer (concurrency 16): a `py-spy dump --native` of the daemon and a
+# 6 s record of its Python stacks per thread, in $OUT/profile-VARIANT-* ('+' spelt '-').
+profile_variant() {
+  local spy=$1 variant=$2 tag daemon bench
+  tag=profile-${variant//+/-}
   "$python" tools/bench_perf_analyzer.py --perf-analyzer "$stash/pa/perf_analyzer/bin/perf_analyzer" \
     --repo "$stash/engines-cuda" --model vision --concurrency 16 --rounds 4 --interval-ms 1000 \
-    --variants ${VARIANTS:-http+cudashm} > "$out/profile-pa.log" 2>&1 &
-  local bench=$!
+    --variants "$variant" > "$out/$tag-pa.log" 2>&1 &
+  bench=$!
+  daemon=
   for _ in $(seq 1 60); do daemon=$(pgrep -f "edge_batcher.cli serve" | head -1); [ -n "$daemon" ] && break; sleep 0.5; done
   [ -n "$daemon" ] || { echo "no daemon started"; wait $bench; return 1; }
   sleep 7  # past the daemon's warm-up, into perf_analyzer's windows
-  for k in 1 2 3; do "$spy" dump --native --pid "$daemon" > "$out/profile-dump$k.txt" 2>&1; sleep 0.3; done
-  "$spy" record --native --rate 50 -d 5 --format raw -o "$out/profile-record.txt" --pid "$daemon"
+  "$spy" dump --native --pid "$daemon" > "$out/$tag-dump.txt" 2>&1
+  "$spy" record --threads --rate 200 -d 6 --format raw -o "$out/$tag-record.txt" --pid "$daemon"
   wait $bench
-  tail -4 "$out/profile-pa.log"
-  grep -h -A12 'engine-' "$out"/profile-dump*.txt | head -45
+  echo "== $variant"
+  tail -3 "$out/$tag-pa.log"
+  "$python" tools/profile_threads.py "$out/$tag-record.txt" | head -60
 }
 
 case "${1:-}" in
