@@ -114,6 +114,7 @@ class GrpcEdge:
             if name not in OPEN_METHODS:
                 self._authorize(call)
             raw = await self._receive(call)
+            call.message_size = len(raw)
             with self.limits.budget.holding(len(raw), f"this message's {len(raw)} bytes"):
                 request = await _parse(raw, request_type)
                 del raw

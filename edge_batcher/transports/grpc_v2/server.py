@@ -253,8 +253,11 @@ class GrpcServer:
         servable.refuse_if_full()
         # the regions it uses stay mapped until it ends
         with Lease(self.shared_memory, self.cuda_shared_memory) as regions:
-            # Input-sized work (raw_input_contents are copied out of the message) off the loop.
-            decoded = await off_loop_if_large(request.ByteSize(), decode_infer_request, request, regions.read_input)
+            # Input-sized work (raw_input_contents are copied out of the message) off the loop. Sized
+            # by the bytes received: protobuf's ByteSize() serializes the whole message to count
+            # them (upb), 9% of the loop's samples with camera frames on an H200.
+            decoded = await off_loop_if_large(context.message_size, decode_infer_request, request,
+                                              regions.read_input)
             targets = regions.output_targets(decoded.outputs)
             infer_request = to_infer_request(model, decoded, servable.config.batching.priority_levels)
             remaining = context.time_remaining()
