@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +83,11 @@ class InferRequest:
     timeout_s: float | None = None  # None: the model's default timeout
     outputs: list[str] | None = None  # None: every output
     parameters: dict[str, Any] = field(default_factory=dict)
+    # Called on the engine's worker thread with this request's outputs once its batch has run,
+    # before the answer goes to the event loop: writes outputs into device memory where the
+    # device's work already happens (shared_memory/lease.py: DeviceOutputs). An error it raises
+    # answers this request alone. Not called when a peer runs the request.
+    finish_outputs: Callable[[dict[str, np.ndarray]], None] | None = None
 
 
 @dataclass

@@ -186,6 +186,56 @@ def test_requests_in_regions_are_batched_at_the_preferred_sizes_one_copy_each(se
     assert copies == {"memcpy_dtoh": size, "memcpy_htod": size, "memcpy_dtod": 0}
 
 
+def test_outputs_go_into_cuda_regions_on_the_engines_thread_each_answered_alone(served, monkeypatch):
+    """The host-to-device copy of an output into a CUDA region happens on the engine's worker
+    thread once the batch has run, over HTTP and gRPC (no hop to a pool thread per request); an
+    output larger than its region fails that request alone, with the 400 it had before, while
+    the other request of the same batch gets its answer."""
+    threads: list[str] = []
+    copy = served.gpu.memcpy_htod
+
+    def recording(dest, src):
+        threads.append(threading.current_thread().name)
+        return copy(dest, src)
+
+    monkeypatch.setattr(served.gpu, "memcpy_htod", recording)
+    x, y = frame(41), frame(42)
+    http_client = th.InferenceServerClient(served.http)
+    plain = plain_brightness(http_client, x)
+    src, dst = exported(served, x), exported(served, nbytes=4)
+    other_src, small = exported(served, y), exported(served, nbytes=4)
+    http_client.register_cuda_shared_memory("in", src.b64, 0, x.nbytes)
+    http_client.register_cuda_shared_memory("out", dst.b64, 0, 4)
+    http_client.register_cuda_shared_memory("in2", other_src.b64, 0, y.nbytes)
+    http_client.register_cuda_shared_memory("small", small.b64, 0, 4)
+
+    def too_large() -> InferenceServerException:
+        frames = th.InferInput("frames", list(y.shape), "UINT8")
+        frames.set_shared_memory("in2", y.nbytes)
+        out = th.InferRequestedOutput("channel_mean")  # 12 bytes
+        out.set_shared_memory("small", 4)
+        with pytest.raises(InferenceServerException) as exc:
+            th.InferenceServerClient(served.http).infer("frames", [frames], outputs=[out])
+        return exc.value
+
+    before = _batch_counts(http_client)
+    with ThreadPoolExecutor(2) as pool:  # the model's 400 ms queue delay puts both in one batch
+        answered = pool.submit(brightness_via_regions, th, th.InferenceServerClient(served.http), "frames", x,
+                               "in", "out")
+        refused = pool.submit(too_large)
+        answered.result(timeout=30)
+        error = refused.result(timeout=30)
+    assert error.status() == "400" and "is 12 bytes, more than its shared_memory_byte_size 4" in error.message()
+    after = _batch_counts(http_client)
+    assert after.get(2, 0) - before.get(2, 0) == 1  # one batch of both
+    np.testing.assert_array_equal(dst.get(np.float32, (1,)), plain)
+
+    dst.put(np.zeros(1, np.float32))
+    brightness_via_regions(tg, tg.InferenceServerClient(served.grpc), "frames", x, "in", "out", headers=AUTH)
+    np.testing.assert_array_equal(dst.get(np.float32, (1,)), plain)
+    assert threads and all(name.startswith("engine-frames") for name in threads), threads
+
+
 def _batch_counts(client) -> dict[int, int]:
     stats = client.get_inference_statistics("frames")["model_stats"][0]
     return {b["batch_size"]: b["compute_infer"]["count"] for b in stats["batch_stats"]}

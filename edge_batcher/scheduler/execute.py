@@ -13,16 +13,16 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 from ..engines.base import Engine
-from ..errors import EngineError, InvalidInput
+from ..errors import EdgeBatcherError, EngineError, InvalidInput
 from ..types import TensorSpec
 from . import batch as batching
 from . import device_batch, policy
 from .queues import Pending
 from .validate import RequestValidator
 
-# Per request, in batch order: its outputs, None (it expired before the run), or why its inputs
-# were refused (NaN or Infinity; its rows became padding).
-Answers = list[dict[str, Any] | InvalidInput | None]
+# Per request, in batch order: its outputs, None (it expired before the run), or its error: why
+# its inputs were refused (NaN or Infinity; its rows became padding) or its outputs not written.
+Answers = list[dict[str, Any] | EdgeBatcherError | None]
 Outcome = tuple[Answers, float, float]  # answers per request, seconds, engine seconds
 
 
@@ -90,6 +90,9 @@ class BatchExecutor:
             ran = {id(r) for r in live}
             cut = batching.split_rows(outputs, [r.rows if id(r) in ran else None for r in requests])
             answers = [mine if id(r) in ran else answer for r, mine, answer in zip(requests, cut, answers)]
+            for i, (r, answer) in enumerate(zip(requests, answers)):
+                if r.request.finish_outputs is not None and isinstance(answer, dict):
+                    answers[i] = _finish(r.request.finish_outputs, answer, self.model)
         return answers, time.perf_counter() - t0, engine_seconds
 
     def _assemble(self, live: list[Pending], plan: policy.BatchPlan, engine: Engine,
@@ -124,6 +127,18 @@ class BatchExecutor:
         except EngineError:
             return {}  # rows that disagree on their shape: assemble says so
         return buffers_for(shapes) or {}
+
+
+def _finish(finish: Callable[[dict[str, Any]], None], outputs: dict[str, Any], model: str
+            ) -> dict[str, Any] | EdgeBatcherError:
+    """A request's outputs after its finish_outputs hook, or the error that answers it alone."""
+    try:
+        finish(outputs)
+    except EdgeBatcherError as exc:
+        return exc
+    except Exception as exc:  # a device library's own error: this request's, not the batch's
+        return EngineError(f"model {model!r}: writing this request's outputs failed: {exc}")
+    return outputs
 
 
 def _release(releases: list[device_batch.Release]) -> None:

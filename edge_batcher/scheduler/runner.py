@@ -463,7 +463,7 @@ class ModelRunner:
                 self._fail(req, DeadlineExceeded(
                     f"deadline passed while the batch waited for engine instance {batch.instance} of model {name!r}"))
                 continue
-            if isinstance(outputs, InvalidInput):  # NaN or Infinity, found by the worker
+            if isinstance(outputs, EdgeBatcherError):  # NaN or Infinity, or its outputs not written
                 self._fail(req, outputs)
                 continue
             request = req.request

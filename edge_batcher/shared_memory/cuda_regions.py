@@ -170,12 +170,13 @@ class CudaRegionRegistry(NamedRegions[CudaRegion]):
         self._closer.shutdown(wait=True)
         self.devices.close()
 
-    def track(self, region: CudaRegion, tensor: DeviceTensor) -> None:
-        """Keep `region` open while `tensor` lives: the request's lease may end (its client gone)
-        while its batch still reads the region on a worker thread."""
+    def track(self, region: CudaRegion, user: DeviceTensor | object) -> None:
+        """Keep `region` open while `user` lives (an input's DeviceTensor, an output's writer,
+        lease.DeviceOutputs): the request's lease may end (its client gone) while its batch
+        still reads or writes the region on a worker thread."""
         with self._lock:
             region.tensors += 1
-        finalizer = weakref.finalize(tensor, self._untrack, region)
+        finalizer = weakref.finalize(user, self._untrack, region)
         finalizer.atexit = False  # at interpreter exit the process's mappings go with it: no CUDA then
 
     def _untrack(self, region: CudaRegion) -> None:

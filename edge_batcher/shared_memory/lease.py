@@ -1,7 +1,8 @@
 """One request's use of shared memory regions, system or CUDA: inputs read as views of a system
 region's mapping (no copy: the batch assembly's concatenation is the one copy, or none for a batch
 of one) or as DeviceTensors naming a CUDA region's device memory (copied once, on the engine's
-worker thread: scheduler/device_batch.py), requested outputs written into the regions they name.
+worker thread: scheduler/device_batch.py), requested outputs written into the regions they name
+(into a CUDA region on the engine's worker thread too, when the batch has run: DeviceOutputs).
 Every region the request touches is held until the lease ends, so an unregister meanwhile cannot
 unmap memory a batch still reads.
 
@@ -49,6 +50,25 @@ class Target:
     byte_size: int
 
 
+class DeviceOutputs:
+    """A request's outputs that go into CUDA regions, written on the engine's worker thread once
+    its batch has run (InferRequest.finish_outputs): the thread that already works on the device,
+    so a request costs no hop to the loop's thread pool and back, and its copy does not contend
+    there with the copies of other requests (on an H200 under perf_analyzer the pool's copies
+    were half of its threads' samples). The regions stay open while it lives, as an input's do."""
+
+    def __init__(self, targets: dict[str, Target], cuda: CudaRegionRegistry):
+        self.targets = targets
+        self.cuda = cuda
+        self.entries: list[dict[str, Any]] = []  # the response's entries of those written
+        for target in targets.values():
+            cuda.track(cast(CudaRegion, target.region), self)
+
+    def __call__(self, outputs: dict[str, np.ndarray]) -> None:
+        chosen = {name: array for name, array in outputs.items() if name in self.targets}
+        self.entries = _write(chosen, self.targets, self.cuda)
+
+
 class Lease:
     """Use as `with Lease(registry, cuda_registry) as lease:` around decoding, inference and the response."""
 
@@ -56,6 +76,7 @@ class Lease:
         self._registry = registry
         self._cuda = cuda
         self._held: list[Region | CudaRegion] = []
+        self._device_outputs: DeviceOutputs | None = None
 
     def __enter__(self) -> Lease:
         return self
@@ -119,20 +140,36 @@ class Lease:
                 targets[out.name] = Target(region, offset, size)
         return targets
 
+    def device_outputs(self, targets: dict[str, Target]) -> DeviceOutputs | None:
+        """The writer of the outputs that go into CUDA regions, for the request's finish_outputs,
+        or None when none does; write_outputs then leaves alone what it wrote."""
+        on_device = {name: t for name, t in targets.items() if isinstance(t.region, CudaRegion)}
+        if not on_device:
+            return None
+        assert self._cuda is not None  # a CUDA region was acquired from it
+        self._device_outputs = DeviceOutputs(on_device, self._cuda)
+        return self._device_outputs
+
     async def write_outputs(self, outputs: dict[str, np.ndarray], targets: dict[str, Target]
                             ) -> tuple[dict[str, np.ndarray], list[dict[str, Any]]]:
-        """Write the outputs that have a target into it; returns the outputs left to send and the
-        response entries (name, datatype, shape, no data) of those written. Into a CUDA region the
-        write is a host-to-device copy, always on a thread (CUDA never runs on the event loop)."""
+        """Write the outputs that have a target into it, except those the engine's thread wrote
+        (device_outputs); returns the outputs left to send and the response entries (name,
+        datatype, shape, no data) of those written. Into a CUDA region the write is a
+        host-to-device copy, here on a thread (CUDA never runs on the event loop): when a peer
+        ran the request."""
         if not targets:
             return outputs, []
-        chosen = {name: array for name, array in outputs.items() if name in targets}
+        written = self._device_outputs.entries if self._device_outputs is not None else []
+        done = {entry["name"] for entry in written}
+        chosen = {name: array for name, array in outputs.items() if name in targets and name not in done}
         to_device = any(isinstance(targets[name].region, CudaRegion) for name in chosen)
-        if to_device or sum(a.nbytes for a in chosen.values()) > WRITE_OFF_LOOP_BYTES:
+        if not chosen:
+            entries = []
+        elif to_device or sum(a.nbytes for a in chosen.values()) > WRITE_OFF_LOOP_BYTES:
             entries = await asyncio.get_running_loop().run_in_executor(None, _write, chosen, targets, self._cuda)
         else:
             entries = _write(chosen, targets, self._cuda)
-        return {n: a for n, a in outputs.items() if n not in targets}, entries
+        return {n: a for n, a in outputs.items() if n not in targets}, written + entries
 
 
 def _count(value: Any, what: str, where: str) -> int:

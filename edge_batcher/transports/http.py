@@ -219,6 +219,7 @@ async def infer(request: web.Request) -> web.Response:
             decoded = await decode_request(body, header_length, regions.read_input)
             targets = regions.output_targets(decoded.outputs)
             infer_request = to_infer_request(model, decoded, servable.config.batching.priority_levels)
+            infer_request.finish_outputs = regions.device_outputs(targets)
             response = await runtime.infer(infer_request)
             outputs, in_regions = await regions.write_outputs(response.outputs, targets)
     binary = v2.binary_outputs_for(decoded, list(outputs))

@@ -260,6 +260,7 @@ class GrpcServer:
                                               regions.read_input)
             targets = regions.output_targets(decoded.outputs)
             infer_request = to_infer_request(model, decoded, servable.config.batching.priority_levels)
+            infer_request.finish_outputs = regions.device_outputs(targets)
             remaining = context.time_remaining()
             if infer_request.timeout_s is None and remaining is not None:
                 infer_request.timeout_s = max(remaining, 0.0)  # the call's gRPC deadline, when no parameter set one
