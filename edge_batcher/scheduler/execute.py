@@ -135,7 +135,9 @@ def _finish(finish: Callable[[dict[str, Any]], None], outputs: dict[str, Any], m
     try:
         finish(outputs)
     except EdgeBatcherError as exc:
-        return exc
+        # without its traceback, whose frames would keep the hook (and the regions it holds
+        # open) alive until the cyclic collector runs
+        return exc.with_traceback(None)
     except Exception as exc:  # a device library's own error: this request's, not the batch's
         return EngineError(f"model {model!r}: writing this request's outputs failed: {exc}")
     return outputs
