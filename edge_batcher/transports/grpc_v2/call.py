@@ -84,7 +84,6 @@ class Call:
         self.reading = False  # the handler asked for the message: its window is open
         self.wanted: int | None = None  # body bytes that complete the message, once its prefix is read
         self.taken = False  # its message went to the handler as a view of body: no byte may follow
-        self.message_size = 0  # its message's bytes on the wire, once received
         self.recv_window = conn.stream_window
         self.send_window = conn.peer_initial_window
         self._arrived: asyncio.Future | None = None  # wakes read_message
