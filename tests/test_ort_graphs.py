@@ -121,6 +121,8 @@ def test_without_graphs_the_cuda_ep_plans_convolutions_heuristically_unless_told
     ]
     told = [("CUDAExecutionProvider", {"cudnn_conv_algo_search": "EXHAUSTIVE"})]
     assert without_graphs(told) == told
+    # one batch shape only: never planned again, so ONNX Runtime's exhaustive default stays
+    assert without_graphs(chain, one_shape=True)[0] == ("CUDAExecutionProvider", {"device_id": "0"})
     assert chain[0][1]["enable_cuda_graph"] == "1"  # the chain given is left as it was
 
 

@@ -74,18 +74,19 @@ def provider_options(provider: str, options: dict, device_memory_limit: int | No
     return result
 
 
-def without_graphs(chain: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+def without_graphs(chain: list[tuple[str, dict]], one_shape: bool = False) -> list[tuple[str, dict]]:
     """The provider chain for a session that runs without CUDA graphs. The CUDA EP then searches
-    cuDNN's convolution algorithms heuristically unless model.toml says otherwise: its `Conv`
-    keeps the plan of the last input shape only, so every change of batch size plans again, and
-    ONNX Runtime's default exhaustive search times every algorithm each time (vision on an H200,
-    sizes alternating 8, 2, 4: 22.3 ms a batch exhaustive, 3.6 ms heuristic, against 1.05 and
-    1.11 ms with one size repeated; docs/benchmarks.md, "Batch sizes that alternate"). Inside
-    a graph the plan is made once per shape at warm-up, so the exhaustive search stays there."""
+    cuDNN's convolution algorithms heuristically unless model.toml says otherwise, or the model
+    only ever runs `one_shape`: its `Conv` keeps the plan of the last input shape only, so every
+    change of batch size plans again, and ONNX Runtime's default exhaustive search times every
+    algorithm each time (vision on an H200, sizes alternating: 21-34 ms a batch exhaustive,
+    3.9-5.7 heuristic; one size repeated: 0.30-1.24 and 0.74-1.56 ms, so the heuristic wins once
+    more than ~1% of batches change size; docs/benchmarks.md, "Batch sizes that alternate").
+    Inside a graph the plan is made once per shape at warm-up: the exhaustive search stays."""
     result = []
     for name, options in chain:
         options = {k: v for k, v in options.items() if k != "enable_cuda_graph"}
-        if name == "CUDAExecutionProvider":
+        if name == "CUDAExecutionProvider" and not one_shape:
             options.setdefault("cudnn_conv_algo_search", "HEURISTIC")
         result.append((name, options))
     return result
@@ -123,6 +124,11 @@ class OnnxRuntimeEngine(Engine):
     def device_batch_buffers(self) -> BuffersHook | None:
         return self.bound.buffers_for if self.bound is not None else None
 
+    @property
+    def _one_shape(self) -> bool:
+        """Whether every batch has the same shape: one preferred size, no sequence buckets."""
+        return len(self.config.batching.preferred_batch_sizes) == 1 and self.config.sequence is None
+
     def load(self) -> None:
         import onnxruntime as ort  # lazily: importing it costs time and memory
 
@@ -149,7 +155,7 @@ class OnnxRuntimeEngine(Engine):
         graphs = settings.cuda_graphs != "off" and chain[0][0] == "CUDAExecutionProvider"
         if graphs:
             chain[0] = (chain[0][0], {**chain[0][1], "enable_cuda_graph": "1"})
-        self._chain = chain if graphs else without_graphs(chain)
+        self._chain = chain if graphs else without_graphs(chain, self._one_shape)
         too_old = graph_ids_missing(ort.__version__) if graphs else None
         if too_old:
             graphs = False
@@ -274,7 +280,7 @@ class OnnxRuntimeEngine(Engine):
         log.warning("model %s: no CUDA graphs (%s); serving without them "
                     "([onnxruntime] cuda_graphs = \"off\" skips the attempt)", self.config.name, why)
         self.bound = None
-        self._chain = without_graphs(self._chain)
+        self._chain = without_graphs(self._chain, self._one_shape)
         return self._chain
 
     def close(self) -> None:
