@@ -237,10 +237,11 @@ class OnnxRuntimeEngine(Engine):
         others from the host; outputs come back to the host, where the batch is cut per request.
         Only without CUDA graphs, or for a shape warm-up did not bind: with graphs a device batch
         is assembled in (or copied into) its shape's buffers and replays the graph (BoundShape.run,
-        Engine.device_batch_buffers). Outside a graph
-        every change of batch size makes ONNX Runtime's CUDA Conv plan again (cuDNN heuristics):
-        26-35 ms a request on the vision model under perf_analyzer on an H200, against 0.3 ms
-        a batch in a graph (docs/benchmarks.md, "CUDA shared memory through perf_analyzer")."""
+        Engine.device_batch_buffers). Outside a graph every change of batch size makes ONNX
+        Runtime's CUDA Conv plan again: 21 ms a batch on the vision model on an H200 with the
+        exhaustive search, 3.9 ms with the heuristic one sessions without graphs now default to
+        (without_graphs), against 0.2 ms a batch in a graph (docs/benchmarks.md, "Batch sizes
+        that alternate")."""
         binding = self.session.io_binding()
         for name, value in inputs.items():
             if isinstance(value, DeviceArray):
