@@ -382,6 +382,32 @@ def test_a_region_unregistered_while_a_request_uses_it(served):
     assert served.gpu.open_ipc_mappings() == 0  # closed once the request ended
 
 
+def test_an_output_region_unregistered_while_its_request_waits_is_written_then_closed(served):
+    """The engine's thread writes the output after the batch (lease.DeviceOutputs): a region
+    unregistered meanwhile stays open for it, gets the answer, and closes once the request ends."""
+    client = th.InferenceServerClient(served.http)
+    x = frame(6)
+    src, dst = exported(served, x), exported(served, nbytes=4)
+    client.register_cuda_shared_memory("in", src.b64, 0, x.nbytes)
+    client.register_cuda_shared_memory("out-busy", dst.b64, 0, 4)
+    done = threading.Event()
+    thread = threading.Thread(target=lambda: (brightness_via_regions(
+        th, th.InferenceServerClient(served.http), "frames_slow", x, "in", "out-busy"), done.set()))
+    thread.start()
+    time.sleep(0.5)  # the request waits 1.5 s in the queue for company
+    client.unregister_cuda_shared_memory("out-busy")  # answered at once
+    assert [r["name"] for r in client.get_cuda_shared_memory_status()] == ["in"]
+    assert served.gpu.open_ipc_mappings() == 2  # the output's still open for the request
+    thread.join(10)
+    assert done.is_set()
+    np.testing.assert_allclose(dst.get(np.float32, (1,)), expected_brightness(x), rtol=1e-4)
+    client.unregister_cuda_shared_memory("in")
+    deadline = time.monotonic() + 5
+    while served.gpu.open_ipc_mappings() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert served.gpu.open_ipc_mappings() == 0
+
+
 def test_one_namespace_with_system_shared_memory(served):
     client = th.InferenceServerClient(served.http)
     client.register_cuda_shared_memory("shared-name", exported(served, nbytes=8).b64, 0, 8)
