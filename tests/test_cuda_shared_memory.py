@@ -215,18 +215,18 @@ def test_outputs_go_into_cuda_regions_on_the_engines_thread_each_answered_alone(
         out = th.InferRequestedOutput("channel_mean")  # 12 bytes
         out.set_shared_memory("small", 4)
         with pytest.raises(InferenceServerException) as exc:
-            th.InferenceServerClient(served.http).infer("frames", [frames], outputs=[out])
+            th.InferenceServerClient(served.http).infer("frames_slow", [frames], outputs=[out])
         return exc.value
 
-    before = _batch_counts(http_client)
-    with ThreadPoolExecutor(2) as pool:  # the model's 400 ms queue delay puts both in one batch
-        answered = pool.submit(brightness_via_regions, th, th.InferenceServerClient(served.http), "frames", x,
-                               "in", "out")
+    before = _batch_counts(http_client, "frames_slow")
+    with ThreadPoolExecutor(2) as pool:  # frames_slow's 1.5 s queue delay puts both in one batch
+        answered = pool.submit(brightness_via_regions, th, th.InferenceServerClient(served.http), "frames_slow",
+                               x, "in", "out")
         refused = pool.submit(too_large)
         answered.result(timeout=30)
         error = refused.result(timeout=30)
     assert error.status() == "400" and "is 12 bytes, more than its shared_memory_byte_size 4" in error.message()
-    after = _batch_counts(http_client)
+    after = _batch_counts(http_client, "frames_slow")
     assert after.get(2, 0) - before.get(2, 0) == 1  # one batch of both
     np.testing.assert_array_equal(dst.get(np.float32, (1,)), plain)
 
@@ -236,8 +236,8 @@ def test_outputs_go_into_cuda_regions_on_the_engines_thread_each_answered_alone(
     assert threads and all(name.startswith("engine-frames") for name in threads), threads
 
 
-def _batch_counts(client) -> dict[int, int]:
-    stats = client.get_inference_statistics("frames")["model_stats"][0]
+def _batch_counts(client, model: str = "frames") -> dict[int, int]:
+    stats = client.get_inference_statistics(model)["model_stats"][0]
     return {b["batch_size"]: b["compute_infer"]["count"] for b in stats["batch_stats"]}
 
 
