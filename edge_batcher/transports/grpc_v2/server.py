@@ -30,6 +30,7 @@ from ...protocol.parameters import to_infer_request
 from ...protocol.tensor_decode import RegionReader
 from ...protocol.v2 import DecodedRequest
 from ...runtime import Runtime
+from ...servable import Servable
 from ...shared_memory.cuda_regions import CudaRegionRegistry, link_namespaces
 from ...shared_memory.lease import Lease
 from ...shared_memory.regions import RegionRegistry
@@ -37,7 +38,7 @@ from ..descriptors import ACCEPT_BATCH, serve_with_small_accept_batches
 from ..edge import EdgeLimits
 from ..listeners import check_unix_socket_path, remove_stale_socket
 from ..triton_config import MODEL_VERSION, PLATFORMS, model_config, servable_for
-from ..v2_decode import off_loop_if_large
+from ..v2_decode import DECODE_OFF_LOOP_BYTES
 from . import grpc_service_pb2 as pb
 from . import model_config_pb2
 from .codec import decode_infer_request, encode_infer_response
@@ -252,14 +253,19 @@ class GrpcServer:
     async def model_infer(self, raw: memoryview, context) -> pb.ModelInferResponse:
         # the regions it uses stay mapped until it ends
         with Lease(self.shared_memory, self.cuda_shared_memory) as regions:
-            # The message parsed and decoded (raw_input_contents copied out of it) in one step, off
-            # the loop when large: one hop to a thread and back, not one for each. Sized by the
-            # bytes received: protobuf's ByteSize() serializes the whole message to count them
-            # (upb), 9% of the loop's samples with camera frames on an H200.
-            request, decoded = await off_loop_if_large(len(raw), _parse_and_decode, raw, regions.read_input)
+            if len(raw) > DECODE_OFF_LOOP_BYTES:
+                # Parsed and decoded (raw_input_contents copied out of it) in one job off the loop:
+                # one hop to a thread and back, not one for each. Sized by the bytes received:
+                # protobuf's ByteSize() serializes the whole message to count them (upb), 9% of
+                # the loop's samples with camera frames on an H200.
+                request, decoded = await asyncio.get_running_loop().run_in_executor(
+                    None, _parse_and_decode, raw, regions.read_input)
+                servable = self._servable(request)
+            else:
+                request = parse_message(raw, pb.ModelInferRequest)
+                servable = self._servable(request)  # refused before decoding, as HTTP does
+                decoded = decode_infer_request(request, regions.read_input)
             model = request.model_name
-            servable = servable_for(self.runtime, model, request.model_version)
-            servable.refuse_if_full()
             targets = regions.output_targets(decoded.outputs)
             infer_request = to_infer_request(model, decoded, servable.config.batching.priority_levels)
             infer_request.finish_outputs = regions.device_outputs(targets)
@@ -269,6 +275,12 @@ class GrpcServer:
             response = await self.runtime.infer(infer_request)
             outputs, in_regions = await regions.write_outputs(response.outputs, targets)
         return encode_infer_response(model, response.id, outputs, response.parameters or None, in_regions)
+
+    def _servable(self, request: pb.ModelInferRequest) -> Servable:
+        """The request's model, or the error for an unknown one or a full queue."""
+        servable = servable_for(self.runtime, request.model_name, request.model_version)
+        servable.refuse_if_full()
+        return servable
 
 
 def _parse_and_decode(raw: memoryview, read_input: RegionReader) -> tuple[pb.ModelInferRequest, DecodedRequest]:
