@@ -5,12 +5,13 @@ ONNX Runtime's CUDA `Conv` keeps its plan for the last input shape only, so outs
 change of batch size plans every convolution again (docs/benchmarks.md, "CUDA shared memory
 through perf_analyzer"). This loads one model of a repository (its model.toml, put on the CUDA
 EP first) with `cuda_graphs` "auto", "off" (cuDNN's heuristic search, the daemon's default
-without graphs) and "off" with ONNX Runtime's exhaustive search, and times `engine.infer` at sizes 2, 4 and 8, each
-size repeated and the sizes alternating (8, 2, 4, 8, ...), with the batch on the host and, with
-a CUDA binding and device, in device memory: in a buffer of its own (copied into the graph's
-input, or bound with IOBinding without graphs) and in place in the graph's input buffer, as
-the executor assembles batches from CUDA shared memory. Medians per batch; without a GPU it
-times the host rows on the CPU provider and says why the device rows are missing.
+without graphs) and "off" with ONNX Runtime's exhaustive search, and times `engine.infer` at
+sizes 2, 4 and 8, each size repeated and the sizes alternating (8, 2, 4, 8, ...), with the batch
+on the host and, with a CUDA binding and device, in device memory: in a buffer of its own
+(copied into the graph's input, or bound with IOBinding without graphs) and in place in the
+graph's input buffer, as the executor assembles batches from CUDA shared memory. Medians per
+batch; without a GPU it times the host rows on the CPU provider and says why the device rows
+are missing.
 
 Usage: python tools/bench_device_batches.py [--models engines] [--model vision] [--runs 40]
 """
