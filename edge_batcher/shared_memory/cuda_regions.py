@@ -4,8 +4,9 @@ rules of the system shared memory registry (regions.py): bounded count and bytes
 shm_max_regions / shm_max_bytes, counted for CUDA regions by themselves), one namespace with the
 system regions (as in Triton, a request names a region without saying which kind), and reference
 counts so that an unregister while a request reads the region closes the IPC mapping only when the
-last request using it ends and the last DeviceTensor on it is gone (a request whose client went
-away leaves its batch running; the batch may still read the region). Where CUDA IPC cannot work,
+last request using it ends and its last user is gone (an input's DeviceTensor, an output's
+writer: a request whose client went away leaves its batch running; the batch may still read or
+write the region). Where CUDA IPC cannot work,
 registration is refused with the reason: no CUDA binding or driver, a device_id this machine does
 not have, or an integrated GPU (a Jetson), whose GPU reads system shared memory directly. Every
 method that calls CUDA blocks: transports call them on a thread, never on the event loop.
@@ -22,7 +23,6 @@ from contextlib import contextmanager
 
 from ..engines.cuda_api import IPC_HANDLE_SIZE, CudaApi, DeviceContext, IpcMemory, load_cuda_api
 from ..errors import InvalidInput
-from .device_tensor import DeviceTensor
 from .named_regions import NamedRegions, RegionLimits, check_name
 from .regions import RegionRegistry
 
@@ -103,7 +103,7 @@ class CudaRegion:
         self.name, self.device_id, self.byte_size = name, device_id, byte_size
         self.memory = memory
         self.users = 0  # requests holding it now
-        self.tensors = 0  # DeviceTensors on it still alive (queued or in a batch)
+        self.tensors = 0  # its users still alive (DeviceTensors, DeviceOutputs: queued or in a batch)
         self.registered = True
 
     @property
@@ -170,7 +170,7 @@ class CudaRegionRegistry(NamedRegions[CudaRegion]):
         self._closer.shutdown(wait=True)
         self.devices.close()
 
-    def track(self, region: CudaRegion, user: DeviceTensor | object) -> None:
+    def track(self, region: CudaRegion, user: object) -> None:
         """Keep `region` open while `user` lives (an input's DeviceTensor, an output's writer,
         lease.DeviceOutputs): the request's lease may end (its client gone) while its batch
         still reads or writes the region on a worker thread."""

@@ -118,9 +118,8 @@ class GrpcEdge:
                 self._authorize(call)
             raw = await self._receive(call)
             with self.limits.budget.holding(len(raw), f"this message's {len(raw)} bytes"):
-                if request_type is RAW_MESSAGE:  # the method parses it along with its own work
-                    return (await method(raw, call)).SerializeToString()
-                request = await _parse(raw, request_type)
+                # a RAW_MESSAGE method parses the bytes along with its own work
+                request = raw if request_type is RAW_MESSAGE else await _parse(raw, request_type)
                 del raw
                 return (await method(request, call)).SerializeToString()
         except EdgeBatcherError as exc:
