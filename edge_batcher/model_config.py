@@ -34,6 +34,9 @@ class OnnxRuntimeSettings:
     # ONNX Runtime accepts them (every node on the device) and says so where it does not; "on"
     # refuses to load without them; "off" never.
     cuda_graphs: str = "auto"
+    # With CUDA graphs, host batches are assembled in page-locked memory that the copy to the
+    # device reads by DMA (engines/ort_graphs.py: PinnedStaging; needs a CUDA Python binding).
+    pinned_inputs: bool = True
 
 
 @dataclass

@@ -222,9 +222,37 @@ def test_a_batch_in_device_memory_replays_its_shapes_graph(model_repo, tmp_path)
 
 
 @needs_cuda
+def test_host_batches_in_page_locked_staging_replay_with_the_plain_paths_outputs(model_repo, tmp_path):
+    """With a CUDA Python binding, each bound shape has page-locked host arrays the executor
+    assembles host batches in (Engine.host_batch_buffers): the copy to the device reads them by DMA."""
+    from edge_batcher.engines.cuda_api import load_cuda_api
+
+    try:
+        load_cuda_api()
+    except ImportError:
+        pytest.skip("no CUDA Python binding: host batches are copied from pageable memory")
+    engine = _cuda_engine(model_repo, tmp_path, "auto")
+    assert engine.staging is not None and engine.host_batch_buffers is not None
+    name = engine.inputs[0].name
+    for size in (2, 4, 8, 4, 2):
+        warm, x = batches(size, 2, seed=size + 30)
+        engine.infer({name: warm})  # warm-up binds the shape and its staging
+        staging = engine.host_batch_buffers({name: ((size, 256), np.dtype(np.float32))})
+        assert staging is not None
+        staging[name][...] = x
+        got = engine.infer(staging)
+        want = engine.infer_without_graphs({name: x})
+        for spec in engine.outputs:
+            np.testing.assert_allclose(got[spec.name], want[spec.name], rtol=1e-5, atol=1e-5)
+    assert engine.staging.nbytes == (2 + 4 + 8) * 256 * 4
+    engine.close()
+    assert engine.staging is None
+
+
+@needs_cuda
 def test_graphs_off_is_the_plain_cuda_session(model_repo, tmp_path):
     engine = _cuda_engine(model_repo, tmp_path, "off")
-    assert not engine.cuda_graphs
+    assert not engine.cuda_graphs and engine.host_batch_buffers is None
     options = engine.session.get_provider_options()["CUDAExecutionProvider"]
     assert options["cudnn_conv_algo_search"] == "HEURISTIC" and options["enable_cuda_graph"] == "0"
     with_graphs = _cuda_engine(model_repo, tmp_path, "on").session.get_provider_options()["CUDAExecutionProvider"]

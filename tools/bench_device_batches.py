@@ -9,7 +9,9 @@ without graphs) and "off" with ONNX Runtime's exhaustive search, and times `engi
 sizes 2, 4 and 8, each size repeated and the sizes alternating (8, 2, 4, 8, ...), with the batch
 on the host and, with a CUDA binding and device, in device memory: in a buffer of its own
 (copied into the graph's input, or bound with IOBinding without graphs) and in place in the
-graph's input buffer, as the executor assembles batches from CUDA shared memory. Medians per
+graph's input buffer, as the executor assembles batches from CUDA shared memory; and as the
+executor assembles 1-row requests on the host: stacked into a new array, or with graphs and a
+CUDA binding into the shape's page-locked staging (Engine.host_batch_buffers). Medians per
 batch; without a GPU it times the host rows on the CPU provider and says why the device rows
 are missing.
 
@@ -35,6 +37,7 @@ from edge_batcher.engines.base import DeviceArray  # noqa: E402
 from edge_batcher.engines.onnxruntime import OnnxRuntimeEngine  # noqa: E402
 from edge_batcher.errors import InvalidInput  # noqa: E402
 from edge_batcher.model_config import ExecutionProvider, load_model_config  # noqa: E402
+from edge_batcher.scheduler.batch import stack, stack_shape  # noqa: E402
 from edge_batcher.shared_memory.cuda_regions import CudaDevices  # noqa: E402
 from edge_batcher.types import DATATYPE_TO_NUMPY  # noqa: E402
 
@@ -84,6 +87,22 @@ def ways_to_run(engine: OnnxRuntimeEngine, host: dict[int, dict[str, np.ndarray]
                 buffers: list) -> dict[str, Callable[[int], object]]:
     """The rows for one engine: its batches on the host and, with a device, in device memory."""
     ways: dict[str, Callable[[int], object]] = {"on the host": lambda size: engine.infer(host[size])}
+    # as the executor assembles a host batch: one row per request, stacked into a new array or,
+    # with page-locked staging (Engine.host_batch_buffers), into the shape's staging
+    rows = {size: {name: [array[i:i + 1].copy() for i in range(size)] for name, array in inputs.items()}
+            for size, inputs in host.items()}
+
+    def stacked(size: int, staged: bool) -> object:
+        shapes = {name: stack_shape(parts, size, None, 0) for name, parts in rows[size].items()}
+        staging = (engine.host_batch_buffers(shapes) if staged and engine.host_batch_buffers else None) or {}
+        return engine.infer({name: stack(parts, size, None, 0, 0.0, out=staging.get(name))
+                             for name, parts in rows[size].items()})
+
+    for size in SIZES:
+        engine.infer(host[size])  # binds the shape (and its staging)
+    ways["1-row requests stacked, new array"] = lambda size: stacked(size, staged=False)
+    if engine.host_batch_buffers is not None:
+        ways["1-row requests stacked, in page-locked staging"] = lambda size: stacked(size, staged=True)
     if devices is None or engine.device_inputs is None:
         return ways
     own: dict[int, dict[str, DeviceArray]] = {}
@@ -106,8 +125,6 @@ def ways_to_run(engine: OnnxRuntimeEngine, host: dict[int, dict[str, np.ndarray]
     buffers_for = engine.device_batch_buffers
     if buffers_for is None:
         return ways
-    for size in SIZES:
-        engine.infer(host[size])  # binds the shape
 
     def in_place(size: int) -> object:
         targets = buffers_for({name: (a.shape, a.dtype) for name, a in own[size].items()}) or {}

@@ -79,6 +79,7 @@ PY
 step_tests() {
   "$python" -m pytest -q -p no:cacheprovider -rs tests/test_ort_graphs.py tests/test_cuda_shared_memory_gpu.py \
     tests/test_cuda_shared_memory.py tests/test_cuda_shared_memory_regions.py tests/scheduler/test_device_batch.py \
+    tests/scheduler/test_host_staging.py \
     tests/trt/test_cuda_api.py tests/memory/test_memory_device.py tests/memory/test_memory_probe.py \
     tests/memory/test_memory_cuda.py
 }

@@ -7,10 +7,10 @@ the preferred sizes). It never sees the event loop.
 
 Besides the four required members, `Engine` declares the optional hooks with their defaults
 (`batch_inputs`, `prepare`, `memory_footprint`, `tokenizer`, `token_padding`,
-`accepts_any_length`, `device_inputs`, `device_batch_buffers`, `cuda_graphs`): an engine that subclasses it inherits
-them; `with_hook_defaults` gives an engine that only duck-types the protocol (a user's backend,
-a test's fake) the same defaults once, at creation, so callers read the hooks directly instead
-of probing with getattr.
+`accepts_any_length`, `device_inputs`, `device_batch_buffers`, `host_batch_buffers`,
+`cuda_graphs`): an engine that subclasses it inherits them; `with_hook_defaults` gives an engine
+that only duck-types the protocol (a user's backend, a test's fake) the same defaults once, at
+creation, so callers read the hooks directly instead of probing with getattr.
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ FootprintHook = Callable[[int, "int | None"], "dict[str, int]"]
 # device_batch_buffers({input: (batch shape, dtype)}) -> {input: device address} of the engine's
 # own buffers for a batch of exactly those shapes, or None when it has none for them
 BuffersHook = Callable[[dict[str, "tuple[tuple[int, ...], np.dtype]"]], "dict[str, int] | None"]
+# host_batch_buffers({input: (batch shape, dtype)}) -> {input: host array of exactly that shape and
+# dtype} where a host batch of those shapes is to be written, or None when it has none for them
+HostBuffersHook = Callable[[dict[str, "tuple[tuple[int, ...], np.dtype]"]], "dict[str, np.ndarray] | None"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,14 @@ class Engine(Protocol):
         return None
 
     @property
+    def host_batch_buffers(self) -> HostBuffersHook | None:
+        """Where a host batch of given shapes may be assembled: the engine's own page-locked
+        staging, which its copy to the device reads by DMA (Triton's input_pinned_memory), written
+        on its worker thread just before infer(), so the batch is not copied again on the host.
+        None: a fresh array per batch (scheduler/batch.py)."""
+        return None
+
+    @property
     def cuda_graphs(self) -> bool:
         """True once loaded when its batches replay captured CUDA graphs (the backend's
         cuda_graphs setting, as far as its runtime accepted it): the Triton config reports it."""
@@ -98,7 +109,8 @@ class Engine(Protocol):
 
 HOOK_DEFAULTS: dict[str, Any] = {
     "batch_inputs": None, "prepare": None, "memory_footprint": None, "tokenizer": None, "token_padding": None,
-    "accepts_any_length": False, "device_inputs": None, "device_batch_buffers": None, "cuda_graphs": False,
+    "accepts_any_length": False, "device_inputs": None, "device_batch_buffers": None, "host_batch_buffers": None,
+    "cuda_graphs": False,
 }
 
 

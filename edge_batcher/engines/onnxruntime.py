@@ -17,9 +17,10 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ConfigError, EngineError, OutOfMemory
 from ..types import TensorSpec
-from .base import DEVICE_PROVIDERS, BuffersHook, DeviceArray, Engine, apply_overrides
+from .base import DEVICE_PROVIDERS, BuffersHook, DeviceArray, Engine, HostBuffersHook, apply_overrides
+from .cuda_api import load_cuda_api
 from .onnx_file import onnx_file_problem
-from .ort_graphs import BoundSession, graph_ids_missing, outside_graphs
+from .ort_graphs import BoundSession, PinnedStaging, graph_ids_missing, outside_graphs
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class OnnxRuntimeEngine(Engine):
         # The CUDA EP's arena cap in bytes; set from the memory budget before load() (memory/device.py).
         self.device_memory_limit: int | None = None
         self.bound: BoundSession | None = None  # CUDA graphs per batch shape (ort_graphs.py), when in use
+        self.staging: PinnedStaging | None = None  # the bound shapes' page-locked host batches
         self.device_inputs: int | None = None  # the CUDA EP's device once loaded on it (base.py)
         self._chain: list[tuple[str, dict]] = []  # the providers and their options, as opened
 
@@ -123,6 +125,10 @@ class OnnxRuntimeEngine(Engine):
     @property
     def device_batch_buffers(self) -> BuffersHook | None:
         return self.bound.buffers_for if self.bound is not None else None
+
+    @property
+    def host_batch_buffers(self) -> HostBuffersHook | None:
+        return self.bound.host_buffers_for if self.bound is not None and self.bound.staging is not None else None
 
     @property
     def _one_shape(self) -> bool:
@@ -167,10 +173,11 @@ class OnnxRuntimeEngine(Engine):
                 raise
             graphs = False
             self._open_session(ort, path, self._graphs_refused(f"ONNX Runtime cannot capture it: {exc}", exc))
-        if graphs and self.providers[0] == "CUDAExecutionProvider":
-            self.bound = BoundSession(self.session, "cuda", graphs=True)
         if self.providers[0] == "CUDAExecutionProvider":  # its device: the EP's device_id option (default 0)
             self.device_inputs = int(dict(self._chain)["CUDAExecutionProvider"].get("device_id", 0))
+            if graphs:
+                self.staging = self._pinned_staging(self.device_inputs) if settings.pinned_inputs else None
+                self.bound = BoundSession(self.session, "cuda", graphs=True, staging=self.staging)
         self.inputs = apply_overrides(
             [_spec(i) for i in self.session.get_inputs()], self.config.inputs, "input", self.config.name
         )
@@ -183,8 +190,21 @@ class OnnxRuntimeEngine(Engine):
         # new shape.
         self.accepts_any_length = (self.providers[0] not in DEVICE_PROVIDERS
                                    and _sequence_dim_is_dynamic(self.session.get_inputs(), self.config.sequence))
-        log.info("model %s: onnxruntime session on %s%s", self.config.name, ", ".join(self.providers),
-                 " with CUDA graphs per batch shape" if self.bound else "")
+        log.info("model %s: onnxruntime session on %s%s%s", self.config.name, ", ".join(self.providers),
+                 " with CUDA graphs per batch shape" if self.bound else "",
+                 " and page-locked input staging" if self.bound and self.staging else "")
+
+    def _pinned_staging(self, device_id: int) -> PinnedStaging | None:
+        """Page-locked host arrays for the bound shapes' host batches, or None without a CUDA
+        Python binding (then ONNX Runtime copies them from pageable memory, as before)."""
+        try:
+            api = load_cuda_api()
+            api.init()
+            return PinnedStaging(api, device_id)
+        except Exception as exc:  # ImportError, CudaError, or pycuda's own errors
+            log.info("model %s: host batches reach the device from pageable memory (no page-locked "
+                     "staging: %s)", self.config.name, exc)
+            return None
 
     def _open_session(self, ort: Any, path: Path, chain: list[tuple[str, dict]]) -> None:
         settings = self.config.onnxruntime
@@ -280,13 +300,16 @@ class OnnxRuntimeEngine(Engine):
             raise ConfigError(f"model {self.config.name!r}: [onnxruntime] cuda_graphs = \"on\" but {why}") from cause
         log.warning("model %s: no CUDA graphs (%s); serving without them "
                     "([onnxruntime] cuda_graphs = \"off\" skips the attempt)", self.config.name, why)
-        self.bound = None
+        self.bound = None  # its staging is freed by close(): the batch being refused may be in it
         self._chain = without_graphs(self._chain, self._one_shape)
         return self._chain
 
     def close(self) -> None:
         self.session = None
         self.bound = None
+        if self.staging is not None:
+            self.staging.close()
+            self.staging = None
 
 
 def _sequence_dim_is_dynamic(nodes, sequence) -> bool:

@@ -4,18 +4,23 @@ warmed up; for each, `BoundShape` keeps input and output OrtValues on the sessio
 once, copies a batch into the inputs, runs, and copies the outputs out (so a buffer reused by the
 next batch never shows in an earlier response). With the CUDA EP's `enable_cuda_graph`, each shape
 gets its own `gpu_graph_id`: ONNX Runtime captures its kernels on the first runs and replays them
-after, one launch instead of one per node (docs/benchmarks.md, "CUDA graphs").
+after, one launch instead of one per node (docs/benchmarks.md, "CUDA graphs"). With a CUDA Python
+binding, each shape also gets page-locked host arrays (`PinnedStaging`) that the executor assembles
+its host batches in (Engine.host_batch_buffers), so the copy to the device is a DMA from them
+rather than the driver's staging of pageable memory, as Triton's `input_pinned_memory` does.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import numpy as np
 
 from .base import DeviceArray
+from .cuda_api import CudaApi, DeviceContext, HostBuffer
 
 log = logging.getLogger(__name__)
 
@@ -49,13 +54,54 @@ def outside_graphs() -> Any:
     return options
 
 
-class BoundShape:
-    """One input shape's device buffers, bound once, and its graph id (or none)."""
+# staging(shape, dtype) -> a host array of that shape for a bound shape's input
+Staging = Callable[[tuple[int, ...], np.dtype], np.ndarray]
 
-    def __init__(self, session: Any, inputs: dict[str, np.ndarray], device: str, graph_id: int | None):
+
+class PinnedStaging:
+    """Page-locked host arrays on one device's primary context (the one ONNX Runtime's CUDA EP
+    uses), allocated when a shape is bound at warm-up and freed by close()."""
+
+    def __init__(self, api: CudaApi, device_id: int):
+        self.api = api
+        self.context: DeviceContext = api.open_device(device_id)
+        self.buffers: list[HostBuffer] = []
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.array.nbytes for buffer in self.buffers)
+
+    def __call__(self, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        self.context.push()
+        try:
+            buffer = self.api.pinned_empty(math.prod(shape), dtype)
+        finally:
+            self.context.pop()
+        self.buffers.append(buffer)
+        return buffer.array.reshape(shape)
+
+    def close(self) -> None:
+        self.context.push()
+        try:
+            for buffer in self.buffers:
+                buffer.free()
+        finally:
+            self.context.pop()
+            self.context.release()
+        self.buffers.clear()
+
+
+class BoundShape:
+    """One input shape's device buffers, bound once, its graph id (or none) and its host staging
+    (or none)."""
+
+    def __init__(self, session: Any, inputs: dict[str, np.ndarray], device: str, graph_id: int | None,
+                 staging: Staging | None = None):
         import onnxruntime as ort
 
         self.session = session
+        # Where the executor assembles this shape's host batches (Engine.host_batch_buffers)
+        self.host_inputs = _staged(staging, inputs) if staging is not None else {}
         self.binding = session.io_binding()
         self.input_values = {}
         for name, array in inputs.items():
@@ -74,6 +120,7 @@ class BoundShape:
         if graph_id is not None:
             self.run_options.add_run_config_entry("gpu_graph_id", str(graph_id))
         self.graph_id = graph_id
+        self.on_host = device == "cpu"
         self.runs = 0
 
     def run(self, inputs: Mapping[str, np.ndarray | DeviceArray]) -> list[np.ndarray]:
@@ -87,17 +134,19 @@ class BoundShape:
         for _ in range(CAPTURE_RUNS if self.runs == 0 else 1):
             self.session.run_with_iobinding(self.binding, self.run_options)
         self.runs += 1
-        # a copy: the buffers are the next batch's
-        return [np.array(value.numpy(), copy=True) for value in self.output_values]
+        if self.on_host:  # numpy() is a view of the buffer, which is the next batch's: a copy
+            return [np.array(value.numpy(), copy=True) for value in self.output_values]
+        return [value.numpy() for value in self.output_values]  # copied from the device already
 
 
 class BoundSession:
     """A session's BoundShapes, one per input shape seen, made on first use (at warm-up)."""
 
-    def __init__(self, session: Any, device: str, graphs: bool):
+    def __init__(self, session: Any, device: str, graphs: bool, staging: Staging | None = None):
         self.session = session
         self.device = device
         self.graphs = graphs
+        self.staging = staging
         self.shapes: dict[tuple, BoundShape] = {}
 
     def knows(self, inputs: Mapping[str, np.ndarray | DeviceArray]) -> bool:
@@ -112,6 +161,14 @@ class BoundSession:
             return None
         return {name: value.data_ptr() for name, value in bound.input_values.items()}
 
+    def host_buffers_for(self, shapes: dict[str, tuple[tuple[int, ...], np.dtype]]) -> dict[str, np.ndarray] | None:
+        """The host staging of a bound shape's inputs, for a batch of exactly these shapes of
+        every input (Engine.host_batch_buffers), or None."""
+        bound = self.shapes.get(_shape_key(shapes))
+        if bound is None or bound.host_inputs.keys() != shapes.keys():
+            return None
+        return bound.host_inputs
+
     def run(self, inputs: Mapping[str, np.ndarray | DeviceArray]) -> list[np.ndarray]:
         key = _key(inputs)
         bound = self.shapes.get(key)
@@ -121,9 +178,21 @@ class BoundSession:
             if self.graphs and graph_id is None:
                 log.warning("more than %d input shapes: shape %s runs without a CUDA graph", MAX_GRAPHS, key)
             assert not any(isinstance(v, DeviceArray) for v in inputs.values()), "a shape is bound from a host batch"
-            bound = BoundShape(self.session, cast("dict[str, np.ndarray]", inputs), self.device, graph_id)
+            bound = BoundShape(self.session, cast("dict[str, np.ndarray]", inputs), self.device, graph_id,
+                               self.staging)
             self.shapes[key] = bound
         return bound.run(inputs)
+
+
+def _staged(staging: Staging, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A shape's staging arrays, or none if they cannot be had (its batches then reach the
+    device from pageable memory, as without staging)."""
+    try:
+        return {name: staging(array.shape, array.dtype) for name, array in inputs.items() if array.dtype != object}
+    except Exception as exc:  # CudaError, or pycuda's own: page-locked memory is a speed-up, not a need
+        log.warning("no page-locked staging for batch shape %s (%s): its host batches are copied to the "
+                    "device from pageable memory", {n: a.shape for n, a in inputs.items()}, exc)
+        return {}
 
 
 def _key(inputs: Mapping[str, np.ndarray | DeviceArray]) -> tuple:

@@ -18,7 +18,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError, EngineError, OutOfMemory
 from ..types import DATATYPE_TO_NUMPY, TensorSpec
 from . import trt_profiles as tp
-from .base import apply_overrides
+from .base import HostBuffersHook, apply_overrides
 from .cuda_api import CudaApi, DeviceBuffer, HostBuffer
 from .trt_api import (
     TensorRTCapabilities,
@@ -329,6 +329,24 @@ class TensorRTEngine:
     def cuda_graphs(self) -> bool:
         return self.graphs is not None
 
+    @property
+    def host_batch_buffers(self) -> HostBuffersHook | None:
+        return self._host_buffers_for if self._buffers else None
+
+    def _host_buffers_for(self, shapes: dict[str, tuple[tuple[int, ...], np.dtype]]) -> dict[str, np.ndarray] | None:
+        """Views of the page-locked input buffers for a batch of these shapes of every input (the
+        executor assembles the batch there, so infer() copies nothing on the host), or None."""
+        if set(shapes) != set(self._input_names):
+            return None
+        views = {}
+        for name, (shape, dtype) in shapes.items():
+            buf = self._buffers[name]
+            count = int(np.prod(shape, dtype=np.int64))
+            if np.dtype(dtype) != buf.dtype or count * buf.dtype.itemsize > buf.nbytes:
+                return None
+            views[name] = buf.host[:count].reshape(shape)
+        return views
+
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return self._run(inputs, replay=True)
 
@@ -378,7 +396,8 @@ class TensorRTEngine:
             if captured is None:
                 self._check(context.set_input_shape(name, array.shape), f"set_input_shape({name}, {list(array.shape)})")
             host = buf.host[: array.size].reshape(array.shape)
-            np.copyto(host, array)
+            if array.ctypes.data != host.ctypes.data:  # else assembled there (host_batch_buffers)
+                np.copyto(host, array)
             cuda.copy_htod_async(buf.device, host, stream)
         out_shapes = captured.output_shapes if captured is not None else self._output_shapes()
         out_views = {name: self._buffers[name].host[:int(np.prod(shape, dtype=np.int64))].reshape(shape)

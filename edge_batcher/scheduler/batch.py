@@ -38,28 +38,52 @@ def padded_width(parts: Sequence[NDArray[Any]], seq_axis: int, bucket: int, any_
     return min(bucket, -(-longest // ANY_LENGTH_MULTIPLE) * ANY_LENGTH_MULTIPLE)
 
 
+def stack_shape(parts: Sequence[NDArray[Any]], size: int, seq_axis: int | None, bucket: int,
+                any_length: bool = False) -> tuple[tuple[int, ...], np.dtype[Any]] | None:
+    """The shape and dtype of the batch `stack` makes of `parts`, or None when they disagree
+    beyond the batch and sequence axes (stack's concatenation then says how)."""
+    first = parts[0]
+
+    def fixed(part: NDArray[Any]) -> tuple[int, ...]:
+        return tuple(d for axis, d in enumerate(part.shape) if axis not in (0, seq_axis))
+
+    if any(part.dtype != first.dtype or part.ndim != first.ndim or fixed(part) != fixed(first) for part in parts):
+        return None
+    shape = [size, *first.shape[1:]]
+    if seq_axis is not None:
+        shape[seq_axis] = padded_width(parts, seq_axis, bucket, any_length)
+    return tuple(shape), first.dtype
+
+
 def stack(parts: Sequence[NDArray[Any]], size: int, seq_axis: int | None, bucket: int, pad_value: float,
-          any_length: bool = False) -> NDArray[Any]:
+          any_length: bool = False, out: NDArray[Any] | None = None) -> NDArray[Any]:
     """One batch tensor of `size` rows: the parts, padded on the sequence axis to the bucket (or
     with `any_length` to padded_width), then padding rows (copies of the last real row: always a
-    valid input) up to size."""
-    if seq_axis is None:
+    valid input) up to size. Written into `out` when given (the engine's staging for this shape,
+    Engine.host_batch_buffers: exactly stack_shape's shape and dtype), else into a new array."""
+    if seq_axis is None and out is None:
         rows = sum(part.shape[0] for part in parts)
         if rows < size:
             parts = [*parts, np.repeat(parts[-1][-1:], size - rows, axis=0)]
         return parts[0] if len(parts) == 1 else np.concatenate(parts)
     first = parts[0]
-    shape = list(first.shape)
-    shape[seq_axis] = padded_width(parts, seq_axis, bucket, any_length)
-    shape[0] = size
-    out = np.empty(shape, dtype=first.dtype)
-    out.fill(pad_value if first.dtype != object else b"")
+    if out is None:
+        shape = list(first.shape)
+        assert seq_axis is not None
+        shape[seq_axis] = padded_width(parts, seq_axis, bucket, any_length)
+        shape[0] = size
+        out = np.empty(shape, dtype=first.dtype)
+    if seq_axis is not None:
+        out.fill(pad_value if first.dtype != object else b"")
     row = 0
     for part in parts:
         n = part.shape[0]
-        index = [slice(row, row + n)] + [slice(None)] * (part.ndim - 1)
-        index[seq_axis] = slice(0, part.shape[seq_axis])
-        out[tuple(index)] = part
+        if seq_axis is None:
+            out[row:row + n] = part
+        else:
+            index = [slice(row, row + n)] + [slice(None)] * (part.ndim - 1)
+            index[seq_axis] = slice(0, part.shape[seq_axis])
+            out[tuple(index)] = part
         row += n
     if row < size:
         out[row:] = out[row - 1]

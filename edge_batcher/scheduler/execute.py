@@ -101,6 +101,7 @@ class BatchExecutor:
         parts_of = {spec.name: [r.inputs[spec.name] for r in live] for spec in self.batch_inputs}
         on_device = {name for name, parts in parts_of.items() if device_batch.has_device_part(parts)}
         targets = self._engine_buffers(parts_of, plan.size, engine) if on_device else {}
+        staging = self._staging(parts_of, plan, engine) if len(on_device) < len(parts_of) else {}
         for spec in self.batch_inputs:
             parts = parts_of[spec.name]
             seq_axis = self.seq_axis(spec.name)
@@ -112,8 +113,25 @@ class BatchExecutor:
                     releases.append(release)
             else:
                 inputs[spec.name] = batching.stack(parts, plan.size, seq_axis, plan.bucket, self.pad_value,
-                                                   engine.accepts_any_length)
+                                                   engine.accepts_any_length, staging.get(spec.name))
         return inputs
+
+    def _staging(self, parts_of: dict[str, list[Any]], plan: policy.BatchPlan, engine: Engine
+                 ) -> dict[str, Any]:
+        """The engine's own host arrays for this batch's shapes (Engine.host_batch_buffers:
+        page-locked staging its copy to the device reads by DMA), or none."""
+        buffers_for = engine.host_batch_buffers
+        if buffers_for is None:
+            return {}
+        shapes = {}
+        for name, parts in parts_of.items():
+            if device_batch.has_device_part(parts):
+                continue
+            shape = batching.stack_shape(parts, plan.size, self.seq_axis(name), plan.bucket, engine.accepts_any_length)
+            if shape is None:
+                return {}  # parts that disagree on their shape: stack says so
+            shapes[name] = shape
+        return buffers_for(shapes) or {}
 
     def _engine_buffers(self, parts_of: dict[str, list[Any]], size: int, engine: Engine) -> dict[str, int]:
         """The engine's own buffers for this batch's shapes, to assemble a batch with parts in

@@ -114,6 +114,28 @@ def test_outputs_are_copies_not_views_of_the_reused_buffers(build, engine_for):
         np.testing.assert_array_equal(first[name], kept[name])
 
 
+def test_page_locked_inputs_are_handed_out_and_a_batch_already_there_is_not_copied(build, engine_for, cuda,
+                                                                                   monkeypatch):
+    """Engine.host_batch_buffers: the executor assembles a host batch in the input's page-locked
+    buffer, so infer() copies nothing on the host before the copy to the device."""
+    engine = engine_for(build())
+    x = windows(4, seed=5)
+    assert engine.host_batch_buffers({"signal": ((4, 256), np.dtype(np.float64))}) is None
+    assert engine.host_batch_buffers({"other": ((4, 256), np.dtype(np.float32))}) is None
+    views = engine.host_batch_buffers({"signal": ((4, 256), np.dtype(np.float32))})
+    assert views is not None and cuda._is_pinned(views["signal"])
+    views["signal"][...] = x
+    copies = []
+    copyto = np.copyto
+    monkeypatch.setattr(np, "copyto", lambda dst, src, **kw: (copies.append(dst.shape), copyto(dst, src, **kw)))
+    in_place = engine.infer(views)
+    assert copies == []
+    copied = engine.infer({"signal": x.copy()})
+    assert copies == [(4, 256)]
+    for name in copied:
+        np.testing.assert_array_equal(in_place[name], copied[name])
+
+
 def test_no_memory_is_allocated_per_batch(build, engine_for, cuda):
     engine = engine_for(build())
     engine.infer({"signal": windows(8)})
