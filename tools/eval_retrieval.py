@@ -50,7 +50,7 @@ CORPUS = ROOT / "docs" / "corpus"
 QUESTION_FILES = ("questions.json", "questions-technician.json", "questions-paraphrase.json",
                   "questions-holdout.json", "questions-paraphrase-holdout.json", "questions-paraphrase-blind.json",
                   "questions-paraphrase-blind2.json", "questions-paraphrase-blind3.json",
-                  "questions-paraphrase-blind4.json")
+                  "questions-paraphrase-blind4.json", "questions-paraphrase-blind5.json")
 # column name -> (file, split); None: the whole file
 SETS = {"shipped ten": ("questions.json", None),
         "technician dev": ("questions-technician.json", "dev"),
@@ -62,7 +62,8 @@ SETS = {"shipped ten": ("questions.json", None),
         "paraphrase blind": ("questions-paraphrase-blind.json", None),
         "paraphrase blind 2": ("questions-paraphrase-blind2.json", None),
         "paraphrase blind 3": ("questions-paraphrase-blind3.json", None),
-        "paraphrase blind 4": ("questions-paraphrase-blind4.json", None)}
+        "paraphrase blind 4": ("questions-paraphrase-blind4.json", None),
+        "paraphrase blind 5": ("questions-paraphrase-blind5.json", None)}
 DEV_SETS = ("shipped ten", "technician dev", "paraphrase dev")
 
 # A ranking: (index, query vectors, question texts) -> ids of the top 3 for each question.

@@ -5,9 +5,10 @@ Every set was written before anything was measured on it. The technician set's d
 paraphrase set's dev split (docs/corpus/questions-paraphrase.json) were used to choose; their test
 splits and questions-holdout.json were evaluated once; the coverage setting was then checked once
 on questions-paraphrase-holdout.json. The heading weight was chosen on all five files, cross-validated
-between them (docs/rag.md); four blind sets were written after that, by sessions that saw only
+between them (docs/rag.md); five blind sets were written after that, by sessions that saw only
 the manual, and evaluated once each (the second on 2026-11-27, when the close-call margin was
-checked on it too; the fourth once the spelling correction was chosen); a further blind set is
+checked on it too; the fourth once the spelling correction was chosen; the fifth on 2026-11-28,
+settings unchanged); a further blind set is
 evaluated with `tools/eval_retrieval.py --test --questions FILE`. The thresholds are the figures measured, less
 one question of margin, so a regression in splitting, analysing, sentence or heading scoring or
 fusing shows up here.
@@ -56,13 +57,13 @@ def test_the_question_sets_cover_every_section_of_the_manual():
             ("questions.json", "questions-technician.json", "questions-holdout.json",
              "questions-paraphrase.json", "questions-paraphrase-holdout.json", "questions-paraphrase-blind.json",
              "questions-paraphrase-blind2.json", "questions-paraphrase-blind3.json",
-             "questions-paraphrase-blind4.json")}
+             "questions-paraphrase-blind4.json", "questions-paraphrase-blind5.json")}
     for name, questions in sets.items():
         assert {q["passage"] for q in questions} <= sections, name
     for name in ("questions-technician.json", "questions-holdout.json", "questions-paraphrase.json",
                  "questions-paraphrase-holdout.json", "questions-paraphrase-blind.json",
                  "questions-paraphrase-blind2.json", "questions-paraphrase-blind3.json",
-                 "questions-paraphrase-blind4.json"):
+                 "questions-paraphrase-blind4.json", "questions-paraphrase-blind5.json"):
         assert {q["passage"] for q in sets[name]} == sections, name  # every passage asked about
     assert {q["split"] for q in sets["questions-technician.json"]} == {"dev", "test"}
     paraphrase = sets["questions-paraphrase.json"]
@@ -96,7 +97,7 @@ def test_every_ranking_on_every_question_set(evaluation):
                 "questions-paraphrase.json": (28, 33), "questions-holdout.json": (37, 38),
                 "questions-paraphrase-holdout.json": (29, 31), "questions-paraphrase-blind.json": (34, 38),
                 "questions-paraphrase-blind2.json": (28, 35), "questions-paraphrase-blind3.json": (35, 36),
-                "questions-paraphrase-blind4.json": (38, 39)}
+                "questions-paraphrase-blind4.json": (38, 39), "questions-paraphrase-blind5.json": (28, 36)}
     for file, (top1, top3) in measured.items():
         got = shipped[file]
         assert got[0] >= top1 - 1 and got[1] >= top3 - 1, (file, got)
@@ -121,8 +122,9 @@ def test_every_ranking_on_every_question_set(evaluation):
 
 def test_extractive_answers_quote_the_passage_ranked_first(evaluation):
     """Issue 29: the answer's text begins with a sentence of the passage ranked first. Measured on
-    the 360 questions (docs/rag.md, "Extractive answers"): the passage it quotes first is the right
-    one for 314, as often as retrieval ranks it first; quoting any of the three retrieved, 288."""
+    the 400 questions (docs/rag.md, "Extractive answers"): the passage it quotes first is the right
+    one for 342, as often as retrieval ranks it first; quoting any of the three retrieved, 316 (on
+    the first 360: 314 and 288)."""
     import dataclasses
 
     from edge_batcher.rag.settings import RagSettings
@@ -139,15 +141,16 @@ def test_extractive_answers_quote_the_passage_ranked_first(evaluation):
         mine = [i for i, q in enumerate(questions) if q["file"] == file]
         assert sum(right["first"][i] for i in mine) >= sum(right["any"][i] for i in mine), file
     print(f"answers quoting the right passage first: {sum(right['first'])} (any of three: {sum(right['any'])})")
-    assert sum(right["first"]) >= 312 and sum(right["first"]) >= sum(right["any"]) + 20
+    assert sum(right["first"]) >= 340 and sum(right["first"]) >= sum(right["any"]) + 20
 
 
 def test_close_calls_are_marked_ambiguous(evaluation):
     """The first source's lead over the second predicts a wrong first passage: first passages marked
     ambiguous (a lead below 0.1) are wrong five times as often as the others, and most wrong first
-    passages are marked. Measured on the 360 questions (docs/rag.md): 34 wrong of 97 flagged, 15 of
-    263 others; 34 of the 49 wrong first passages flagged (on the first 320: 32 of 93, 15 of 227; on
-    the first 280, at the old margin, 0.05: 15 wrong of 46 and 26 of 234: 15 of 41 flagged)."""
+    passages are marked. Measured on the 400 questions (docs/rag.md): 43 wrong of 115 flagged, 19 of
+    285 others; 43 of the 62 wrong first passages flagged (on the first 360: 34 of 97, 15 of 263; on
+    the first 320: 32 of 93, 15 of 227; on the first 280, at the old margin, 0.05: 15 wrong of 46 and
+    26 of 234: 15 of 41 flagged)."""
     tool, index, questions, vectors, _ = evaluation
     rows = index.search_fused(vectors, [q["question"] for q in questions], 3, DEFAULT_FUSION)
     flagged = [row[0].passage.id == q["passage"] for q, row in zip(questions, rows) if row[0].ambiguous]
