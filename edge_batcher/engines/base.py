@@ -28,7 +28,9 @@ from ..types import TensorSpec
 # (memory/device.py measures it with the device's probe).
 DEVICE_PROVIDERS = frozenset({"CUDAExecutionProvider", "TensorrtExecutionProvider", "NvTensorRTRTXExecutionProvider"})
 
-# prepare(inputs as clients send them) -> (inputs as the model runs on them, sequence length)
+# prepare(inputs as clients send them) -> (inputs as the model runs on them, sequence length);
+# called on the model's prepare thread (scheduler/preparing.py), one request at a time, never on
+# the event loop and never beside infer() on the same thread
 PrepareHook = Callable[[dict[str, np.ndarray]], "tuple[dict[str, np.ndarray], int]"]
 # memory_footprint(batch, seq_len) -> {"resident": bytes, "per_batch": bytes}
 FootprintHook = Callable[[int, "int | None"], "dict[str, int]"]

@@ -1,17 +1,17 @@
 """TextEmbeddingEngine: an ONNX sentence-embedding model that takes text.
 
 Clients send `text` BYTES [batch] and get `embedding` FP32 [batch, dim]. The engine's
-prepare() hook (called by the ModelRunner at submit time, on the event loop) tokenizes the
-texts into `input_ids` / `attention_mask` [rows, longest]; the runner then queues the request
-in the length bucket of its longest text and pads whole batches to the bucket with the
-model's `[sequence]` settings. The model's attention mask keeps padding out of the result,
-so a text's embedding does not depend on the bucket or on its batch neighbours
-(tools/build_embedding_model.py checks this for the demo model).
+prepare() hook (called for the ModelRunner on the model's prepare thread before the request is
+queued, scheduler/preparing.py) tokenizes the texts into `input_ids` / `attention_mask` [rows,
+longest]; the runner then queues the request in the length bucket of its longest text and pads
+whole batches to the bucket with the model's `[sequence]` settings. The model's attention mask
+keeps padding out of the result, so a text's embedding does not depend on the bucket or on its
+batch neighbours (tools/build_embedding_model.py checks this for the demo model).
 
 Texts longer than `[tokenizer] max_length` tokens are truncated (as sentence-transformers
-does): an embedding of the first max_length tokens. Since prepare() runs on the event loop and
-tokenizing costs time per character, a text is first cut to `[tokenizer] max_chars` characters
-(default 16 per token of max_length, rag/tokenize.py): what follows is never read.
+does): an embedding of the first max_length tokens. Since tokenizing costs time per character,
+a text is first cut to `[tokenizer] max_chars` characters (default 16 per token of max_length,
+rag/tokenize.py): what follows is never read.
 
 model.toml::
 
@@ -82,7 +82,7 @@ class TextEmbeddingEngine(OnnxRuntimeEngine):
 
     def prepare(self, inputs: dict[str, np.ndarray]) -> tuple[dict[str, np.ndarray], int]:
         """text [rows] -> input_ids, attention_mask [rows, longest] (+ token_type_ids). On the
-        event loop: at most max_chars characters of each text are decoded and tokenized."""
+        model's prepare thread: at most max_chars characters of each text are decoded and tokenized."""
         assert self.tokenizer is not None, "prepare() before load()"
         texts = text_heads(inputs[TEXT_INPUT], TEXT_INPUT, self.tokenizer.max_chars)
         ids, mask = self.tokenizer.pad(self.tokenizer.encode_batch(texts, truncate=True))

@@ -41,6 +41,7 @@ from . import policy
 from .execute import Answers, BatchExecutor, LocalBatch, Outcome
 from .offloading import Offloader, OffloadPort
 from .policy import Dispatch, Reason, Reject, Target
+from .preparing import Prepared, PrepareStage, Preparing
 from .queues import ModelQueue, Pending, QueuedRequest
 from .slots import InstanceSlots
 from .stats import ModelStats, RunnerStats
@@ -78,6 +79,8 @@ class ModelRunner:
         # An engine may turn what clients send into what the model runs on (text -> token ids);
         # batches are then built from its batch_inputs.
         self._prepare = first.prepare
+        # ... on a thread of its own, never on the event loop (preparing.py)
+        self._preparing = PrepareStage(self.name, first.prepare, self._prepared) if first.prepare else None
         self.batch_inputs: list[TensorSpec] = first.batch_inputs or self.inputs
         self.outputs: list[TensorSpec] = first.outputs
         self.metrics = metrics
@@ -169,6 +172,8 @@ class ModelRunner:
             log.info("model %s: batches take up to %.2f ms: its engine worker threads run on every CPU, "
                      "not only on the event loop's", self.name, slowest * 1e3)
         self._threads.serve(self._loop, every_cpu=every_cpu)
+        if self._preparing is not None:
+            self._preparing.serve(self._loop)
         self._slots.open()
 
     async def drain(self, timeout: float) -> None:
@@ -176,7 +181,8 @@ class ModelRunner:
         self._draining = True
         self._schedule()
         deadline = time.monotonic() + timeout
-        while (len(self.queue) or self._offloads or self._local_batches) and time.monotonic() < deadline:
+        while (len(self.queue) or self._offloads or self._local_batches or self._being_prepared) \
+                and time.monotonic() < deadline:
             self._progress.clear()
             try:
                 await asyncio.wait_for(self._progress.wait(), max(0.0, deadline - time.monotonic()))
@@ -193,17 +199,27 @@ class ModelRunner:
             self._timer.cancel()
         for req in self.queue.take_all():
             self._fail(req, Unavailable(f"model {self.name!r} was unloaded"))
+        if self._preparing is not None:
+            await self._preparing.stop()  # what it hands back now is answered Unavailable
         await self._threads.stop()
 
     def close_unstarted(self) -> None:
         """close() for a runner that never served (its load failed): blocking, off the loop."""
+        if self._preparing is not None:
+            self._preparing.stop_now()
         self._threads.stop_now()
+
+    @property
+    def _being_prepared(self) -> int:
+        return self._preparing.count if self._preparing is not None else 0
 
     # ------------------------------------------------------------------ requests
 
     def submit(self, request: InferRequest) -> asyncio.Future[InferResponse]:
         """Validate and queue a request; the returned future resolves to its InferResponse.
-        Raises InvalidInput, Overloaded or Unavailable at once when it cannot be queued."""
+        Raises InvalidInput, Overloaded or Unavailable at once when it cannot be queued. A
+        model with a prepare hook gets the request back from its prepare thread first
+        (preparing.py), so what that finds comes from the future."""
         if self._draining:
             raise Unavailable(f"model {self.name!r} is not accepting requests: the daemon is draining")
         loop = self._loop
@@ -213,23 +229,52 @@ class ModelRunner:
         inputs, rows, seq_len = validator.validate(request, check_length=self._prepare is None,
                                                    check_finite=not self._finite_on_worker)
         # Inputs in CUDA shared memory are read on the worker thread only: never by a prepare hook
-        # on the loop, never by a peer (another machine cannot read this one's device memory).
+        # on the host, never by a peer (another machine cannot read this one's device memory).
         on_device = holds_device_tensor(inputs)
-        if self._prepare is not None:
-            if on_device:
-                raise InvalidInput(f"model {self.name!r} prepares its inputs on the host (text -> tokens): "
-                                   "send them as data or in system shared memory, not CUDA shared memory")
-            inputs, seq_len = self._prepare(inputs)
-            validator.check_seq_len(seq_len)
         priority, timeout_s = validator.priority(request), validator.timeout_s(request)
         now = loop.time()
         future = loop.create_future()
-        pending = Pending(priority, now, now + timeout_s, rows, validator.bucket(seq_len),
-                          request=request, inputs=inputs, future=future, local_only=on_device,
-                          found_idle=not self.queue and self._local_batches == 0)
-        if rows > self.settings.max_batch_size:
-            self._submit_oversized(pending)
+        if self._preparing is not None:
+            if on_device:
+                raise InvalidInput(f"model {self.name!r} prepares its inputs on the host (text -> tokens): "
+                                   "send them as data or in system shared memory, not CUDA shared memory")
+            self._refuse_if_full()  # the queue's capacity counts the requests being prepared
+            self._preparing.add(Preparing(request, inputs, rows, priority, now, now + timeout_s, future))
             return future
+        self._queue(Pending(priority, now, now + timeout_s, rows, validator.bucket(seq_len), request=request,
+                            inputs=inputs, future=future, local_only=on_device,
+                            found_idle=not self.queue and self._local_batches == 0), now)
+        return future
+
+    def _prepared(self, items: list[Preparing], results: list[Prepared]) -> None:
+        """Requests back from the prepare thread (on the loop): queued, or answered with why not."""
+        for item, result in zip(items, results):
+            if item.future.done():  # the caller gave up
+                continue
+            try:
+                if isinstance(result, BaseException):
+                    raise result
+                if self._closed:
+                    raise Unavailable(f"model {self.name!r} was unloaded")
+                inputs, seq_len = result
+                self.validator.check_seq_len(seq_len)
+                self._queue(Pending(item.priority, item.arrived, item.deadline, item.rows,
+                                    self.validator.bucket(seq_len), request=item.request, inputs=inputs,
+                                    future=item.future, found_idle=not self.queue and self._local_batches == 0),
+                            now=self._loop.time() if self._loop is not None else item.arrived)
+            except EdgeBatcherError as exc:
+                self._count_status(exc.status)
+                item.future.set_exception(exc)
+            except Exception as exc:  # noqa: BLE001 - the transport's unexpected-error answer
+                item.future.set_exception(exc)
+        self._progress.set()
+
+    def _queue(self, pending: Pending, now: float) -> None:
+        """Queue a checked (and prepared) request; raises Overloaded or InvalidInput when it
+        cannot be."""
+        if pending.rows > self.settings.max_batch_size:
+            self._submit_oversized(pending)
+            return
         self.queue.push(pending)
         bucket = self.queue.buckets[pending.bucket]
         if policy.company_arrived(bucket, self.settings, self._company):
@@ -241,7 +286,6 @@ class ModelRunner:
             slot_free=bool(self._slots.free), has_peer=self.offload is not None, timer_at=self._timer_at,
         ):
             self._schedule()
-        return future
 
     def _submit_oversized(self, queued: Pending) -> None:
         """More rows than the local engine takes: straight to a peer, or a clear error."""
@@ -316,9 +360,16 @@ class ModelRunner:
     def refuse_if_full(self) -> None:
         """Raise Overloaded (counted like any other answer) when the queue is already full, so a
         transport can refuse a request before reading and decoding its body. `submit` checks again."""
-        if len(self.queue) >= self.queue.capacity:
+        try:
+            self._refuse_if_full()
+        except Overloaded:
             self._count_status(Overloaded.status)
-            raise Overloaded(f"queue full: {len(self.queue)} requests waiting (queue_capacity {self.queue.capacity})")
+            raise
+
+    def _refuse_if_full(self) -> None:
+        waiting = len(self.queue) + self._being_prepared
+        if waiting >= self.queue.capacity:
+            raise Overloaded(f"queue full: {waiting} requests waiting (queue_capacity {self.queue.capacity})")
 
     def _count_status(self, status: int) -> None:
         self._stats.count_status(status)
