@@ -7,9 +7,6 @@ list of). TensorRT's side: tests/trt/test_trt_engine.py."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import numpy as np
 import onnxruntime as ort
 import pytest
@@ -17,12 +14,11 @@ import pytest
 from edge_batcher.engines.cuda_api import cuda_api_from
 from edge_batcher.engines.ort_graphs import BoundSession, PinnedStaging
 from edge_batcher.scheduler.batch import stack, stack_shape
-from edge_batcher.scheduler.execute import BatchExecutor, LocalBatch
-from edge_batcher.scheduler.policy import BatchPlan, Reason
-from edge_batcher.scheduler.queues import Pending
-from edge_batcher.types import InferRequest, TensorSpec
+from edge_batcher.scheduler.execute import BatchExecutor
+from edge_batcher.types import TensorSpec
 from tests.fakes.fake_cuda import FakeCuda
 from tests.fakes.fake_cuda_bindings import fake_cuda_module
+from tests.scheduler.test_device_batch import _executor_batch as executor_batch
 
 
 def test_a_batch_written_into_given_staging_equals_a_fresh_one():
@@ -78,15 +74,6 @@ class StagingEngine:
         return {"y": x.reshape(x.shape[0], -1).sum(axis=1)}
 
 
-def _batch(parts, size):
-    loop = asyncio.new_event_loop()
-    far = time.monotonic() + 60
-    requests = [Pending(0, 0.0, far, part.shape[0], request=InferRequest("m", {"x": part}), inputs={"x": part},
-                        future=loop.create_future()) for part in parts]
-    loop.close()
-    return LocalBatch(BatchPlan(requests, sum(p.shape[0] for p in parts), size, 0, Reason.FULL), 0, 0, 0.0, True)
-
-
 def rows(n: int, start: float) -> np.ndarray:
     return (np.arange(n * 6, dtype=np.float32) + start).reshape(n, 2, 3)
 
@@ -95,15 +82,15 @@ def test_the_executor_assembles_a_host_batch_in_the_engines_staging():
     engine = StagingEngine()
     execute = BatchExecutor("m", [engine], [TensorSpec("x", "FP32", (-1, 2, 3))], lambda name: None, 0.0, ["y"])
     a, b = rows(1, 0), rows(2, 50)
-    results, _, _ = execute(_batch([a, b], 4))
+    results, _, _ = execute(executor_batch([a, b], 4))
     assert engine.seen[0] is engine.staging and engine.asked == [{"x": ((4, 2, 3), np.dtype(np.float32))}]
     np.testing.assert_array_equal(engine.staging, np.concatenate([a, b, b[-1:]]))  # padded with the last row
     assert [r["y"].tolist() for r in results] == [[a.sum()], [b[0].sum(), b[1].sum()]]
     # the next batch of that shape overwrites it; one of a shape without staging gets its own array
     c = rows(4, 100)
-    results, _, _ = execute(_batch([c], 4))
+    results, _, _ = execute(executor_batch([c], 4))
     assert engine.seen[1] is engine.staging and results[0]["y"].tolist() == c.reshape(4, -1).sum(axis=1).tolist()
-    results, _, _ = execute(_batch([a, a], 2))
+    results, _, _ = execute(executor_batch([a, a], 2))
     assert engine.seen[2] is not engine.staging and results[1]["y"].tolist() == [a.sum()]
     np.testing.assert_array_equal(engine.staging, c)  # untouched by the batch of 2
 
@@ -114,7 +101,7 @@ def gpu_api(request):
     return gpu, cuda_api_from(fake_cuda_module(request.param, gpu))
 
 
-def test_bound_shapes_get_page_locked_staging_that_runs_as_a_plain_batch(model_repo, gpu_api):
+def test_bound_shapes_get_page_locked_staging_that_runs_as_a_plainexecutor_batch(model_repo, gpu_api):
     gpu, api = gpu_api
     session = ort.InferenceSession(str(model_repo / "vibration" / "model.onnx"), providers=["CPUExecutionProvider"])
     name = session.get_inputs()[0].name

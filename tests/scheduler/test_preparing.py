@@ -127,13 +127,19 @@ async def test_a_caller_that_gave_up_while_its_request_was_prepared_is_skipped()
     await runner.close()
 
 
-async def test_drain_waits_for_requests_being_prepared_and_close_answers_those_after_it():
+async def held_request() -> tuple[WordIdsEngine, ModelRunner, asyncio.Future]:
+    """A runner with one request taken and held on its prepare thread (the gate is shut)."""
     engine = WordIdsEngine()
     engine.gate = threading.Event()
     runner = runner_for(engine)
     await runner.start()
-    first = runner.infer(ask("a bb"))
+    held = runner.infer(ask("a bb"))
     await asyncio.sleep(0.01)
+    return engine, runner, held
+
+
+async def test_drain_waits_for_requests_being_prepared():
+    engine, runner, held = await held_request()
     draining = asyncio.ensure_future(runner.drain(timeout=5))
     await asyncio.sleep(0.05)
     assert not draining.done()  # the request is still being prepared
@@ -141,15 +147,12 @@ async def test_drain_waits_for_requests_being_prepared_and_close_answers_those_a
         runner.infer(ask("late"))
     engine.gate.set()
     await draining
-    assert int((await first).outputs["y"][0]) == 3  # accepted before the drain: served
+    assert int((await held).outputs["y"][0]) == 3  # accepted before the drain: served
     await runner.close()
 
-    engine = WordIdsEngine()
-    engine.gate = threading.Event()
-    runner = runner_for(engine)
-    await runner.start()
-    held = runner.infer(ask("a bb"))
-    await asyncio.sleep(0.01)
+
+async def test_close_answers_the_requests_being_prepared():
+    engine, runner, held = await held_request()
     closing = asyncio.ensure_future(runner.close())
     await asyncio.sleep(0.05)
     engine.gate.set()
