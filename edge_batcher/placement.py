@@ -18,8 +18,10 @@ hands the measurement to the next.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 
@@ -59,6 +61,14 @@ def apply(cpu: int | None, runners: list[ModelRunner]) -> None:
     for runner in runners:
         for tid in runner.loop_cpu_threads():
             pin_thread(tid, cpu)
+    if cpu is None:
+        # The threads the loop started while it was pinned for the measurement inherited its CPU
+        # (the default executor's, which loaded the models and later decode large bodies and
+        # correct a question's spelling): any CPU now, as the choice says.
+        for thread in threading.enumerate():
+            if thread.native_id is not None:
+                with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                    pin_thread(thread.native_id, None)
 
 
 async def choose(cpu: int, runners: list[ModelRunner]) -> Choice:

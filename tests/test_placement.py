@@ -11,7 +11,7 @@ import numpy as np
 
 from edge_batcher import placement
 from edge_batcher.config import BatchingSettings, ModelConfig
-from edge_batcher.cpu_affinity import PROCESS_CPUS, choose
+from edge_batcher.cpu_affinity import PROCESS_CPUS, choose, pin_this_thread
 from edge_batcher.metrics import Metrics
 from edge_batcher.placement import shared_cpu_wins
 from edge_batcher.runtime import discover_models, load_runner
@@ -147,3 +147,23 @@ def test_a_model_that_fails_hands_the_measurement_to_the_next(model_repo):
     choice, *_ = run_on_fresh_loop_thread(model_repo, body)
     assert set(choice.rates) == {"vibration"}
     assert "vibration" in choice.why and "failed" not in choice.why
+
+
+@needs_two_cpus
+def test_threads_the_pinned_loop_started_are_on_any_cpu_once_that_is_chosen():
+    """The default executor's threads (which load the models, later decode large bodies) are
+    started while "auto" has the loop pinned for the measurement, and inherit its CPU: when any
+    CPU wins, they must follow, not stay on the measured one."""
+    cpu = choose("auto")
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        pin_this_thread(cpu)
+        started_pinned = await loop.run_in_executor(None, os.sched_getaffinity, 0)
+        placement.apply(None, [])
+        # an idle executor thread is reused: the one started while the loop was pinned
+        return started_pinned, await loop.run_in_executor(None, os.sched_getaffinity, 0)
+
+    started_pinned, after = in_thread(lambda: asyncio.run(main()))
+    assert started_pinned == {cpu}
+    assert after == set(PROCESS_CPUS)
