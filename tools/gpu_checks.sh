@@ -94,7 +94,7 @@ step_selftest() {
 
 step_bench() {
   local status=0
-  for model in vibration encoder vision; do
+  for model in vibration encoder vision minilm; do
     "$python" -m edge_batcher.cli bench --models "$stash/engines-cuda" --model "$model" --duration 1 --repeat 3 \
       --rate 50% || status=1
   done

