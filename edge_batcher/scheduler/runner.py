@@ -76,10 +76,9 @@ class ModelRunner:
         self.engines: list[Engine] = [with_hook_defaults(e) for e in engines]
         first = self.engines[0]
         self.inputs: list[TensorSpec] = first.inputs
-        # An engine may turn what clients send into what the model runs on (text -> token ids);
-        # batches are then built from its batch_inputs.
-        self._prepare = first.prepare
-        # ... on a thread of its own, never on the event loop (preparing.py)
+        # An engine may turn what clients send into what the model runs on (text -> token ids),
+        # on a thread of its own, never on the event loop (preparing.py); batches are then built
+        # from its batch_inputs.
         self._preparing = PrepareStage(self.name, first.prepare, self._prepared) if first.prepare else None
         self.batch_inputs: list[TensorSpec] = first.batch_inputs or self.inputs
         self.outputs: list[TensorSpec] = first.outputs
@@ -108,7 +107,7 @@ class ModelRunner:
         # Without a prepare hook a batch carries the clients' tensors as they came: its worker
         # checks them for NaN and Infinity once per batch instead of the loop once per request
         # (a numpy call costs the busy loop ~10 us even for 256 values: docs/benchmarks.md).
-        self._finite_on_worker = self._prepare is None
+        self._finite_on_worker = self._preparing is None
         worker_checks = self._finite_on_worker and bool(self.validator.finite_inputs)
         self._execute = BatchExecutor(self.name, self.engines, self.batch_inputs, self.validator.seq_axis,
                                       config.sequence.pad_value if config.sequence else 0,
@@ -226,7 +225,7 @@ class ModelRunner:
         if loop is None:
             raise Unavailable(f"model {self.name!r} is not serving yet")
         validator = self.validator
-        inputs, rows, seq_len = validator.validate(request, check_length=self._prepare is None,
+        inputs, rows, seq_len = validator.validate(request, check_length=self._preparing is None,
                                                    check_finite=not self._finite_on_worker)
         # Inputs in CUDA shared memory are read on the worker thread only: never by a prepare hook
         # on the host, never by a peer (another machine cannot read this one's device memory).
@@ -258,10 +257,11 @@ class ModelRunner:
                     raise Unavailable(f"model {self.name!r} was unloaded")
                 inputs, seq_len = result
                 self.validator.check_seq_len(seq_len)
+                assert self._loop is not None  # requests are taken only once start() set the loop
                 self._queue(Pending(item.priority, item.arrived, item.deadline, item.rows,
                                     self.validator.bucket(seq_len), request=item.request, inputs=inputs,
                                     future=item.future, found_idle=not self.queue and self._local_batches == 0),
-                            now=self._loop.time() if self._loop is not None else item.arrived)
+                            now=self._loop.time())
             except EdgeBatcherError as exc:
                 self._count_status(exc.status)
                 item.future.set_exception(exc)
