@@ -55,20 +55,21 @@ def shared_cpu_wins(rates: dict[str, tuple[float, float]]) -> bool:
 
 
 def apply(cpu: int | None, runners: list[ModelRunner]) -> None:
-    """Put the calling thread (the event loop) and every worker that follows it on `cpu`
-    (None: every CPU of the process). Threads started later inherit the loop's mask."""
+    """Put the calling thread (the event loop) and every worker that follows it on `cpu`; None:
+    every thread of the process on every CPU. Threads started later inherit the loop's mask."""
     pin_this_thread(cpu)
+    if cpu is None:
+        # Not only the workers: the threads the loop started while it was pinned for the
+        # measurement inherited its CPU (the default executor's, which loaded the models and
+        # later decode large bodies and correct a question's spelling).
+        for thread in threading.enumerate():
+            if thread.native_id is not None:
+                with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                    pin_thread(thread.native_id, None)
+        return
     for runner in runners:
         for tid in runner.loop_cpu_threads():
             pin_thread(tid, cpu)
-    if cpu is None:
-        # The threads the loop started while it was pinned for the measurement inherited its CPU
-        # (the default executor's, which loaded the models and later decode large bodies and
-        # correct a question's spelling): any CPU now, as the choice says.
-        for thread in threading.enumerate():
-            if thread.native_id is not None:
-                with contextlib.suppress(OSError):  # a thread that ended meanwhile
-                    pin_thread(thread.native_id, None)
 
 
 async def choose(cpu: int, runners: list[ModelRunner]) -> Choice:
