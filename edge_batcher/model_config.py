@@ -30,6 +30,10 @@ class OnnxRuntimeSettings:
     intra_op_threads: int = 1
     inter_op_threads: int = 1
     graph_optimization_level: str = "all"  # disable | basic | extended | all
+    # Whether ONNX Runtime's pool threads busy-wait for the next parallel section instead of
+    # sleeping (its own default: true). Off trades a little latency for CPU a shared device's
+    # other work can use (docs/benchmarks.md, "Spinning thread pools").
+    allow_spinning: bool = True
     # CUDA graphs per batch shape on the CUDA EP (engines/ort_graphs.py): "auto" uses them where
     # ONNX Runtime accepts them (every node on the device) and says so where it does not; "on"
     # refuses to load without them; "off" never.

@@ -193,3 +193,21 @@ def test_the_http_load_generator_counts_answers_by_status(daemon):
     assert 0 < ok["latency_ms"]["p50"] <= ok["latency_ms"]["p99"] <= ok["latency_ms"]["max"]
     missing = bench_http(f"unix://{daemon.socket}", model="nosuch", duration_s=0.2, warmup_s=0, concurrency=2)
     assert missing["requests"] > 0 and missing["status"] == {"404": missing["requests"]}
+
+
+def test_model_setting_bench_serves_the_model_twice_with_the_setting_changed(model_repo):
+    """tools/bench_model_setting.py against two real daemons; their rows per batch show that each
+    got its own value (preferred sizes [2] against the shipped [2, 4, 8] with 8 callers)."""
+    proc = subprocess.run(
+        [sys.executable, "tools/bench_model_setting.py", "--model", "vibration", "--repo", str(model_repo),
+         "--setting", "batching.preferred_batch_sizes", "--values", "[2]", "[2, 4, 8]",
+         "--concurrency", "8", "--seconds", "0.5", "--rounds", "1"],
+        capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split("|")[2].strip(): line.split("|") for line in proc.stdout.splitlines()
+            if line.startswith("| 8 |")}
+    assert set(rows) == {"[2]", "[2, 4, 8]"}
+    assert float(rows["[2]"][7]) == 2.0  # rows per batch: never more than the only size
+    assert float(rows["[2, 4, 8]"][7]) > 2.0
+    assert float(rows["[2]"][3]) > 0 and float(rows["[2, 4, 8]"][3]) > 0

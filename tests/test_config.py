@@ -140,6 +140,7 @@ execution_providers = [
         ("[sequence]\naxis = 1\n", "missing required key 'inputs'"),
         ("instances = 0\n", "instances: expected a positive number"),
         ("[onnxruntime]\nintra_op_threads = 'two'\n", "intra_op_threads: expected an integer"),
+        ("[onnxruntime]\nallow_spinning = 'no'\n", "allow_spinning: expected true or false"),
     ],
 )
 def test_invalid_model_config_names_the_key(tmp_path, text, words):

@@ -107,3 +107,22 @@ def test_a_model_file_cut_short_is_named_in_the_load_error(model_repo, tmp_path)
     assert "onnxruntime cannot load" in str(raised.value)
     assert "(the file is not a whole ONNX model: the graph at byte " in str(raised.value)
     assert "a copy cut short?" in str(raised.value)
+
+
+@pytest.mark.parametrize("setting, expected", [("", "1"), ("allow_spinning = false\n", "0"),
+                                               ("allow_spinning = true\n", "1")])
+def test_allow_spinning_reaches_both_thread_pools(model_repo, tmp_path, setting, expected):
+    model = tmp_path / "vibration"
+    shutil.copytree(model_repo / "vibration", model)
+    toml = (model / "model.toml").read_text()
+    (model / "model.toml").write_text(toml.replace("[onnxruntime]\n", "[onnxruntime]\n" + setting, 1))
+    engine = OnnxRuntimeEngine(load_model_config(model))
+    engine.load()
+    try:
+        options = engine.session.get_session_options()
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == expected
+        assert options.get_session_config_entry("session.inter_op.allow_spinning") == expected
+        out = engine.infer({"signal": np.zeros((2, 256), np.float32)})
+        assert next(iter(out.values())).shape[0] == 2
+    finally:
+        engine.close()

@@ -16,7 +16,6 @@ Usage: python tools/bench_idle_dispatch.py [--repo engines] [--concurrency 1 2 4
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
 import tempfile
@@ -27,45 +26,26 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 from bench_compare import Server, start_daemon  # noqa: E402
+from bench_model_setting import counts, repository  # noqa: E402
 from mqtt_faults import _Broker  # noqa: E402
 
 from edge_batcher.bench.http_load import bench_http  # noqa: E402
 from edge_batcher.bench.mqtt_load import bench_mqtt  # noqa: E402
-from edge_batcher.client import Client  # noqa: E402
 
 MODEL = "vibration"
-
-
-def repository(home: Path, source: Path, idle: bool) -> Path:
-    """A copy of the demo model whose model.toml says dispatch_when_idle = idle."""
-    repo = home / "repo"
-    shutil.copytree(source / MODEL, repo / MODEL)
-    toml = repo / MODEL / "model.toml"
-    text = toml.read_text()
-    assert "dispatch_when_idle" not in text, f"{toml} sets dispatch_when_idle itself"
-    toml.write_text(text.replace("[batching]\n", f"[batching]\ndispatch_when_idle = {'true' if idle else 'false'}\n"))
-    return repo
-
-
-def batches(server: Server) -> tuple[int, int]:
-    """(requests answered, batches run) so far, from the model's statistics."""
-    client = Client(server.address)
-    stats = client.stats(MODEL)["model_stats"][0]
-    client.close()
-    return stats["inference_stats"]["success"]["count"], stats["execution_count"]
 
 
 def measure(server: Server, concurrency: int, seconds: float, mqtt: tuple[str, str] | None) -> dict:
     """One run; `mqtt` (broker address, topic prefix): through the broker instead of the socket."""
     cpu0, _ = server.cpu()
-    answered0, batches0 = batches(server)
+    answered0, batches0 = counts(server, MODEL)
     if mqtt is None:
         result = bench_http(server.address, model=MODEL, duration_s=seconds, warmup_s=0.0, concurrency=concurrency)
     else:
         result = bench_mqtt(mqtt[0], model=MODEL, topic_prefix=mqtt[1], duration_s=seconds, warmup_s=0.0,
                             concurrency=concurrency)
     cpu1, _ = server.cpu()
-    answered1, batches1 = batches(server)
+    answered1, batches1 = counts(server, MODEL)
     n = max(answered1 - answered0, 1)
     return {"rps": result["throughput_rps"], "p50": result["latency_ms"]["p50"], "p99": result["latency_ms"]["p99"],
             "cpu_us": (cpu1 - cpu0) / n * 1e6, "rows_per_batch": n / max(batches1 - batches0, 1)}
@@ -91,7 +71,8 @@ def main(argv: list[str] | None = None) -> int:
                 home = Path(tmp) / name.replace(" ", "-")
                 topics[name] = f"edge-batcher/{home.name}"  # one prefix each: both share the broker
                 settings = {"mqtt": {"topic_prefix": topics[name]}} if broker else {}
-                servers[name] = start_daemon(home, repository(home, args.repo, idle),
+                servers[name] = start_daemon(home, repository(home, args.repo, MODEL, "batching", "dispatch_when_idle",
+                                                                        "true" if idle else "false"),
                                              broker.port if broker else None, settings)
             via = {name: (f"127.0.0.1:{broker.port}", topics[name]) if broker else None for name in servers}
             for name, server in servers.items():  # warm both: the first requests pay for imports

@@ -212,6 +212,9 @@ class OnnxRuntimeEngine(Engine):
         options.enable_mem_pattern = uses_memory_pattern([name for name, _ in chain])
         options.intra_op_num_threads = settings.intra_op_threads
         options.inter_op_num_threads = settings.inter_op_threads
+        spinning = "1" if settings.allow_spinning else "0"
+        options.add_session_config_entry("session.intra_op.allow_spinning", spinning)
+        options.add_session_config_entry("session.inter_op.allow_spinning", spinning)
         options.graph_optimization_level = getattr(
             ort.GraphOptimizationLevel, _OPT_LEVELS[settings.graph_optimization_level]
         )
