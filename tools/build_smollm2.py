@@ -11,11 +11,14 @@ converter permutes the rows of the Q and K projections so that its rotary embedd
 adjacent pairs; they are permuted back here, and the graph rotates the two halves of each head
 (the Hugging Face convention) - the same arithmetic. The build checks the graph against a numpy
 forward pass of the same weights and its KV cache against a full recompute before writing
-model.toml. docs/rag.md ("A real generator: SmolLM2 from GGUF") has the measurements.
+model.toml. With ``--q4`` the Q4_1 linear weights stay 4-bit and the Q8_0 embeddings 8-bit
+(ONNX Runtime's MatMulNBits, the same weights; 116 MB instead of 539), and the kernels multiply
+int8-quantized activations as llama.cpp does (``--accuracy-level 4``). docs/rag.md ("A real
+generator: SmolLM2 from GGUF") has the measurements.
 
 Usage::
 
-    python tools/build_smollm2.py [--gguf FILE] [--out engines] [--name smollm2]
+    python tools/build_smollm2.py [--gguf FILE] [--out engines] [--name smollm2] [--q4]
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ LINEAR = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ff
 
 def read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray], object]:
     """The model's dimensions, its weights (FP32, linear weights as [in, out]) and the reader.
-    Q4_1 linear weights are also kept as MatMulNBits blocks under "<name>.q4" (q4_blocks)."""
+    Q4_1 linear weights are also kept raw under "<name>.q4" (q4_blocks), the Q8_0 token
+    embeddings under "token_embd.weight.q8" (q8_blocks)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
@@ -89,6 +93,8 @@ def read_gguf(path: Path) -> tuple[dict, dict[str, np.ndarray], object]:
         w[t.name] = a.reshape([int(n) for n in reversed(t.shape.tolist())])
         if t.tensor_type.name == "Q4_1" and t.name.rsplit(".", 2)[-2] in LINEAR:
             w[t.name + ".q4"] = np.asarray(t.data)  # [out, blocks x 20 bytes]
+        if t.tensor_type.name == "Q8_0" and t.name == "token_embd.weight":
+            w[t.name + ".q8"] = np.asarray(t.data)  # [vocab, blocks x 34 bytes]
     for i in range(dims["layers"]):
         p = f"blk.{i}."
         for name, n_heads in (("attn_q", heads), ("attn_k", dims["kv_heads"])):
@@ -111,19 +117,30 @@ def _unpermute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 def q4_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Q4_1 rows (blocks of 32: f16 scale d, f16 minimum m, 16 bytes of nibbles, element j low
-    and j + 16 high) as MatMulNBits' B (consecutive elements low then high), scales and float
-    zero points: d x q + m = (q - zp) x d with zp = -m / d."""
+    and j + 16 high) as MatMulNBits' B (consecutive elements low then high, [rows, blocks, 16]),
+    its scales d, and each block's offset m + 8 d: MatMulNBits without zero points computes
+    (q - 8) x d, so d x q + m = (q - 8) x d + (m + 8 d), and the offsets' part of a product is
+    the offsets times the input's sum over each block (build_onnx). A float zero point
+    (m = -zp x d) would say the same in one operator, but ONNX Runtime's CPU kernel then
+    dequantizes the whole matrix on every call instead of running its packed 4-bit kernels."""
     rows = raw.shape[0]
     blocks = raw.reshape(rows, -1, 20)
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
     q = np.concatenate([blocks[..., 4:] & 0xF, blocks[..., 4:] >> 4], axis=-1)
     packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)
-    safe = np.where(d != 0, d, 1.0)
-    zero_points = np.where(d != 0, -m / safe, 0.0).astype(np.float32)
-    if np.any((d == 0) & (m != 0)):
-        raise SystemExit("a Q4_1 block with scale 0 and a nonzero minimum cannot be kept 4-bit")
-    return packed, d.reshape(-1), zero_points.reshape(-1)
+    return packed, d.reshape(-1), (m + 8 * d).astype(np.float32)
+
+
+def q8_blocks(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q8_0 rows (blocks of 32: f16 scale d, 32 int8 q) as MatMulNBits' 8-bit B (q + 128 as
+    uint8, [rows, blocks, 32]) and scales [rows, blocks]: without zero points it computes
+    (b - 128) x d = q x d, the same weights."""
+    rows = raw.shape[0]
+    blocks = raw.reshape(rows, -1, 34)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8)
+    return (q.astype(np.int16) + 128).astype(np.uint8), d
 
 
 def rope_tables(dims: dict, positions: int) -> tuple[np.ndarray, np.ndarray]:
@@ -184,16 +201,19 @@ def numpy_forward(w: dict, dims: dict, ids: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- ONNX graph
 
 
-def build_onnx(w: dict, dims: dict, max_positions: int, q4: bool = False):
+def build_onnx(w: dict, dims: dict, max_positions: int, q4: bool = False, accuracy_level: int = 0):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
     heads, kv, d, layers = dims["heads"], dims["kv_heads"], dims["head_dim"], dims["layers"]
     g = heads // kv
     nodes, inits = [], []
+    made: set[str] = set()
 
     def const(name, value):
-        inits.append(numpy_helper.from_array(np.asarray(value), name))
+        if name not in made:  # a weight two operators read (the 8-bit embeddings) is stored once
+            made.add(name)
+            inits.append(numpy_helper.from_array(np.asarray(value), name))
         return name
 
     def node(op, inputs, output, **attrs):
@@ -209,9 +229,40 @@ def build_onnx(w: dict, dims: dict, max_positions: int, q4: bool = False):
         rotated = node("MatMul", [x, "rot_half"], out + "/rh")
         return node("Add", [node("Mul", [x, cos], out + "/c"), node("Mul", [rotated, sin], out + "/s")], out)
 
-    const("token_embd.weight", w["token_embd.weight"])
+    def nbits(x_, key, bits, b, scales, out):  # x_ @ W, W of [N, K] in blocks of 32: b [N, K/32, 32 * bits / 8]
+        n, blocks = b.shape[:2]
+        nodes.append(helper.make_node(
+            "MatMulNBits", [x_, const(key + ".b", b), const(key + ".s", scales.reshape(-1))], [out], name=out,
+            domain="com.microsoft", K=blocks * 32, N=n, bits=bits, block_size=32, accuracy_level=accuracy_level))
+        return out
+
+    block_sums: dict[str, str] = {}
+
+    def summed_blocks(x_):  # x_ [batch, seq, K] -> its sums over each block of 32: [batch, seq, K/32]
+        if x_ not in block_sums:
+            blocks = node("Reshape", [x_, "blocks32"], x_ + "/blocks")
+            block_sums[x_] = node("ReduceSum", [blocks, "axm1"], x_ + "/block_sums", keepdims=0)
+        return block_sums[x_]
+
     const("eps", np.array(dims["eps"], dtype=np.float32))
-    x = node("Gather", ["token_embd.weight", "input_ids"], "emb", axis=0)
+    embeddings_q8 = q4 and "token_embd.weight.q8" in w
+    if embeddings_q8:  # Q8_0 embeddings kept 8-bit: rows dequantized as they are gathered
+        emb_b, emb_s = q8_blocks(w["token_embd.weight.q8"])
+        const("token_embd.weight.b", emb_b)
+        const("token_embd.weight.s2", emb_s[..., None])
+        const("f128", np.array(128.0, dtype=np.float32))
+        const("hidden_shape", np.array([0, 0, dims["hidden"]], dtype=np.int64))
+        rows = node("Cast", [node("Gather", ["token_embd.weight.b", "input_ids"], "emb_b", axis=0)], "emb_f",
+                    to=TensorProto.FLOAT)
+        scaled = node("Mul", [node("Sub", [rows, "f128"], "emb_q"),
+                              node("Gather", ["token_embd.weight.s2", "input_ids"], "emb_s", axis=0)], "emb_blocks")
+        x = node("Reshape", [scaled, "hidden_shape"], "emb")
+    else:
+        const("token_embd.weight", w["token_embd.weight"])
+        x = node("Gather", ["token_embd.weight", "input_ids"], "emb", axis=0)
+    if q4:
+        const("blocks32", np.array([0, 0, -1, 32], dtype=np.int64))
+        const("axm1", np.array([-1], dtype=np.int64))
 
     # Rotary tables gathered at each row's positions: [batch, seq, d] -> broadcast to the heads.
     cos_t, sin_t = rope_tables(dims, max_positions)
@@ -252,14 +303,12 @@ def build_onnx(w: dict, dims: dict, max_positions: int, q4: bool = False):
 
         def mm(x_, name, out, p=p):
             key = p + name + ".weight"
-            if q4 and key + ".q4" in w:  # 4-bit weights, dequantized block by block in the kernel
-                packed, scales, zero_points = q4_blocks(w[key + ".q4"])
-                k, n = w[key].shape
-                nodes.append(helper.make_node(
-                    "MatMulNBits", [x_, const(key + ".b", packed), const(key + ".s", scales),
-                                    const(key + ".z", zero_points)], [out], name=out, domain="com.microsoft",
-                    K=k, N=n, bits=4, block_size=32, accuracy_level=0))
-                return out
+            if q4 and key + ".q4" in w:  # 4-bit weights (q4_blocks): (q - 8) x d, plus the blocks' offsets
+                packed, scales, offsets = q4_blocks(w[key + ".q4"])
+                product = nbits(x_, key, 4, packed, scales, out + "/q")
+                shift = node("MatMul", [summed_blocks(x_), const(key + ".m", np.ascontiguousarray(offsets.T))],
+                             out + "/m")
+                return node("Add", [product, shift], out)
             return node("MatMul", [x_, const(key, w[key])], out)
 
         h = rms(x, p + "attn_norm.weight", p + "h1")
@@ -286,7 +335,9 @@ def build_onnx(w: dict, dims: dict, max_positions: int, q4: bool = False):
                            mm(h, "ffn_up", p + "up")], p + "swiglu")
         x = node("Add", [x, mm(act, "ffn_down", p + "down")], p + "res2")
     h = rms(x, "output_norm.weight", "hf")
-    if dims["tied"]:  # logits = h @ token_embd^T without a transposed copy of the embeddings
+    if dims["tied"] and embeddings_q8:  # the LM head reads the same 8-bit embeddings
+        nbits(h, "token_embd.weight", 8, emb_b, emb_s, "logits")
+    elif dims["tied"]:  # logits = h @ token_embd^T without a transposed copy of the embeddings
         const("flat2", np.array([-1, dims["hidden"]], dtype=np.int64))
         flat = node("Gemm", [node("Reshape", [h, "flat2"], "hf2"), "token_embd.weight"], "logits2", transB=1)
         shape3 = node("Concat", [node("Slice", ["ids_shape", const("s0", np.array([0])), const("s2", np.array([2]))],
@@ -395,6 +446,16 @@ def stop_tokens(reader) -> list[str]:
 # --------------------------------------------------------------------------- checks, build
 
 
+def set_accuracy_level(model, level: int) -> None:
+    """Every MatMulNBits node's accuracy_level: 4 multiplies int8-quantized activations (ONNX
+    Runtime's packed kernels; ~2x FP32's speed here), 0/1 keeps them float."""
+    for n in model.graph.node:
+        if n.op_type == "MatMulNBits":
+            for attr in n.attribute:
+                if attr.name == "accuracy_level":
+                    attr.i = level
+
+
 def verify(path: Path, w: dict, dims: dict, prompt_ids: list[int]) -> dict:
     """ONNX == numpy on a full pass; logits step by step with the KV cache == a full recompute."""
     import onnxruntime as ort
@@ -429,7 +490,8 @@ def verify(path: Path, w: dict, dims: dict, prompt_ids: list[int]) -> dict:
 
 
 def build(out: Path, name: str = "smollm2", gguf_path: Path | None = None, *, max_context: int = 2048,
-          threads: int = 2, check: bool = True, quiet: bool = False, q4: bool = False) -> Path:
+          threads: int = 2, check: bool = True, quiet: bool = False, q4: bool = False,
+          accuracy_level: int = 4) -> Path:
     import onnx
 
     gguf_path = gguf_path or default_gguf()
@@ -438,15 +500,22 @@ def build(out: Path, name: str = "smollm2", gguf_path: Path | None = None, *, ma
     dims, w, reader = read_gguf(gguf_path)
     tok = build_tokenizer(reader)
     tok.save(str(target / "tokenizer.json"))
-    model = build_onnx(w, dims, max(max_context, 1), q4)
+    # Checked with float activations (accuracy_level 0), where the 4-bit graph must compute what
+    # the numpy pass over the same weights computes; the requested level only changes how the
+    # kernels quantize activations (4: to int8 per block of 32, as llama.cpp does).
+    model = build_onnx(w, dims, max(max_context, 1), q4, accuracy_level=0)
     onnx.save(model, target / "model.onnx")
-    del model
     report = {}
     if check:
         report = verify(target / "model.onnx", w, dims, tok.encode(SMOKE_PROMPT).ids)
+    if q4 and accuracy_level != 0:
+        set_accuracy_level(model, accuracy_level)
+        onnx.save(model, target / "model.onnx")
+    del model
     (target / "model.toml").write_text(MODEL_TOML.format(
         gguf=gguf_path.name, vocab=dims["vocab"],
-        weights="Q4_1 linear weights kept 4-bit (MatMulNBits), the rest FP32" if q4 else "dequantized to FP32",
+        weights=(f"Q4_1 linear weights 4-bit, Q8_0 embeddings 8-bit (MatMulNBits, accuracy_level {accuracy_level}), "
+                 "the rest FP32") if q4 else "dequantized to FP32",
         threads=threads, max_context=max_context,
         stop_tokens=json.dumps(stop_tokens(reader)), prompt_template=json.dumps(chat_prompt_template(reader)),
         **{k: dims[k] for k in ("layers", "hidden", "heads", "kv_heads")}))
@@ -467,10 +536,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="[onnxruntime] intra_op_threads")
     parser.add_argument("--no-check", action="store_true", help="skip the numpy comparison")
     parser.add_argument("--q4", action="store_true",
-                        help="keep the Q4_1 linear weights 4-bit (ONNX Runtime's MatMulNBits) instead of FP32")
+                        help="keep the Q4_1 linear weights 4-bit and the Q8_0 embeddings 8-bit (ONNX Runtime's "
+                             "MatMulNBits) instead of FP32")
+    parser.add_argument("--accuracy-level", type=int, choices=(0, 1, 4), default=4,
+                        help="with --q4: MatMulNBits' accuracy_level (4: int8 activations, the fast kernels; "
+                             "0/1: float activations)")
     args = parser.parse_args(argv)
     build(args.out, args.name, args.gguf, max_context=args.max_context, threads=args.threads,
-          check=not args.no_check, q4=args.q4)
+          check=not args.no_check, q4=args.q4, accuracy_level=args.accuracy_level)
     return 0
 
 

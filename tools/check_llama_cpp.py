@@ -3,8 +3,9 @@
 tokenizer gives llama.cpp's token ids, and greedy generation (through the generator's own
 Decoder: prefill, then one KV-cached step per token) gives llama.cpp's tokens. Where they part,
 the report says at which token and how far apart the two candidates were in each model's logits
-(llama.cpp multiplies Q4_1 weights with activations quantized to 8 bits; the ONNX model uses the
-same weights dequantized, in FP32, so near-ties may break differently).
+(llama.cpp multiplies Q4_1 weights with activations quantized to 8 bits; the default ONNX model
+uses the same weights dequantized, in FP32, and a ``--q4`` one quantizes its activations its own
+way, so near-ties may break differently).
 
 Needs llama-cpp-python (not a dependency of edge-batcher: ../shared/llm/README.md or
 ``pip install llama-cpp-python``). Usage::

