@@ -228,7 +228,9 @@ def build_onnx(w: dict, dims: dict):
                  perm=[0, 2, 1, 3])
         pk = node("Concat", [f"past_key_values.{i}.key", k], f"present.{i}.key", axis=2)
         pv = node("Concat", [f"past_key_values.{i}.value", v], f"present.{i}.value", axis=2)
-        kt = node("Unsqueeze", [node("Transpose", [pk], p + "kt", perm=[0, 1, 3, 2]), "ax2"], p + "kt5")
+        # Transposed right before the MatMul, so that ONNX Runtime fuses the two (FusedMatMul, transB)
+        # instead of copying the whole key cache transposed at every step.
+        kt = node("Transpose", [node("Unsqueeze", [pk, "ax2"], p + "k5")], p + "kt5", perm=[0, 1, 2, 4, 3])
         s = node("Add", [node("Mul", [node("MatMul", [q, kt], p + "qk"), "scale"], p + "qk_s"), "mask_bias"],
                  p + "scores")
         a = node("Softmax", [s], p + "probs", axis=-1)
