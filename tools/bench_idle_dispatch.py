@@ -26,7 +26,8 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tools"))
 
 from bench_compare import Server, start_daemon  # noqa: E402
-from bench_model_setting import counts, repository  # noqa: E402
+from bench_model_setting import measure as setting_run  # noqa: E402
+from bench_model_setting import repository  # noqa: E402
 from mqtt_faults import _Broker  # noqa: E402
 
 from edge_batcher.bench.http_load import bench_http  # noqa: E402
@@ -37,18 +38,11 @@ MODEL = "vibration"
 
 def measure(server: Server, concurrency: int, seconds: float, mqtt: tuple[str, str] | None) -> dict:
     """One run; `mqtt` (broker address, topic prefix): through the broker instead of the socket."""
-    cpu0, _ = server.cpu()
-    answered0, batches0 = counts(server, MODEL)
     if mqtt is None:
-        result = bench_http(server.address, model=MODEL, duration_s=seconds, warmup_s=0.0, concurrency=concurrency)
-    else:
-        result = bench_mqtt(mqtt[0], model=MODEL, topic_prefix=mqtt[1], duration_s=seconds, warmup_s=0.0,
-                            concurrency=concurrency)
-    cpu1, _ = server.cpu()
-    answered1, batches1 = counts(server, MODEL)
-    n = max(answered1 - answered0, 1)
-    return {"rps": result["throughput_rps"], "p50": result["latency_ms"]["p50"], "p99": result["latency_ms"]["p99"],
-            "cpu_us": (cpu1 - cpu0) / n * 1e6, "rows_per_batch": n / max(batches1 - batches0, 1)}
+        return setting_run(server, MODEL, lambda: bench_http(server.address, model=MODEL, duration_s=seconds,
+                                                              warmup_s=0.0, concurrency=concurrency))
+    return setting_run(server, MODEL, lambda: bench_mqtt(mqtt[0], model=MODEL, topic_prefix=mqtt[1],
+                                                          duration_s=seconds, warmup_s=0.0, concurrency=concurrency))
 
 
 def main(argv: list[str] | None = None) -> int:

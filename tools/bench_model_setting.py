@@ -20,6 +20,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -65,11 +66,12 @@ def counts(server: Server, model: str) -> tuple[int, int]:
     return stats["inference_stats"]["success"]["count"], stats["execution_count"]
 
 
-def measure(server: Server, model: str, inputs: dict, concurrency: int, seconds: float) -> dict:
+def measure(server: Server, model: str, load: Callable[[], dict]) -> dict:
+    """One run of `load` (bench_http or bench_mqtt against the server): its throughput and
+    latency, and the server's CPU and rows per batch over it."""
     cpu0, _ = server.cpu()
     answered0, batches0 = counts(server, model)
-    result = bench_http(server.address, model=model, inputs=inputs, duration_s=seconds, warmup_s=0.0,
-                        concurrency=concurrency)
+    result = load()
     cpu1, _ = server.cpu()
     answered1, batches1 = counts(server, model)
     n = max(answered1 - answered0, 1)
@@ -108,15 +110,20 @@ def main(argv: list[str] | None = None) -> int:
             for name in inputs:
                 if inputs[name].dtype == object:
                     inputs[name] = np.full(inputs[name].shape, args.text.encode(), dtype=object)
+
+            def over_socket(server: Server, concurrency: int, seconds: float) -> dict:
+                return measure(server, args.model, lambda: bench_http(
+                    server.address, model=args.model, inputs=inputs, duration_s=seconds, warmup_s=0.0,
+                    concurrency=concurrency))
+
             for server in servers.values():  # warm both: the first requests pay for imports
-                measure(server, args.model, inputs, 4, 0.5)
+                over_socket(server, 4, 0.5)
             runs: dict[tuple[str, int], list[dict]] = {}
             for r in range(args.rounds):
                 order = names if r % 2 == 0 else names[::-1]
                 for c in args.concurrency:
                     for name in order:
-                        run = measure(servers[name], args.model, inputs, c, args.seconds)
-                        runs.setdefault((name, c), []).append(run)
+                        runs.setdefault((name, c), []).append(over_socket(servers[name], c, args.seconds))
         finally:
             for server in servers.values():
                 server.stop()
