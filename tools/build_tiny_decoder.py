@@ -23,6 +23,10 @@ The tokenizer is a byte-level BPE (vocabulary ``--vocab`` 512, special token
 ``<|endoftext|>``) trained here with the ``tokenizers`` library on the shipped corpus
 (docs/corpus/*.md), so prompts tokenize to ordinary-looking ids and decoding streams bytes.
 
+``--kv-layout shared`` builds the same weights in tools/build_smollm2.py's default layout instead
+(GroupQueryAttention, the cache written in place; positions from ``seqlens_k``): the tests
+compare the two.
+
 The build checks the graph against a numpy forward pass, and that logits computed step by
 step with the KV cache equal a full recompute. Writes ``<out>/tinylm/{model.onnx,
 tokenizer.json, model.toml}`` (the model served with ``backend = "generator"``).
@@ -45,6 +49,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # edge_batcher from a checkout, installed or not
 
 from edge_batcher.progress import Progress  # noqa: E402
+from edge_batcher.rag.decoder import signature  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "docs" / "corpus"
@@ -160,7 +165,7 @@ def numpy_forward(w: dict, dims: dict, ids: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------- ONNX graph
 
 
-def build_onnx(w: dict, dims: dict):
+def build_onnx(w: dict, dims: dict, shared_kv: bool = False):
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -186,40 +191,41 @@ def build_onnx(w: dict, dims: dict):
 
     const("tok", w["tok"])
     const("pos", w["pos"])
+    const("i0", np.array(0, dtype=np.int64))
+    const("i1", np.array(1, dtype=np.int64))
+    const("ax0", np.array([0], dtype=np.int64))
+    const("ax1", np.array([1], dtype=np.int64))
+    node("Gather", [node("Shape", ["input_ids"], "ids_shape"), "i1"], "seq", axis=0)
+    if shared_kv:  # each row's positions end at seqlens_k (its length after this run, less one)
+        ends = node("Add", [node("Cast", ["seqlens_k"], "seqlens64", to=TensorProto.INT64), "i1"], "ends")
+        starts = node("Unsqueeze", [node("Sub", [ends, "seq"], "starts1"), "ax1"], "starts")
+        steps = node("Unsqueeze", [node("Range", ["i0", "seq", "i1"], "steps1"), "ax0"], "steps")
+        node("Add", [starts, steps], "position_ids")
     x = node("Add", [node("Gather", ["tok", "input_ids"], "tok_emb", axis=0),
                      node("Gather", ["pos", "position_ids"], "pos_emb", axis=0)], "emb")
 
-    # Causal + padding mask [batch, 1, 1, seq, total]: query i (absolute position past + i) sees
-    # key j when j <= past + i and attention_mask[j] == 1.
-    const("i0", np.array(0, dtype=np.int64))
-    const("i1", np.array(1, dtype=np.int64))
-    node("Gather", [node("Shape", ["attention_mask"], "mask_shape"), "i1"], "total", axis=0)
-    node("Gather", [node("Shape", ["input_ids"], "ids_shape"), "i1"], "seq", axis=0)
-    node("Sub", ["total", "seq"], "past_len")
-    node("Range", ["past_len", "total", "i1"], "q_pos")
-    node("Range", ["i0", "total", "i1"], "k_pos")
-    const("ax0", np.array([0], dtype=np.int64))
-    const("ax1", np.array([1], dtype=np.int64))
-    node("LessOrEqual", [node("Unsqueeze", ["k_pos", "ax0"], "k_row"), node("Unsqueeze", ["q_pos", "ax1"], "q_col")],
-         "causal")
-    const("ax123", np.array([1, 2, 3], dtype=np.int64))
-    node("Unsqueeze", [node("Cast", ["attention_mask"], "mask_b", to=TensorProto.BOOL), "ax123"], "pad_ok")
-    node("And", ["causal", "pad_ok"], "allowed")
-    const("zero_f", np.array(0.0, dtype=np.float32))
-    const("neg_f", np.array(MASK_NEG, dtype=np.float32))
-    node("Where", ["allowed", "zero_f", "neg_f"], "mask_bias")
+    if not shared_kv:
+        # Causal + padding mask [batch, 1, 1, seq, total]: query i (absolute position past + i) sees
+        # key j when j <= past + i and attention_mask[j] == 1.
+        node("Gather", [node("Shape", ["attention_mask"], "mask_shape"), "i1"], "total", axis=0)
+        node("Sub", ["total", "seq"], "past_len")
+        node("Range", ["past_len", "total", "i1"], "q_pos")
+        node("Range", ["i0", "total", "i1"], "k_pos")
+        node("LessOrEqual", [node("Unsqueeze", ["k_pos", "ax0"], "k_row"),
+                             node("Unsqueeze", ["q_pos", "ax1"], "q_col")], "causal")
+        const("ax123", np.array([1, 2, 3], dtype=np.int64))
+        node("Unsqueeze", [node("Cast", ["attention_mask"], "mask_b", to=TensorProto.BOOL), "ax123"], "pad_ok")
+        node("And", ["causal", "pad_ok"], "allowed")
+        const("zero_f", np.array(0.0, dtype=np.float32))
+        const("neg_f", np.array(MASK_NEG, dtype=np.float32))
+        node("Where", ["allowed", "zero_f", "neg_f"], "mask_bias")
+        const("q_shape", np.array([0, 0, kv, g, d], dtype=np.int64))
+        const("kv_shape", np.array([0, 0, kv, d], dtype=np.int64))
+        const("out_shape", np.array([0, 0, heads * d], dtype=np.int64))
+        const("scale", np.array(1.0 / math.sqrt(d), dtype=np.float32))
+        const("ax2", np.array([2], dtype=np.int64))
 
-    const("q_shape", np.array([0, 0, kv, g, d], dtype=np.int64))
-    const("kv_shape", np.array([0, 0, kv, d], dtype=np.int64))
-    const("out_shape", np.array([0, 0, heads * d], dtype=np.int64))
-    const("scale", np.array(1.0 / math.sqrt(d), dtype=np.float32))
-    const("ax2", np.array([2], dtype=np.int64))
-    const("sqrt2", np.array(math.sqrt(2.0), dtype=np.float32))
-    const("half", np.array(0.5, dtype=np.float32))
-    const("one", np.array(1.0, dtype=np.float32))
-    for i in range(layers):
-        p = f"l{i}."
-        h = ln(x, p + "ln1", p + "h1")
+    def optimum_attention(h, i, p):  # past and present apart, the padding masked
         q = node("Transpose", [node("Reshape", [linear(h, p + "q", p + "q"), "q_shape"], p + "q5")], p + "qh",
                  perm=[0, 2, 3, 1, 4])
         k = node("Transpose", [node("Reshape", [linear(h, p + "k", p + "k"), "kv_shape"], p + "k4")], p + "kh",
@@ -235,7 +241,24 @@ def build_onnx(w: dict, dims: dict):
                  p + "scores")
         a = node("Softmax", [s], p + "probs", axis=-1)
         ctx = node("MatMul", [a, node("Unsqueeze", [pv, "ax2"], p + "v5")], p + "ctx5")
-        ctx = node("Reshape", [node("Transpose", [ctx], p + "ctx_t", perm=[0, 3, 1, 2, 4]), "out_shape"], p + "ctx")
+        return node("Reshape", [node("Transpose", [ctx], p + "ctx_t", perm=[0, 3, 1, 2, 4]), "out_shape"], p + "ctx")
+
+    const("sqrt2", np.array(math.sqrt(2.0), dtype=np.float32))
+    const("half", np.array(0.5, dtype=np.float32))
+    const("one", np.array(1.0, dtype=np.float32))
+    for i in range(layers):
+        p = f"l{i}."
+        h = ln(x, p + "ln1", p + "h1")
+        if shared_kv:  # one operator, the cache written in place (build_smollm2.py's layout)
+            ctx = p + "ctx"
+            nodes.append(helper.make_node(
+                "GroupQueryAttention",
+                [linear(h, p + "q", p + "q"), linear(h, p + "k", p + "k"), linear(h, p + "v", p + "v"),
+                 f"past_key_values.{i}.key", f"past_key_values.{i}.value", "seqlens_k", "total_sequence_length"],
+                [ctx, f"present.{i}.key", f"present.{i}.value"], name=p + "gqa", domain="com.microsoft",
+                num_heads=heads, kv_num_heads=kv))
+        else:
+            ctx = optimum_attention(h, i, p)
         x = node("Add", [x, linear(ctx, p + "o", p + "attn")], p + "res1")
         h = ln(x, p + "ln2", p + "h2")
         f = linear(h, p + "fc1", p + "fc1")
@@ -246,20 +269,14 @@ def build_onnx(w: dict, dims: dict):
     h = ln(x, "lnf", "hf")
     node("MatMul", [h, const("lm_head", w["lm_head"])], "logits")
 
-    f32 = TensorProto.FLOAT
-    inputs = [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
-              helper.make_tensor_value_info("attention_mask", TensorProto.INT64,
-                                            ["batch_size", "past_sequence_length + sequence_length"]),
-              helper.make_tensor_value_info("position_ids", TensorProto.INT64, ["batch_size", "sequence_length"])]
-    outputs = [helper.make_tensor_value_info("logits", f32, ["batch_size", "sequence_length", w["lm_head"].shape[1]])]
-    for i in range(layers):
-        for kind in ("key", "value"):
-            inputs.append(helper.make_tensor_value_info(f"past_key_values.{i}.{kind}", f32,
-                                                        ["batch_size", kv, "past_sequence_length", d]))
-            outputs.append(helper.make_tensor_value_info(
-                f"present.{i}.{kind}", f32, ["batch_size", kv, "past_sequence_length + sequence_length", d]))
+    def declared(specs):
+        return [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), dims)
+                for name, dtype, dims in specs]
+
+    inputs, outputs = (declared(specs) for specs in signature(layers, kv, d, w["lm_head"].shape[1], shared_kv))
     graph = helper.make_graph(nodes, "tinylm", inputs, outputs, initializer=inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], ir_version=IR_VERSION,
+    opsets = [helper.make_opsetid("", OPSET)] + ([helper.make_opsetid("com.microsoft", 1)] if shared_kv else [])
+    model = helper.make_model(graph, opset_imports=opsets, ir_version=IR_VERSION,
                               producer_name="edge-batcher tools/build_tiny_decoder.py (random weights, tests only)")
     onnx.checker.check_model(model)
     return model
@@ -274,14 +291,21 @@ def verify(path: Path, w: dict, dims: dict, vocab: int) -> dict:
     ids = rng.integers(0, vocab, size=(2, 12)).astype(np.int64)
     kv, d = dims["kv_heads"], dims["head_dim"]
 
+    shared = "seqlens_k" in {i.name for i in sess.get_inputs()}
+
     def run(step_ids, mask, positions, past):
-        feed = {"input_ids": step_ids, "attention_mask": mask, "position_ids": positions}
+        if shared:  # past and present are buffers of 12 columns (the daemon binds them as one)
+            ends = positions[:, -1] + 1
+            feed = {"input_ids": step_ids, "seqlens_k": (ends - 1).astype(np.int32),
+                    "total_sequence_length": np.array(ends.max(), np.int32)}
+        else:
+            feed = {"input_ids": step_ids, "attention_mask": mask, "position_ids": positions}
         for i in range(dims["layers"]):
             feed[f"past_key_values.{i}.key"], feed[f"past_key_values.{i}.value"] = past[2 * i], past[2 * i + 1]
         out = sess.run(None, feed)
         return out[0], out[1:]
 
-    empty = [np.zeros((2, kv, 0, d), np.float32)] * (2 * dims["layers"])
+    empty = [np.zeros((2, kv, 12 if shared else 0, d), np.float32)] * (2 * dims["layers"])
     full, _ = run(ids, np.ones_like(ids), np.tile(np.arange(12), (2, 1)), empty)
     ref_diff = float(np.abs(full - numpy_forward(w, dims, ids)).max())
     logits, past = run(ids[:, :5], np.ones((2, 5), np.int64), np.tile(np.arange(5), (2, 1)), empty)
@@ -301,7 +325,7 @@ BUILD_STEPS = 3  # the step() calls of build
 
 def build(out: Path, name: str = "tinylm", seed: int = 0, *, vocab: int = 512, hidden: int = 64, layers: int = 2,
           heads: int = 4, kv_heads: int = 2, ffn: int = 256, max_positions: int = 1024, quiet: bool = False,
-          step: Callable[[str], None] = lambda label: None) -> Path:
+          step: Callable[[str], None] = lambda label: None, kv_layout: str = "optimum") -> Path:
     import onnx
 
     target = out / name
@@ -316,7 +340,7 @@ def build(out: Path, name: str = "tinylm", seed: int = 0, *, vocab: int = 512, h
     dims = {"layers": layers, "heads": heads, "kv_heads": kv_heads, "head_dim": hidden // heads}
     step(f"building the ONNX graph ({layers} layers, random weights)")
     w = make_weights(seed, vocab_size, hidden, layers, heads, kv_heads, hidden // heads, ffn, max_positions)
-    model = build_onnx(w, dims)
+    model = build_onnx(w, dims, shared_kv=kv_layout == "shared")
     onnx.save(model, target / "model.onnx")
     step("checking it against numpy and its KV cache against full recomputation")
     report = verify(target / "model.onnx", w, dims, vocab_size)
@@ -337,10 +361,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--max-positions", type=int, default=1024)
+    parser.add_argument("--kv-layout", choices=("optimum", "shared"), default="optimum",
+                        help="optimum: Optimum's signature (the default here: what user exports have); shared: "
+                             "the cache written in place (tools/build_smollm2.py's default)")
     args = parser.parse_args(argv)
     with Progress(args.name, BUILD_STEPS) as progress:
         build(args.out, args.name, args.seed, layers=args.layers, max_positions=args.max_positions,
-              step=progress.step)
+              step=progress.step, kv_layout=args.kv_layout)
     return 0
 
 

@@ -1,16 +1,17 @@
 #!/usr/bin/env python3
 """Measure a generator's KV cache against the plan's estimate (rag/kv.py: bytes per token from
 the model's own shape): for 1, 4 and 8 running sequences of 512 tokens, built as the decode loop
-builds them (each prompt prefilled alone, joined to the left-padded batch, then one decode step
-for all), the process RSS while the batch is held minus the RSS once it is dropped, and the
-peak RSS of one decode step above the held state (its past and present caches both live while
-ONNX Runtime runs). Linux only (/proc/self/status, clear_refs). The tool runs itself with
-glibc's mmap threshold fixed at 64 KiB (MALLOC_MMAP_THRESHOLD_): otherwise glibc raises it
-after the first large free and keeps later caches in its heap, which RSS never gives back, so
-dropping a cache would show nothing. ``--arena`` keeps ONNX Runtime's CPU arena (the daemon's
-setting): the caches the session returns then live in the arena, which never shrinks, and RSS
-shows its high-water mark instead of the cache; by default the tool runs the session without
-it, to see the cache itself.
+builds them (each prompt prefilled alone, joined to the batch, then one decode step for all),
+the process RSS while the batch is held minus the RSS once it is dropped, and the peak RSS of
+one decode step above the held state (in Optimum's layout its past and present caches both live
+while ONNX Runtime runs; in the in-place layout the cache's buffers, whose columns are allocated
+in steps of 64 tokens, are what it holds: ``cache_says_mib``). Linux only (/proc/self/status,
+clear_refs). The tool runs itself with glibc's mmap threshold fixed at 64 KiB
+(MALLOC_MMAP_THRESHOLD_): otherwise glibc raises it after the first large free and keeps later
+caches in its heap, which RSS never gives back, so dropping a cache would show nothing.
+``--arena`` keeps ONNX Runtime's CPU arena (the daemon's setting): the caches the session
+returns then live in the arena, which never shrinks, and RSS shows its high-water mark instead
+of the cache; by default the tool runs the session without it, to see the cache itself.
 
 Usage::
 
@@ -80,7 +81,7 @@ def measure(model: Path, tokens: int, counts: list[int], arena: bool = False) ->
             cache = join(cache, decoder.prefill(list(rng.integers(100, decoder.vocab, tokens - 1)))[1])
         assert cache is not None
         _, cache = decoder.step(cache, np.zeros(n, dtype=np.int64))  # now n x `tokens` tokens
-        held = rss()
+        held, held_cache = rss(), cache.nbytes
         reset_peak()
         _, stepped = decoder.step(cache, np.zeros(n, dtype=np.int64))
         peak = _status("VmHWM")
@@ -88,7 +89,8 @@ def measure(model: Path, tokens: int, counts: list[int], arena: bool = False) ->
         estimate = kv.bytes_per_token * tokens * n
         del cache
         after = rss()
-        rows.append({"sequences": n, "tokens": tokens, "estimate_mib": round(estimate / MiB, 1),
+        rows.append({"sequences": n, "tokens": tokens, "layout": "in place" if decoder.shared_kv else "optimum",
+                     "estimate_mib": round(estimate / MiB, 1), "cache_says_mib": round(held_cache / MiB, 1),
                      "held_minus_dropped_mib": round((held - after) / MiB, 1),
                      "held_minus_before_mib": round((held - before) / MiB, 1),
                      "ratio": round((held - after) / estimate, 3),

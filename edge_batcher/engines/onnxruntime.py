@@ -249,11 +249,23 @@ class OnnxRuntimeEngine(Engine):
         except (ConfigError, EngineError):
             raise
         except Exception as exc:
-            text = str(exc)
-            if "out of memory" in text.lower() or "failed to allocate" in text.lower():
-                raise OutOfMemory(f"model {self.config.name!r}: out of memory: {text}") from exc
-            raise EngineError(f"model {self.config.name!r}: onnxruntime failed: {text}") from exc
+            raise self._failure(exc) from exc
         return {spec.name: value for spec, value in zip(self.outputs, values)}
+
+    def run_binding(self, binding: Any) -> None:
+        """Run with inputs and outputs the caller bound (session.io_binding()): the decoder's
+        KV cache bound in place as both past and present. Errors as infer()'s."""
+        assert self.session is not None, "run_binding() before load()"
+        try:
+            self.session.run_with_iobinding(binding)
+        except Exception as exc:
+            raise self._failure(exc) from exc
+
+    def _failure(self, exc: Exception) -> EngineError:
+        text = str(exc)
+        if "out of memory" in text.lower() or "failed to allocate" in text.lower():
+            return OutOfMemory(f"model {self.config.name!r}: out of memory: {text}")
+        return EngineError(f"model {self.config.name!r}: onnxruntime failed: {text}")
 
     def _run_device_inputs(self, inputs: dict[str, Any]) -> list[np.ndarray]:
         """One run with the device batches bound where they are (IOBinding, no copy) and the

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DeadlineExceeded, EdgeBatcherError, EngineError, Unavailable
-from .decoder import BatchCache, Decoder, join, keep
+from .decoder import Decoder, KvCache, join, keep
 from .sampling import choose
 from .sequence import GenerationResult, Sequence
 
@@ -140,7 +140,7 @@ class DecodeLoop:
     # ------------------------------------------------------------------ the worker thread
 
     def _run(self) -> None:
-        cache: BatchCache | None = None
+        cache: KvCache | None = None
         running: list[Sequence] = []
         try:
             while True:
@@ -210,7 +210,7 @@ class DecodeLoop:
             admitted.append(seq)
         return admitted
 
-    def _prefill(self, seq: Sequence, running: list[Sequence], cache: BatchCache | None) -> BatchCache | None:
+    def _prefill(self, seq: Sequence, running: list[Sequence], cache: KvCache | None) -> KvCache | None:
         seq.admitted_at = time.monotonic()
         t0 = time.perf_counter()
         try:
@@ -234,7 +234,7 @@ class DecodeLoop:
         running.append(seq)
         return join(cache, own)
 
-    def _step(self, cache: BatchCache, running: list[Sequence]) -> tuple[BatchCache | None, list[Sequence]]:
+    def _step(self, cache: KvCache, running: list[Sequence]) -> tuple[KvCache | None, list[Sequence]]:
         rows = len(running)
         t0 = time.perf_counter()
         try:
@@ -256,8 +256,8 @@ class DecodeLoop:
             return cache, running
         return self._drop(cache, running, lambda s: id(s) in done, cancelled=False)
 
-    def _drop(self, cache: BatchCache | None, running: list[Sequence], leaves: Callable[[Sequence], bool],
-              cancelled: bool) -> tuple[BatchCache | None, list[Sequence]]:
+    def _drop(self, cache: KvCache | None, running: list[Sequence], leaves: Callable[[Sequence], bool],
+              cancelled: bool) -> tuple[KvCache | None, list[Sequence]]:
         """Remove finished (or, with `cancelled`, cancelled) sequences from the batch at once."""
         rows = [i for i, s in enumerate(running) if not leaves(s)]
         if len(rows) == len(running):
@@ -322,6 +322,6 @@ class DecodeLoop:
             self.budget.release(seq.reserved)
             seq.reserved = 0
 
-    def _publish(self, cache: BatchCache | None) -> None:
+    def _publish(self, cache: KvCache | None) -> None:
         with self._lock:
             self._kv_in_use = cache.nbytes if cache is not None else 0

@@ -8,8 +8,15 @@ text-generation-with-past) has::
              (and use_cache_branch [1] in "merged" exports)
     outputs  logits [batch, seq, vocab], present.N.key / .value [batch, kv_heads, past + seq, head_dim]
 
-The batch is kept LEFT-padded: every row's tokens end at the last column, so one decode step
-appends one column for all rows. A row's padding columns have attention_mask 0 (the model
+A second layout, written by tools/build_smollm2.py (the default there), keeps the cache in
+place: inputs ``input_ids``, ``seqlens_k`` INT32 [batch] (each row's length after this run, less
+one: ONNX Runtime's GroupQueryAttention convention) and ``total_sequence_length`` INT32 [] instead
+of attention_mask and position_ids, and past_key_values.N / present.N of [batch, kv_heads,
+max_sequence_length, head_dim] bound to the same buffers (kv_slots.SlotCache), so a step writes
+one token per row and copies nothing.
+
+In the Optimum layout the batch is kept LEFT-padded: every row's tokens end at the last column,
+so one decode step appends one column for all rows. A row's padding columns have attention_mask 0 (the model
 gives them zero attention weight) and its position ids count only its real tokens, so a row
 computes what it would compute alone; only floating-point rounding of the batched matmuls
 differs. Sequences joining are prefilled on their own (batch 1, no padding) and their cache is
@@ -30,6 +37,7 @@ from ..config import ModelConfig
 from ..engines.onnxruntime import OnnxRuntimeEngine
 from ..errors import ConfigError
 from .kv import DTYPE_BYTES, KvShape
+from .kv_slots import COLUMN_STEP, SlotCache, round_up
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 _ORT_FLOAT = {"FP32": np.float32, "FP16": np.float16}
@@ -57,25 +65,60 @@ class BatchCache:
     def nbytes(self) -> int:
         return sum(int(a.nbytes) for a in self.past)
 
+    def join(self, new: BatchCache) -> BatchCache:
+        """The batch with `new`'s rows appended (last), both left-padded to the wider width."""
+        width = max(self.width, new.width)
+        a, b = _left_pad(self, width), _left_pad(new, width)
+        return BatchCache([np.concatenate([x, y], axis=0) for x, y in zip(a.past, b.past)],
+                          np.concatenate([a.mask, b.mask], axis=0), np.concatenate([a.positions, b.positions]))
+
+    def keep(self, rows: list[int]) -> BatchCache | None:
+        """Only the given rows (in that order), with the columns now padding for all of them trimmed."""
+        if not rows:
+            return None
+        index = np.asarray(rows, dtype=np.int64)
+        mask = self.mask[index]
+        used = np.flatnonzero(mask.any(axis=0))
+        start = int(used[0]) if used.size else mask.shape[1]
+        return BatchCache([p[index][:, :, start:] for p in self.past], mask[:, start:], self.positions[index])
+
+
+KvCache = BatchCache | SlotCache
+
 
 class Decoder:
-    def __init__(self, config: ModelConfig, kv_heads: int = 0, head_dim: int = 0):
+    def __init__(self, config: ModelConfig, kv_heads: int = 0, head_dim: int = 0, max_context: int = 2048):
         self.config = config
         self.engine = OnnxRuntimeEngine(config)
         self._kv_heads_override = kv_heads
         self._head_dim_override = head_dim
+        self.max_context = max_context
         self.kv: KvShape | None = None
         self.vocab = 0
+        self.shared_kv = False
 
     def load(self) -> None:
         """Load the session and read the KV layout from its inputs. Blocking."""
         self.engine.load()
+        try:
+            self._read_layout()
+        except ConfigError:
+            self.engine.close()  # a model the decoder cannot run does not keep its session
+            raise
+
+    def _read_layout(self) -> None:
         where = f"{self.config.directory / 'model.toml'}"
         specs = {s.name: s for s in self.engine.inputs}
-        for name in ("input_ids", "attention_mask"):
+        self.shared_kv = "seqlens_k" in specs
+        needed = ["input_ids"] + (["seqlens_k", "total_sequence_length"] if self.shared_kv else ["attention_mask"])
+        for name in needed:
             if name not in specs:
-                raise ConfigError(f"{where}: {self.config.model_path} is not an Optimum decoder export: "
-                                  f"no input {name!r} (inputs: {', '.join(specs)})")
+                raise ConfigError(f"{where}: {self.config.model_path} is not a decoder export of a known layout: "
+                                  f"no input {name!r} (inputs: {', '.join(specs)}; docs/rag.md)")
+        if self.shared_kv and self.engine.providers[:1] != ["CPUExecutionProvider"]:
+            raise ConfigError(f"{where}: {self.config.model_path} keeps its KV cache in place (seqlens_k), which "
+                              f"edge-batcher binds in host memory: run it on the CPUExecutionProvider (providers now: "
+                              f"{', '.join(self.engine.providers)}), or build it with --kv-layout optimum")
         layers = sorted({int(m.group(1)) for n in specs if (m := _PAST.match(n))})
         if not layers or layers != list(range(len(layers))):
             raise ConfigError(f"{where}: {self.config.model_path} has no past_key_values.N.key/value inputs: export it "
@@ -128,51 +171,99 @@ class Decoder:
         out = self.engine.infer(feed)
         return out["logits"], [out[n] for n in self._present_names]
 
+    def _run_in_place(self, ids: np.ndarray, cache: SlotCache) -> np.ndarray:
+        """One run of the shared layout: every running row's cache bound as both past and
+        present, so the model writes the new tokens' keys and values where they belong."""
+        rows, tokens = ids.shape
+        ends = cache.lengths + tokens  # each row's length after this run
+        binding = self.engine.session.io_binding()
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(ids, dtype=np.int64))
+        binding.bind_cpu_input("seqlens_k", (ends - 1).astype(np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(int(ends.max()), dtype=np.int32))
+        for past, present, view in zip(self._past_names, self._present_names, cache.views()):
+            shape, where = list(view.shape), view.ctypes.data
+            binding.bind_input(past, "cpu", 0, self.dtype.type, shape, where)
+            binding.bind_output(present, "cpu", 0, self.dtype.type, shape, where)
+        logits = np.empty((rows, tokens, self.vocab), dtype=np.float32)
+        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        self.engine.run_binding(binding)
+        cache.lengths = ends
+        return logits
+
+    def _new_slots(self, rows: int, columns: int) -> SlotCache:
+        assert self.kv is not None
+        columns = max(columns, min(round_up(columns + 1, COLUMN_STEP), self.max_context))  # room to decode
+        return SlotCache(self.kv.layers, self.kv.kv_heads, self.kv.head_dim, self.dtype, rows, columns,
+                         self.max_context)
+
     def empty_past(self, rows: int) -> list[np.ndarray]:
         assert self.kv is not None
         return [np.zeros((rows, self.kv.kv_heads, 0, self.kv.head_dim), dtype=self.dtype)
                 for _ in self._past_names]
 
-    def prefill(self, prompt: list[int]) -> tuple[np.ndarray, BatchCache]:
+    def prefill(self, prompt: list[int]) -> tuple[np.ndarray, KvCache]:
         """Run one prompt alone (batch 1, no padding, no past): the logits of every prompt
         position [len, vocab] (the last row chooses the first new token) and its cache."""
         n = len(prompt)
+        if self.shared_kv:
+            cache = self._new_slots(1, n)
+            cache.lengths = np.zeros(1, dtype=np.int64)
+            return self._run_in_place(np.asarray([prompt], dtype=np.int64), cache)[0], cache
         mask = np.ones((1, n), dtype=np.int64)
         logits, present = self._run(np.asarray([prompt], dtype=np.int64), mask,
                                     np.arange(n, dtype=np.int64)[None], self.empty_past(1))
         return logits[0], BatchCache(present, mask, np.array([n], dtype=np.int64))
 
-    def step(self, cache: BatchCache, tokens: np.ndarray) -> tuple[np.ndarray, BatchCache]:
+    def step(self, cache: KvCache, tokens: np.ndarray) -> tuple[np.ndarray, KvCache]:
         """One decode step for every row: feed each row's next token, get logits [rows, vocab]."""
         rows = cache.rows
+        if isinstance(cache, SlotCache):
+            cache.fit(rows, int(cache.lengths.max()) + 1)
+            ids = np.asarray(tokens, dtype=np.int64).reshape(rows, 1)
+            return self._run_in_place(ids, cache)[:, -1], cache
         mask = np.concatenate([cache.mask, np.ones((rows, 1), dtype=np.int64)], axis=1)
         ids = np.asarray(tokens, dtype=np.int64).reshape(rows, 1)
         logits, present = self._run(ids, mask, cache.positions.reshape(rows, 1), cache.past)
         return logits[:, -1], BatchCache(present, mask, cache.positions + 1)
 
 
+Declared = tuple[str, type, list[int | str]]  # name, numpy scalar type, dims (symbolic or fixed)
+
+
+def signature(layers: int, kv_heads: int, head_dim: int, vocab: int,
+              shared_kv: bool) -> tuple[list[Declared], list[Declared]]:
+    """The graph inputs and outputs of either layout, as (name, numpy dtype, dims) for a builder
+    to declare (tools/build_smollm2.py, tools/build_tiny_decoder.py): what load() reads back."""
+    ids: Declared = ("input_ids", np.int64, ["batch_size", "sequence_length"])
+    if shared_kv:
+        inputs: list[Declared] = [ids, ("seqlens_k", np.int32, ["batch_size"]),
+                                  ("total_sequence_length", np.int32, [])]
+        past = present = "max_sequence_length"
+    else:
+        inputs = [ids, ("attention_mask", np.int64, ["batch_size", "past_sequence_length + sequence_length"]),
+                  ("position_ids", np.int64, ["batch_size", "sequence_length"])]
+        past, present = "past_sequence_length", "past_sequence_length + sequence_length"
+    outputs: list[Declared] = [("logits", np.float32, ["batch_size", "sequence_length", vocab])]
+    for i in range(layers):
+        for kind in ("key", "value"):
+            inputs.append((f"past_key_values.{i}.{kind}", np.float32, ["batch_size", kv_heads, past, head_dim]))
+            outputs.append((f"present.{i}.{kind}", np.float32, ["batch_size", kv_heads, present, head_dim]))
+    return inputs, outputs
+
+
 # ---------------------------------------------------------------------- cache surgery
 
 
-def join(batch: BatchCache | None, new: BatchCache) -> BatchCache:
-    """The batch with `new`'s rows appended (last), both left-padded to the wider width."""
+def join(batch: KvCache | None, new: KvCache) -> KvCache:
+    """The batch with `new`'s rows appended (last)."""
     if batch is None or batch.rows == 0:
         return new
-    width = max(batch.width, new.width)
-    a, b = _left_pad(batch, width), _left_pad(new, width)
-    return BatchCache([np.concatenate([x, y], axis=0) for x, y in zip(a.past, b.past)],
-                      np.concatenate([a.mask, b.mask], axis=0), np.concatenate([a.positions, b.positions]))
+    return batch.join(new)  # type: ignore[arg-type]  # one decoder makes both caches: the same layout
 
 
-def keep(batch: BatchCache, rows: list[int]) -> BatchCache | None:
-    """Only the given rows (in that order), with the columns now padding for all of them trimmed."""
-    if not rows:
-        return None
-    index = np.asarray(rows, dtype=np.int64)
-    mask = batch.mask[index]
-    used = np.flatnonzero(mask.any(axis=0))
-    start = int(used[0]) if used.size else mask.shape[1]
-    return BatchCache([p[index][:, :, start:] for p in batch.past], mask[:, start:], batch.positions[index])
+def keep(batch: KvCache, rows: list[int]) -> KvCache | None:
+    """Only the given rows, in that order."""
+    return batch.keep(rows)
 
 
 def _left_pad(cache: BatchCache, width: int) -> BatchCache:

@@ -63,7 +63,7 @@ class GenerationService(ServiceAccounting):
         self._check_settings()
         self.tokenizer = TextTokenizer.from_model(config, default_max_length=self.settings.max_context)
         self.stop_ids = self._stop_ids()
-        self.decoder = Decoder(config, self.settings.kv_heads, self.settings.head_dim)
+        self.decoder = Decoder(config, self.settings.kv_heads, self.settings.head_dim, self.settings.max_context)
         self.inputs = [TensorSpec(TEXT_INPUT, "BYTES", (-1,))]
         self.outputs = [TensorSpec(TEXT_OUTPUT, "BYTES", (-1,))]
         self._loop = DecodeLoop(self.name, self.decoder, runtime.budget, self.settings.max_running)

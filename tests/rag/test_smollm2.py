@@ -93,16 +93,18 @@ def test_greedy_tokens_follow_llama_cpp_until_a_near_tie(smollm2_dir, llama_chec
             assert split["onnx_margin"] < 0.5 and split["llama_cpp_margin"] < 0.5, entry
 
 
-def test_left_padded_rows_compute_what_they_compute_alone(decoder, smollm2_dir):
+def test_rows_of_a_batch_compute_what_they_compute_alone(decoder, smollm2_dir):
+    """Two prompts of different lengths in one batch (the build's default layout: the cache in
+    place, rows of their own lengths) give each row the logits it gets alone."""
     from edge_batcher.rag.tokenize import TextTokenizer
 
+    assert decoder.shared_kv
     tokenizer = TextTokenizer.from_model(load_model_config(smollm2_dir))
     a, b = (tokenizer.encode(q, special=False) for q in ("Bearings fail because of poor lubrication and", "Paris is"))
-    logits_a, cache_a = decoder.prefill(a)
-    logits_b, cache_b = decoder.prefill(b)
-    both, _ = decoder.step(join(cache_a, cache_b), np.array([11, 12]))
-    np.testing.assert_allclose(both[0], decoder.step(cache_a, np.array([11]))[0][0], atol=2e-3)
-    np.testing.assert_allclose(both[1], decoder.step(cache_b, np.array([12]))[0][0], atol=2e-3)
+    alone = [decoder.step(decoder.prefill(ids)[1], np.array([t]))[0][0] for ids, t in ((a, 11), (b, 12))]
+    both, _ = decoder.step(join(decoder.prefill(a)[1], decoder.prefill(b)[1]), np.array([11, 12]))
+    np.testing.assert_allclose(both[0], alone[0], atol=2e-3)
+    np.testing.assert_allclose(both[1], alone[1], atol=2e-3)
 
 
 async def test_sequences_joining_mid_generation_match_generating_alone(smollm2_dir):

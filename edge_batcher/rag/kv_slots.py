@@ -1,0 +1,113 @@
+"""SlotCache: a running batch's KV cache in fixed buffers that the model writes in place.
+
+A decoder in the shared-buffer layout (ONNX Runtime's GroupQueryAttention with past and
+present bound to the same memory; tools/build_smollm2.py writes one) takes per layer one buffer
+[row_capacity, kv_heads, capacity, head_dim] for keys and one for values. Row r of the batch
+lives in slot r, its tokens in columns 0 .. lengths[r] - 1; a decode step writes each row's new
+token at column lengths[r] and copies nothing else, where the Optimum layout returns a new cache
+with every past token copied (docs/rag.md, "The shared KV layout"). Rows joining are copied in
+once; rows leaving are closed up by moving the rows behind them. The buffers grow (rows to the
+next power of two, columns by half again, in steps of COLUMN_STEP) and shrink when less than
+half is used, so the memory held follows the batch.
+
+Thread: used by the generation worker thread only.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+COLUMN_STEP = 64  # columns are allocated in multiples of this many tokens
+
+
+def round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def _rows_for(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class SlotCache:
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: np.dtype, rows: int, columns: int,
+                 max_columns: int):
+        self._shape = (kv_heads, head_dim)
+        self.dtype = np.dtype(dtype)
+        self.max_columns = max_columns
+        self.buffers = [self._new(rows, columns) for _ in range(2 * layers)]
+        self.lengths = np.zeros(0, dtype=np.int64)
+
+    def _new(self, rows: int, columns: int) -> np.ndarray:
+        kv_heads, head_dim = self._shape
+        return np.zeros((rows, kv_heads, columns, head_dim), dtype=self.dtype)
+
+    @property
+    def rows(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def row_capacity(self) -> int:
+        return int(self.buffers[0].shape[0])
+
+    @property
+    def width(self) -> int:
+        """Columns allocated per row: the most tokens a row can hold before the buffers grow."""
+        return int(self.buffers[0].shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(b.nbytes) for b in self.buffers)
+
+    def views(self) -> list[np.ndarray]:
+        """The running rows of every buffer (contiguous: slots 0 .. rows - 1)."""
+        return [b[: self.rows] for b in self.buffers]
+
+    def fit(self, rows: int, columns: int) -> None:
+        """Make room for `rows` rows of `columns` tokens each, keeping what the running rows
+        hold; give memory back when less than half of either dimension is needed."""
+        have_rows, have_columns = self.row_capacity, self.width
+        want_rows = have_rows if rows <= have_rows else _rows_for(rows)
+        if rows * 2 <= have_rows and have_rows > 1:
+            want_rows = _rows_for(rows)
+        want_columns = have_columns
+        if columns > have_columns:
+            want_columns = round_up(max(columns, have_columns + have_columns // 2), COLUMN_STEP)
+        elif columns * 2 <= have_columns and have_columns > COLUMN_STEP:
+            want_columns = round_up(columns, COLUMN_STEP)
+        want_columns = max(min(want_columns, self.max_columns), columns)
+        if (want_rows, want_columns) == (have_rows, have_columns):
+            return
+        n, used = self.rows, int(self.lengths.max(initial=0))
+        for i, old in enumerate(self.buffers):
+            new = self._new(want_rows, want_columns)
+            new[:n, :, :used] = old[:n, :, :used]
+            self.buffers[i] = new
+
+    def join(self, new: SlotCache) -> SlotCache:
+        """`new`'s rows appended after this batch's (copied into this batch's buffers)."""
+        n, k = self.rows, new.rows
+        self.fit(n + k, int(max(self.lengths.max(initial=0), new.lengths.max(initial=0))))
+        for mine, theirs in zip(self.buffers, new.buffers):
+            for r in range(k):
+                length = int(new.lengths[r])
+                mine[n + r, :, :length] = theirs[r, :, :length]
+        self.lengths = np.concatenate([self.lengths, new.lengths])
+        return self
+
+    def keep(self, rows: list[int]) -> SlotCache | None:
+        """Only the given rows, in that order, moved to slots 0 .. len(rows) - 1."""
+        if not rows:
+            return None
+        if rows == sorted(rows):  # each row moves down or stays: in place, front to back
+            for slot, row in enumerate(rows):
+                if slot != row:
+                    length = int(self.lengths[row])
+                    for b in self.buffers:
+                        b[slot, :, :length] = b[row, :, :length]
+        else:
+            index = np.asarray(rows, dtype=np.int64)
+            for b in self.buffers:
+                b[: len(rows)] = b[index]
+        self.lengths = self.lengths[np.asarray(rows, dtype=np.int64)]
+        self.fit(len(rows), int(self.lengths.max()))
+        return self

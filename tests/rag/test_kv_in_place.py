@@ -1,0 +1,166 @@
+"""The shared KV layout (kv_slots.SlotCache): the tiny decoder built twice from the same seed,
+once with Optimum's signature and once with GroupQueryAttention writing its cache in place,
+must compute the same logits and generate the same tokens, through joins, departures and the
+buffers growing and shrinking."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from edge_batcher.config import load_model_config
+from edge_batcher.rag.decoder import Decoder, join, keep
+from edge_batcher.rag.kv_slots import COLUMN_STEP, SlotCache
+from tests.rag.conftest import _require, _tool
+from tests.rag.test_rag_generation import NO_STOP, PROMPTS, start_service
+
+
+@pytest.fixture(scope="module")
+def shared_repo(tmp_path_factory):
+    _require("tokenizers")
+    out = tmp_path_factory.mktemp("tiny_shared")
+    _tool("build_tiny_decoder").build(out, "tinylm", quiet=True, kv_layout="shared")
+    return out
+
+
+def _decoder(model_dir) -> Decoder:
+    d = Decoder(load_model_config(model_dir))
+    d.load()
+    return d
+
+
+@pytest.fixture(scope="module")
+def decoders(tiny_repo, shared_repo):
+    optimum, shared = _decoder(tiny_repo / "tinylm"), _decoder(shared_repo / "tinylm")
+    assert shared.shared_kv and not optimum.shared_kv
+    yield optimum, shared
+    optimum.close()
+    shared.close()
+
+
+def _alone(decoder: Decoder, prompt: list[int], steps: list[int]) -> np.ndarray:
+    """The logits of the prompt's last token and of each step, the sequence alone."""
+    logits, cache = decoder.prefill(prompt)
+    out = [logits[-1]]
+    for token in steps:
+        step, cache = decoder.step(cache, np.array([token]))
+        out.append(step[0])
+    return np.array(out)
+
+
+def test_the_cache_in_place_computes_what_optimum_s_layout_computes(decoders):
+    optimum, shared = decoders
+    rng = np.random.default_rng(0)
+    prompt, steps = list(rng.integers(0, shared.vocab, 7)), list(rng.integers(0, shared.vocab, 150))
+    np.testing.assert_allclose(_alone(shared, prompt, steps), _alone(optimum, prompt, steps), atol=1e-4)
+
+
+def test_a_step_writes_into_the_same_buffers(decoders):
+    _, shared = decoders
+    _, cache = shared.prefill([5, 9, 13])
+    before = [b.copy() for b in cache.buffers]
+    buffers = list(cache.buffers)
+    _, after = shared.step(cache, np.array([11]))
+    assert after is cache and all(a is b for a, b in zip(after.buffers, buffers))  # nothing reallocated
+    assert cache.lengths.tolist() == [4]
+    for old, new in zip(before, cache.buffers):
+        np.testing.assert_array_equal(new[:, :, :3], old[:, :, :3])  # the prompt's keys and values stay
+        assert np.abs(new[:, :, 3]).sum() > 0  # the new token's were written at column 3
+
+
+def test_rows_join_leave_and_still_compute_what_they_compute_alone(decoders):
+    optimum, shared = decoders
+    rng = np.random.default_rng(1)
+    prompts = [list(rng.integers(0, shared.vocab, n)) for n in (9, 3, 70, 5)]
+    tokens = rng.integers(0, shared.vocab, (4, 12))
+
+    batch = None
+    for p in prompts[:3]:
+        batch = join(batch, shared.prefill(p)[1])
+    assert batch.rows == 3 and batch.row_capacity == 4 and batch.lengths.tolist() == [9, 3, 70]
+    got = {r: [] for r in range(4)}
+    for t in range(4):
+        step, batch = shared.step(batch, tokens[:3, t])
+        for r in range(3):
+            got[r].append(step[r])
+    batch = keep(batch, [0, 2])  # the short middle row leaves: the long one moves into its slot
+    assert batch.rows == 2 and batch.row_capacity == 2 and batch.lengths.tolist() == [13, 74]
+    batch = join(batch, shared.prefill(prompts[3])[1])  # and another joins mid-generation
+    for t in range(4, 12):
+        step, batch = shared.step(batch, np.array([tokens[0, t], tokens[2, t], tokens[3, t - 4]]))
+        for row, r in enumerate((0, 2, 3)):
+            got[r].append(step[row])
+
+    for r, count in ((0, 12), (1, 4), (2, 12), (3, 8)):
+        want = _alone(optimum, prompts[r], list(tokens[r, :count]))[1:]  # after each token fed
+        np.testing.assert_allclose(np.array(got[r]), want, atol=1e-4, err_msg=f"row {r}")
+
+
+def test_the_buffers_grow_and_shrink_with_the_batch():
+    cache = SlotCache(layers=1, kv_heads=2, head_dim=4, dtype=np.float32, rows=1, columns=COLUMN_STEP,
+                      max_columns=1024)
+    cache.lengths = np.array([COLUMN_STEP])
+    cache.buffers[0][0, :, :COLUMN_STEP] = 1.0
+    cache.fit(3, COLUMN_STEP + 1)  # rows to a power of two, columns by half again in steps
+    assert (cache.row_capacity, cache.width) == (4, 2 * COLUMN_STEP)
+    assert cache.buffers[0][0, :, :COLUMN_STEP].min() == 1.0  # what the row held came along
+    cache.fit(3, 400)
+    assert cache.width == 448  # 400 rounded up to a multiple of 64
+    cache.fit(1, 100)  # less than half used in both directions: memory goes back
+    assert (cache.row_capacity, cache.width) == (1, 128)
+    assert cache.nbytes == 2 * 1 * 2 * 128 * 4 * 4
+    cache.fit(1, 2000)
+    assert cache.width == 2000  # past max_columns only as far as asked
+
+
+async def test_generation_in_place_gives_optimum_s_tokens_joins_included(tiny_repo, shared_repo):
+    """Through the decode loop (continuous batching): sequences arriving mid-generation get the
+    tokens the Optimum-layout model gives them, and the memory comes back."""
+    results = {}
+    for layout, repo in (("optimum", tiny_repo), ("shared", shared_repo)):
+        service = await start_service(repo / "tinylm")
+        try:
+            first = await service.submit(PROMPTS[0], {"max_new_tokens": 200, **NO_STOP})
+            events = service.events(first)
+            assert (await events.__anext__())[0] == "token"
+
+            async def rest(events=events):
+                async for kind, payload in events:
+                    if kind == "done":
+                        return payload
+
+            together = await asyncio.gather(rest(), *(service.generate(p, {"max_new_tokens": 40, **NO_STOP})
+                                                      for p in PROMPTS[1:]))
+            stats = service.statistics()
+            assert stats["joined_mid_generation"] >= 1 and stats["max_running_seen"] >= 2, stats
+            assert stats["running"] == 0 and stats["kv"]["reserved_bytes"] == 0
+            for _ in range(1000):  # the worker publishes the cache's size after its last step
+                if service.statistics()["kv"]["cache_bytes"] == 0:
+                    break
+                await asyncio.sleep(0.001)
+            assert service.statistics()["kv"]["cache_bytes"] == 0  # the buffers went with the last sequence
+            results[layout] = [r.token_ids for r in together]
+        finally:
+            await service.close()
+    assert results["shared"] == results["optimum"]
+
+
+def test_the_in_place_layout_is_refused_off_the_cpu_with_a_clear_line(shared_repo, monkeypatch):
+    """The buffers are bound in host memory: a session that placed the model on another provider
+    (here the real session, reporting the CUDA provider first) is refused at load."""
+    from edge_batcher.engines.onnxruntime import OnnxRuntimeEngine
+    from edge_batcher.errors import ConfigError
+
+    real_load = OnnxRuntimeEngine.load
+
+    def load_on_cuda(self):
+        real_load(self)
+        self.providers = ["CUDAExecutionProvider", *self.providers]
+
+    monkeypatch.setattr(OnnxRuntimeEngine, "load", load_on_cuda)
+    decoder = Decoder(load_model_config(shared_repo / "tinylm"))
+    with pytest.raises(ConfigError, match="CPUExecutionProvider .* --kv-layout optimum"):
+        decoder.load()
+    assert decoder.engine.session is None  # closed, not kept
