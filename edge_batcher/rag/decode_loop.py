@@ -1,10 +1,10 @@
 """DecodeLoop: the generator's worker thread, iteration-level continuous batching. One dedicated
 thread owns the decoder session and the running batch's KV cache; between two decode steps it
-admits waiting sequences whose KV need fits the memory budget (prefilled one by one, joined to
-the batch), runs one decode step for every running sequence, and lets finished or cancelled
-ones leave at once with their reservation released. GenerationService (generate.py) queues
-sequences and reads the counters; docs/rag.md ("Continuous batching and KV admission") explains
-the scheduling.
+admits waiting sequences whose KV need fits the memory budget and prefills one chunk of the
+oldest admitted prompt (a prompt all in joins the batch), runs one decode step for every running
+sequence, and lets finished or cancelled ones leave at once with their reservation released.
+GenerationService (generate.py) queues sequences and reads the counters; docs/rag.md
+("Continuous batching and KV admission") explains the scheduling.
 """
 
 from __future__ import annotations
@@ -62,6 +62,15 @@ class DecodeSnapshot:
     decode_sizes: dict[int, list[int]] = field(default_factory=dict)  # rows -> [steps, ns]
 
 
+@dataclass
+class _Filling:
+    """An admitted sequence whose prompt is being prefilled, chunk by chunk."""
+
+    seq: Sequence
+    cache: KvCache | None = None
+    done: int = 0  # prompt tokens already in the cache
+
+
 class DecodeLoop:
     """The worker thread and everything only it changes; other threads go through the methods.
 
@@ -69,11 +78,12 @@ class DecodeLoop:
     statistics take too.
     """
 
-    def __init__(self, name: str, decoder: Decoder, budget: Any, max_running: int):
+    def __init__(self, name: str, decoder: Decoder, budget: Any, max_running: int, prefill_chunk: int = 0):
         self.name = name
         self.decoder = decoder
         self.budget = budget
         self.max_running = max_running
+        self.prefill_chunk = prefill_chunk  # prompt tokens per prefill run between decode steps; 0: whole
         self.waiting: deque[Sequence] = deque()
         self.broken: str | None = None  # why the worker thread died, if it did
         self._cond = threading.Condition()
@@ -142,17 +152,20 @@ class DecodeLoop:
     def _run(self) -> None:
         cache: KvCache | None = None
         running: list[Sequence] = []
+        filling: list[_Filling] = []  # admitted, their prompts being prefilled (oldest first)
         try:
             while True:
                 with self._cond:
-                    while not self.waiting and not running and not self._stopping:
+                    while not self.waiting and not running and not filling and not self._stopping:
                         self._cond.wait()
                     if self._stopping:
                         break
-                    admitted = self._admit(len(running))
-                    held_back = bool(self.waiting) and not admitted and not running
-                for seq in admitted:
-                    cache = self._prefill(seq, running, cache)
+                    admitted = self._admit(len(running) + len(filling))
+                    held_back = bool(self.waiting) and not admitted and not running and not filling
+                filling += [_Filling(seq) for seq in admitted]
+                filling = self._drop_cancelled_fills(filling)
+                if filling:  # one prefill run (a chunk of the oldest prompt) between two decode steps
+                    cache = self._prefill(filling, running, cache)
                 cache, running = self._drop(cache, running, lambda s: s.cancelled, cancelled=True)
                 if running:
                     assert cache is not None  # every running sequence joined the cache
@@ -160,17 +173,17 @@ class DecodeLoop:
                 elif held_back:
                     with self._cond:
                         self._cond.wait(HELD_BACK_RECHECK_S)
-                self._publish(cache)
+                self._publish(cache, filling)
         except BaseException as exc:  # a bug: fail everyone rather than hang them
             log.exception("model %s: generation worker failed", self.name)
             self.broken = f"{type(exc).__name__}: {exc}"
             error = EngineError(f"model {self.name!r}: generation worker failed: {exc}")
-            for seq in running:
+            for seq in running + [f.seq for f in filling]:
                 self._fail(seq, error)
-            running = []
+            running, filling = [], []
         finally:
             stop = Unavailable(f"model {self.name!r} was unloaded")
-            for seq in running:
+            for seq in running + [f.seq for f in filling]:
                 self._fail(seq, stop)
             with self._cond:
                 while self.waiting:
@@ -184,8 +197,10 @@ class DecodeLoop:
         admitted: list[Sequence] = []
         while self.waiting and running + len(admitted) < self.max_running:
             seq = self.waiting[0]
-            if seq.cancelled:
+            if seq.cancelled:  # its caller went away while it waited
                 self.waiting.popleft()
+                with self._lock:
+                    self._counters.cancelled += 1
                 seq.finished = True
                 continue
             if now >= seq.deadline:
@@ -210,17 +225,31 @@ class DecodeLoop:
             admitted.append(seq)
         return admitted
 
-    def _prefill(self, seq: Sequence, running: list[Sequence], cache: KvCache | None) -> KvCache | None:
-        seq.admitted_at = time.monotonic()
+    def _prefill(self, filling: list[_Filling], running: list[Sequence], cache: KvCache | None) -> KvCache | None:
+        """Prefill the next chunk of the oldest admitted prompt; once the whole prompt is in its
+        cache, its first token is chosen and it joins the running batch."""
+        fill = filling[0]
+        seq = fill.seq
+        if not fill.done:
+            seq.admitted_at = time.monotonic()
+        prompt = seq.prompt_ids
+        size = self.prefill_chunk or len(prompt)
         t0 = time.perf_counter()
         try:
-            logits, own = self.decoder.prefill(seq.prompt_ids)
+            logits, fill.cache = self.decoder.extend(fill.cache, prompt[fill.done:fill.done + size], room=len(prompt))
         except EdgeBatcherError as exc:
+            filling.pop(0)
             self._fail(seq, exc)
             return cache
+        fill.done += size
+        with self._lock:
+            self._counters.prefill_ns += int((time.perf_counter() - t0) * 1e9)
+        if fill.done < len(prompt):
+            return cache
+        filling.pop(0)
+        own = fill.cache
         with self._lock:
             c = self._counters
-            c.prefill_ns += int((time.perf_counter() - t0) * 1e9)
             c.prefills += 1
             c.admitted += 1
             if running:
@@ -322,6 +351,20 @@ class DecodeLoop:
             self.budget.release(seq.reserved)
             seq.reserved = 0
 
-    def _publish(self, cache: KvCache | None) -> None:
+    def _drop_cancelled_fills(self, filling: list[_Filling]) -> list[_Filling]:
+        """Sequences cancelled while their prompt was being prefilled leave, their memory freed."""
+        kept = []
+        for fill in filling:
+            if not fill.seq.cancelled:
+                kept.append(fill)
+                continue
+            with self._lock:
+                self._counters.cancelled += 1
+            self._release(fill.seq)
+            fill.seq.finished = True
+        return kept
+
+    def _publish(self, cache: KvCache | None, filling: list[_Filling] | None = None) -> None:
+        held = sum(f.cache.nbytes for f in filling or [] if f.cache is not None)
         with self._lock:
-            self._kv_in_use = cache.nbytes if cache is not None else 0
+            self._kv_in_use = held + (cache.nbytes if cache is not None else 0)

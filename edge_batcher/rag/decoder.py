@@ -204,15 +204,27 @@ class Decoder:
     def prefill(self, prompt: list[int]) -> tuple[np.ndarray, KvCache]:
         """Run one prompt alone (batch 1, no padding, no past): the logits of every prompt
         position [len, vocab] (the last row chooses the first new token) and its cache."""
-        n = len(prompt)
+        return self.extend(None, prompt)
+
+    def extend(self, cache: KvCache | None, tokens: list[int], room: int = 0) -> tuple[np.ndarray, KvCache]:
+        """Feed one sequence (a one-row cache, or None to start one) several more tokens: a
+        prompt in chunks computes what it computes whole. Logits of each token fed [len, vocab].
+        `room`: the whole prompt's length when this is its first chunk (the buffers are sized once)."""
+        n = len(tokens)
+        ids = np.asarray([tokens], dtype=np.int64)
         if self.shared_kv:
-            cache = self._new_slots(1, n)
-            cache.lengths = np.zeros(1, dtype=np.int64)
-            return self._run_in_place(np.asarray([prompt], dtype=np.int64), cache)[0], cache
-        mask = np.ones((1, n), dtype=np.int64)
-        logits, present = self._run(np.asarray([prompt], dtype=np.int64), mask,
-                                    np.arange(n, dtype=np.int64)[None], self.empty_past(1))
-        return logits[0], BatchCache(present, mask, np.array([n], dtype=np.int64))
+            if cache is None:
+                cache = self._new_slots(1, max(n, room))
+                cache.lengths = np.zeros(1, dtype=np.int64)
+            assert isinstance(cache, SlotCache) and cache.rows == 1
+            cache.fit(1, int(cache.lengths[0]) + n)
+            return self._run_in_place(ids, cache)[0], cache
+        assert cache is None or (isinstance(cache, BatchCache) and cache.rows == 1)
+        past = self.empty_past(1) if cache is None else cache.past
+        start = 0 if cache is None else cache.width  # one row alone: no padding columns
+        mask = np.ones((1, start + n), dtype=np.int64)
+        logits, present = self._run(ids, mask, np.arange(start, start + n, dtype=np.int64)[None], past)
+        return logits[0], BatchCache(present, mask, np.array([start + n], dtype=np.int64))
 
     def step(self, cache: KvCache, tokens: np.ndarray) -> tuple[np.ndarray, KvCache]:
         """One decode step for every row: feed each row's next token, get logits [rows, vocab]."""

@@ -44,6 +44,7 @@ class GeneratorSettings:
     max_new_tokens: int = 128
     max_new_tokens_limit: int = 1024
     max_running: int = 8
+    prefill_chunk_tokens: int = 128  # a prompt is prefilled this many tokens at a time between decode steps; 0: whole
     max_rows: int = 8  # texts per v2 infer request (each becomes a sequence)
     stop_tokens: list[str] = field(default_factory=list)
     prompt_template: str = "{prompt}"
@@ -66,7 +67,8 @@ class GenerationService(ServiceAccounting):
         self.decoder = Decoder(config, self.settings.kv_heads, self.settings.head_dim, self.settings.max_context)
         self.inputs = [TensorSpec(TEXT_INPUT, "BYTES", (-1,))]
         self.outputs = [TensorSpec(TEXT_OUTPUT, "BYTES", (-1,))]
-        self._loop = DecodeLoop(self.name, self.decoder, runtime.budget, self.settings.max_running)
+        self._loop = DecodeLoop(self.name, self.decoder, runtime.budget, self.settings.max_running,
+                                self.settings.prefill_chunk_tokens)
         self.queue = self._loop.waiting  # the transports' view: sequences waiting for admission
         self._draining = False
         self.resident_bytes = 0
@@ -79,6 +81,9 @@ class GenerationService(ServiceAccounting):
         for key in ("max_context", "max_new_tokens", "max_new_tokens_limit", "max_running", "max_rows"):
             if getattr(s, key) <= 0:
                 raise ConfigError(f"{where} {key}: expected a positive integer, got {getattr(s, key)}")
+        if s.prefill_chunk_tokens < 0:
+            raise ConfigError(f"{where} prefill_chunk_tokens: expected 0 (whole prompts) or a positive integer, "
+                              f"got {s.prefill_chunk_tokens}")
         if s.max_new_tokens > s.max_new_tokens_limit:
             raise ConfigError(f"{where} max_new_tokens {s.max_new_tokens} is above "
                               f"max_new_tokens_limit {s.max_new_tokens_limit}")

@@ -164,3 +164,107 @@ def test_the_in_place_layout_is_refused_off_the_cpu_with_a_clear_line(shared_rep
     with pytest.raises(ConfigError, match="CPUExecutionProvider .* --kv-layout optimum"):
         decoder.load()
     assert decoder.engine.session is None  # closed, not kept
+
+
+@pytest.mark.parametrize("layout", ["optimum", "shared"])
+def test_a_prompt_fed_in_chunks_computes_what_it_computes_whole(decoders, layout):
+    decoder = dict(zip(("optimum", "shared"), decoders))[layout]
+    prompt = list(np.random.default_rng(2).integers(0, decoder.vocab, 150))
+    whole, _ = decoder.prefill(prompt)
+    cache, parts = None, []
+    for start in range(0, 150, 64):
+        logits, cache = decoder.extend(cache, prompt[start:start + 64], room=150)
+        parts.append(logits)
+    np.testing.assert_allclose(np.concatenate(parts), whole, atol=1e-4)
+    step_whole = decoder.step(decoder.prefill(prompt)[1], np.array([3]))[0]
+    np.testing.assert_allclose(decoder.step(cache, np.array([3]))[0], step_whole, atol=1e-4)
+
+
+async def test_a_long_prompt_is_prefilled_between_the_running_sequences_steps(shared_repo, tmp_path):
+    """With prefill_chunk_tokens the newcomer's prompt goes in chunk by chunk, a decode step of
+    the running sequence after each: the stream already running is not held up by the whole
+    prefill. The calls to the real decoder are recorded to show the order."""
+    import shutil
+
+    model = tmp_path / "tinylm"
+    shutil.copytree(shared_repo / "tinylm", model)
+    toml = (model / "model.toml").read_text().replace("[generator]\n", "[generator]\nprefill_chunk_tokens = 8\n")
+    (model / "model.toml").write_text(toml)
+    service = await start_service(model)
+    try:
+        calls: list[tuple[str, int]] = []
+        decoder = service.decoder
+        extend, step = decoder.extend, decoder.step
+
+        def recorded_extend(cache, tokens, room=0):
+            calls.append(("extend", len(tokens)))
+            return extend(cache, tokens, room)
+
+        def recorded_step(cache, tokens):
+            calls.append(("step", len(tokens)))
+            return step(cache, tokens)
+
+        decoder.extend, decoder.step = recorded_extend, recorded_step
+        long_prompt = " ".join(["bearing temperature and vibration trend"] * 8)
+        tokens = service.count_tokens(long_prompt)
+        assert tokens > 40
+        first = await service.submit(PROMPTS[1], {"max_new_tokens": 200, **NO_STOP})
+        events = service.events(first)
+        assert (await events.__anext__())[0] == "token"
+        newcomer = await service.generate(long_prompt, {"max_new_tokens": 5, **NO_STOP})
+        async for _ in events:
+            pass
+        chunks = [i for i, (kind, _) in enumerate(calls) if kind == "extend"][1:]  # the newcomer's
+        assert len(chunks) == -(-tokens // 8) and all(calls[i][1] <= 8 for i in chunks)
+        for i in chunks[:-1]:
+            assert calls[i + 1] == ("step", 1), calls[i - 2:i + 3]  # the running sequence got its token
+        alone = await service.generate(long_prompt, {"max_new_tokens": 5, **NO_STOP})
+        assert newcomer.token_ids == alone.token_ids
+        assert service.statistics()["prefills"] >= 3
+    finally:
+        await service.close()
+
+
+def test_a_negative_prefill_chunk_is_refused_with_its_key(shared_repo, tmp_path):
+    import shutil
+
+    from edge_batcher.config import DaemonConfig
+    from edge_batcher.errors import ConfigError
+    from edge_batcher.rag.generate import GenerationService
+    from edge_batcher.runtime import Runtime
+
+    model = tmp_path / "tinylm"
+    shutil.copytree(shared_repo / "tinylm", model)
+    toml = (model / "model.toml").read_text().replace("[generator]\n", "[generator]\nprefill_chunk_tokens = -1\n")
+    (model / "model.toml").write_text(toml)
+    with pytest.raises(ConfigError, match=r"\[generator\] prefill_chunk_tokens: expected 0 .* got -1"):
+        GenerationService(load_model_config(model), Runtime(DaemonConfig()))
+
+
+async def test_a_sequence_cancelled_while_its_prompt_is_prefilled_frees_everything(shared_repo, tmp_path):
+    import shutil
+
+    model = tmp_path / "tinylm"
+    shutil.copytree(shared_repo / "tinylm", model)
+    toml = (model / "model.toml").read_text().replace("[generator]\n", "[generator]\nprefill_chunk_tokens = 1\n")
+    (model / "model.toml").write_text(toml)
+    service = await start_service(model)
+    try:
+        prompt = " ".join(["bearing temperature and vibration trend"] * 110)
+        assert 800 < service.count_tokens(prompt) < 1000  # hundreds of one-token chunks: ~0.3 s of prefill
+        seq = await service.submit(prompt, {"max_new_tokens": 8, **NO_STOP})
+        while service.statistics()["kv"]["reserved_bytes"] == 0:  # admitted: its prefill has begun
+            await asyncio.sleep(0.001)
+        service.cancel(seq)
+        for _ in range(5000):
+            stats = service.statistics()
+            if stats["cancelled"] == 1 and stats["kv"]["cache_bytes"] == 0:
+                break
+            await asyncio.sleep(0.001)
+        assert stats["cancelled"] == 1 and stats["running"] == 0 and stats["prefills"] == 0, stats
+        assert stats["kv"]["reserved_bytes"] == 0 and stats["kv"]["cache_bytes"] == 0, stats
+        assert service.runtime.budget.reserved == 0
+        after = await service.generate(PROMPTS[0], {"max_new_tokens": 4, **NO_STOP})  # still serving
+        assert len(after.token_ids) == 4
+    finally:
+        await service.close()
