@@ -260,8 +260,14 @@ class DecodeLoop:
             self._counters.max_running_seen = max(self._counters.max_running_seen, self._running)
         if self._advance(seq, logits[-1]):
             return cache  # finished at its first token: never joins
+        try:
+            joined = join(cache, own)
+        except EdgeBatcherError as exc:  # the batch's cache could not grow for it: it alone fails
+            log.error("model %s: a sequence could not join the batch: %s", self.name, exc)
+            self._fail(seq, exc)
+            return cache
         running.append(seq)
-        return join(cache, own)
+        return joined
 
     def _step(self, cache: KvCache, running: list[Sequence]) -> tuple[KvCache | None, list[Sequence]]:
         rows = len(running)

@@ -5,10 +5,11 @@ present bound to the same memory; tools/build_smollm2.py writes one) takes per l
 [row_capacity, kv_heads, capacity, head_dim] for keys and one for values. Row r of the batch
 lives in slot r, its tokens in columns 0 .. lengths[r] - 1; a decode step writes each row's new
 token at column lengths[r] and copies nothing else, where the Optimum layout returns a new cache
-with every past token copied (docs/rag.md, "The shared KV layout"). Rows joining are copied in
+with every past token copied (docs/rag.md, "The cache in place"). Rows joining are copied in
 once; rows leaving are closed up by moving the rows behind them. The buffers grow (rows to the
 next power of two, columns by half again, in steps of COLUMN_STEP) and shrink when less than
-half is used, so the memory held follows the batch.
+half is used, so the memory held follows the batch. Growing past the memory there is raises
+OutOfMemory (the sequences of that step fail, the rest of the model serves on).
 
 Thread: used by the generation worker thread only.
 """
@@ -16,6 +17,8 @@ Thread: used by the generation worker thread only.
 from __future__ import annotations
 
 import numpy as np
+
+from ..errors import OutOfMemory
 
 COLUMN_STEP = 64  # columns are allocated in multiples of this many tokens
 
@@ -47,12 +50,12 @@ class SlotCache:
 
     @property
     def row_capacity(self) -> int:
-        return int(self.buffers[0].shape[0])
+        return min(int(b.shape[0]) for b in self.buffers)
 
     @property
     def width(self) -> int:
         """Columns allocated per row: the most tokens a row can hold before the buffers grow."""
-        return int(self.buffers[0].shape[2])
+        return min(int(b.shape[2]) for b in self.buffers)
 
     @property
     def nbytes(self) -> int:
@@ -75,13 +78,19 @@ class SlotCache:
         elif columns * 2 <= have_columns and have_columns > COLUMN_STEP:
             want_columns = round_up(columns, COLUMN_STEP)
         want_columns = max(min(want_columns, self.max_columns), columns)
-        if (want_rows, want_columns) == (have_rows, have_columns):
-            return
         n, used = self.rows, int(self.lengths.max(initial=0))
-        for i, old in enumerate(self.buffers):
-            new = self._new(want_rows, want_columns)
-            new[:n, :, :used] = old[:n, :, :used]
-            self.buffers[i] = new
+        try:
+            for i, old in enumerate(self.buffers):  # one at a time: at most one buffer held twice
+                if (old.shape[0], old.shape[2]) != (want_rows, want_columns):
+                    new = self._new(want_rows, want_columns)
+                    new[:n, :, :used] = old[:n, :, :used]
+                    self.buffers[i] = new
+        except MemoryError as exc:
+            if rows <= have_rows and columns <= have_columns:
+                return  # giving memory back is optional; the rows still fit where they are
+            need = want_rows * want_columns * self.buffers[0][0, :, 0].nbytes * len(self.buffers)
+            raise OutOfMemory(f"the KV cache could not grow to {want_rows} rows x {want_columns} tokens "
+                              f"({need / (1 << 20):.1f} MiB): {exc}") from exc
 
     def join(self, new: SlotCache) -> SlotCache:
         """`new`'s rows appended after this batch's (copied into this batch's buffers)."""

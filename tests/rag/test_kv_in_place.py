@@ -268,3 +268,18 @@ async def test_a_sequence_cancelled_while_its_prompt_is_prefilled_frees_everythi
         assert len(after.token_ids) == 4
     finally:
         await service.close()
+
+
+def test_a_cache_that_cannot_grow_says_out_of_memory_and_stays_usable():
+    from edge_batcher.errors import OutOfMemory
+
+    cache = SlotCache(layers=2, kv_heads=2, head_dim=4, dtype=np.float32, rows=2, columns=COLUMN_STEP,
+                      max_columns=1024)
+    cache.lengths = np.array([10, 20])
+    cache.buffers[1][1, :, :20] = 7.0
+    with pytest.raises(OutOfMemory, match="could not grow to 2 rows"):
+        cache.fit(2, 1 << 50)  # more than any machine has
+    assert (cache.row_capacity, cache.width) == (2, COLUMN_STEP)
+    assert cache.buffers[1][1, :, :20].min() == 7.0  # what the rows held is still there
+    cache.fit(2, COLUMN_STEP + 1)  # and it grows when the memory is there
+    assert cache.width == 2 * COLUMN_STEP and cache.buffers[1][1, :, :20].min() == 7.0
