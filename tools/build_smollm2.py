@@ -365,13 +365,18 @@ def build_onnx(w: dict, dims: dict, max_positions: int, q4: bool = False, shared
         act = node("Mul", [node("Mul", [gate, node("Sigmoid", [gate], p + "sig")], p + "silu"),
                            mm(h, "ffn_up", p + "up")], p + "swiglu")
         x = node("Add", [x, mm(act, "ffn_down", p + "down")], p + "res2")
+    # Logits only from position logits_from on (0: every position): the decoder asks for a
+    # prompt's last one, which skips the LM head for the others.
+    x = node("Slice", [x, node("Unsqueeze", ["logits_from", const("ax0_lf", np.array([0]))], "logits_from1"),
+                      const("end_lf", np.array([1 << 62])), const("ax1_lf", np.array([1]))], "x_logits")
     h = rms(x, "output_norm.weight", "hf")
     if dims["tied"] and embeddings_q8:  # the LM head reads the same 8-bit embeddings
         nbits(h, "token_embd.weight", 8, emb_b, emb_s, "logits")
     elif dims["tied"]:  # logits = h @ token_embd^T without a transposed copy of the embeddings
         const("flat2", np.array([-1, dims["hidden"]], dtype=np.int64))
         flat = node("Gemm", [node("Reshape", [h, "flat2"], "hf2"), "token_embd.weight"], "logits2", transB=1)
-        shape3 = node("Concat", [node("Slice", ["ids_shape", const("s0", np.array([0])), const("s2", np.array([2]))],
+        shape3 = node("Concat", [node("Slice", [node("Shape", [h], "h_shape"), const("s0", np.array([0])),
+                                                const("s2", np.array([2]))],
                                       "bs"), const("vocab1", np.array([dims["vocab"]]))], "logit_dims", axis=0)
         node("Reshape", [flat, shape3], "logits")
     else:
@@ -500,6 +505,7 @@ def verify(path: Path, w: dict, dims: dict, prompt_ids: list[int]) -> dict:
                     "total_sequence_length": np.array(end, np.int32)}
         else:
             feed = {"input_ids": step_ids, "attention_mask": np.ones((1, end), np.int64), "position_ids": positions}
+        feed["logits_from"] = np.array(0, np.int64)  # every position's logits
         for i in range(dims["layers"]):
             feed[f"past_key_values.{i}.key"], feed[f"past_key_values.{i}.value"] = past[2 * i], past[2 * i + 1]
         out = sess.run(None, feed)

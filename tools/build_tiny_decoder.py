@@ -266,6 +266,10 @@ def build_onnx(w: dict, dims: dict, shared_kv: bool = False):
                             node("Add", [node("Erf", [node("Div", [f, "sqrt2"], p + "fd")], p + "erf"), "one"],
                                  p + "erf1")], p + "gelu")
         x = node("Add", [x, linear(gelu, p + "fc2", p + "mlp")], p + "res2")
+    # Logits only from position logits_from on (0: every position): the decoder asks for a
+    # prompt's last one, which skips the LM head for the others.
+    x = node("Slice", [x, node("Unsqueeze", ["logits_from", const("ax0_lf", np.array([0]))], "logits_from1"),
+                      const("end_lf", np.array([1 << 62])), const("ax1_lf", np.array([1]))], "x_logits")
     h = ln(x, "lnf", "hf")
     node("MatMul", [h, const("lm_head", w["lm_head"])], "logits")
 
@@ -300,6 +304,7 @@ def verify(path: Path, w: dict, dims: dict, vocab: int) -> dict:
                     "total_sequence_length": np.array(ends.max(), np.int32)}
         else:
             feed = {"input_ids": step_ids, "attention_mask": mask, "position_ids": positions}
+        feed["logits_from"] = np.array(0, np.int64)  # every position's logits
         for i in range(dims["layers"]):
             feed[f"past_key_values.{i}.key"], feed[f"past_key_values.{i}.value"] = past[2 * i], past[2 * i + 1]
         out = sess.run(None, feed)

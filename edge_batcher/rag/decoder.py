@@ -138,6 +138,7 @@ class Decoder:
         self.dtype = np.dtype(dtype)
         self.kv = KvShape(len(layers), kv_heads, head_dim, DTYPE_BYTES[self.dtype.name])
         self.has_positions = "position_ids" in specs
+        self.has_logits_from = "logits_from" in specs  # the builders' graphs (not Optimum's) can skip logits
         self.has_cache_branch = "use_cache_branch" in specs
         outputs = {s.name for s in self.engine.outputs}
         missing = [n for n in ["logits"] + [f"present.{i}.{k}" for i in layers for k in ("key", "value")]
@@ -161,8 +162,11 @@ class Decoder:
 
     # ------------------------------------------------------------------ runs
 
-    def _run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: list[np.ndarray]):
+    def _run(self, ids: np.ndarray, mask: np.ndarray, positions: np.ndarray, past: list[np.ndarray],
+             logits_from: int = 0):
         feed = {"input_ids": ids, "attention_mask": mask}
+        if self.has_logits_from:
+            feed["logits_from"] = np.array(logits_from, dtype=np.int64)
         if self.has_positions:
             feed["position_ids"] = positions
         if self.has_cache_branch:
@@ -171,7 +175,7 @@ class Decoder:
         out = self.engine.infer(feed)
         return out["logits"], [out[n] for n in self._present_names]
 
-    def _run_in_place(self, ids: np.ndarray, cache: SlotCache) -> np.ndarray:
+    def _run_in_place(self, ids: np.ndarray, cache: SlotCache, logits_from: int = 0) -> np.ndarray:
         """One run of the shared layout: every running row's cache bound as both past and
         present, so the model writes the new tokens' keys and values where they belong."""
         rows, tokens = ids.shape
@@ -184,7 +188,9 @@ class Decoder:
             shape, where = list(view.shape), view.ctypes.data
             binding.bind_input(past, "cpu", 0, self.dtype.type, shape, where)
             binding.bind_output(present, "cpu", 0, self.dtype.type, shape, where)
-        logits = np.empty((rows, tokens, self.vocab), dtype=np.float32)
+        if self.has_logits_from:
+            binding.bind_cpu_input("logits_from", np.array(logits_from, dtype=np.int64))
+        logits = np.empty((rows, tokens - logits_from, self.vocab), dtype=np.float32)
         binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         self.engine.run_binding(binding)
         cache.lengths = ends
@@ -201,29 +207,33 @@ class Decoder:
         return [np.zeros((rows, self.kv.kv_heads, 0, self.kv.head_dim), dtype=self.dtype)
                 for _ in self._past_names]
 
-    def prefill(self, prompt: list[int]) -> tuple[np.ndarray, KvCache]:
-        """Run one prompt alone (batch 1, no padding, no past): the logits of every prompt
-        position [len, vocab] (the last row chooses the first new token) and its cache."""
-        return self.extend(None, prompt)
+    def prefill(self, prompt: list[int], all_logits: bool = False) -> tuple[np.ndarray, KvCache]:
+        """Run one prompt alone (batch 1, no padding, no past): its cache, and the logits of its
+        last position [1, vocab] (which choose the first new token), or with `all_logits` (or a
+        model without the `logits_from` input) of every position [len, vocab]."""
+        return self.extend(None, prompt, all_logits=all_logits)
 
-    def extend(self, cache: KvCache | None, tokens: list[int], room: int = 0) -> tuple[np.ndarray, KvCache]:
+    def extend(self, cache: KvCache | None, tokens: list[int], room: int = 0,
+               all_logits: bool = False) -> tuple[np.ndarray, KvCache]:
         """Feed one sequence (a one-row cache, or None to start one) several more tokens: a
-        prompt in chunks computes what it computes whole. Logits of each token fed [len, vocab].
-        `room`: the whole prompt's length when this is its first chunk (the buffers are sized once)."""
+        prompt in chunks computes what it computes whole. Logits as prefill()'s, of the tokens
+        fed. `room`: the whole prompt's length when this is its first chunk (the buffers are
+        sized once)."""
         n = len(tokens)
         ids = np.asarray([tokens], dtype=np.int64)
+        logits_from = 0 if all_logits or not self.has_logits_from else n - 1
         if self.shared_kv:
             if cache is None:
                 cache = self._new_slots(1, max(n, room))
                 cache.lengths = np.zeros(1, dtype=np.int64)
             assert isinstance(cache, SlotCache) and cache.rows == 1
             cache.fit(1, int(cache.lengths[0]) + n)
-            return self._run_in_place(ids, cache)[0], cache
+            return self._run_in_place(ids, cache, logits_from)[0], cache
         assert cache is None or (isinstance(cache, BatchCache) and cache.rows == 1)
         past = self.empty_past(1) if cache is None else cache.past
         start = 0 if cache is None else cache.width  # one row alone: no padding columns
         mask = np.ones((1, start + n), dtype=np.int64)
-        logits, present = self._run(ids, mask, np.arange(start, start + n, dtype=np.int64)[None], past)
+        logits, present = self._run(ids, mask, np.arange(start, start + n, dtype=np.int64)[None], past, logits_from)
         return logits[0], BatchCache(present, mask, np.array([start + n], dtype=np.int64))
 
     def step(self, cache: KvCache, tokens: np.ndarray) -> tuple[np.ndarray, KvCache]:
@@ -255,7 +265,8 @@ def signature(layers: int, kv_heads: int, head_dim: int, vocab: int,
         inputs = [ids, ("attention_mask", np.int64, ["batch_size", "past_sequence_length + sequence_length"]),
                   ("position_ids", np.int64, ["batch_size", "sequence_length"])]
         past, present = "past_sequence_length", "past_sequence_length + sequence_length"
-    outputs: list[Declared] = [("logits", np.float32, ["batch_size", "sequence_length", vocab])]
+    inputs.append(("logits_from", np.int64, []))  # logits for positions logits_from.. only (0: every one)
+    outputs: list[Declared] = [("logits", np.float32, ["batch_size", "logits_length", vocab])]
     for i in range(layers):
         for kind in ("key", "value"):
             inputs.append((f"past_key_values.{i}.{kind}", np.float32, ["batch_size", kv_heads, past, head_dim]))

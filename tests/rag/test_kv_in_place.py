@@ -170,12 +170,15 @@ def test_the_in_place_layout_is_refused_off_the_cpu_with_a_clear_line(shared_rep
 def test_a_prompt_fed_in_chunks_computes_what_it_computes_whole(decoders, layout):
     decoder = dict(zip(("optimum", "shared"), decoders))[layout]
     prompt = list(np.random.default_rng(2).integers(0, decoder.vocab, 150))
-    whole, _ = decoder.prefill(prompt)
+    whole, _ = decoder.prefill(prompt, all_logits=True)
     cache, parts = None, []
     for start in range(0, 150, 64):
-        logits, cache = decoder.extend(cache, prompt[start:start + 64], room=150)
+        logits, cache = decoder.extend(cache, prompt[start:start + 64], room=150, all_logits=True)
         parts.append(logits)
     np.testing.assert_allclose(np.concatenate(parts), whole, atol=1e-4)
+    last, _ = decoder.prefill(prompt)  # what the decode loop asks for: the LM head for the last position only
+    assert last.shape == (1, decoder.vocab)
+    np.testing.assert_allclose(last[0], whole[-1], atol=1e-4)
     step_whole = decoder.step(decoder.prefill(prompt)[1], np.array([3]))[0]
     np.testing.assert_allclose(decoder.step(cache, np.array([3]))[0], step_whole, atol=1e-4)
 

@@ -60,7 +60,8 @@ def tiny_llama() -> dict[str, np.ndarray]:
 def logits(model, ids: np.ndarray) -> np.ndarray:
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     empty = np.zeros((1, DIMS["kv_heads"], 0, DIMS["head_dim"]), np.float32)
-    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1])[None]}
+    feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(ids.shape[1])[None],
+            "logits_from": np.array(0, np.int64)}
     for i in range(DIMS["layers"]):
         feed[f"past_key_values.{i}.key"] = feed[f"past_key_values.{i}.value"] = empty
     return session.run(["logits"], feed)[0]

@@ -49,8 +49,8 @@ def decoder(tiny_repo):
 
 def test_logits_with_the_kv_cache_equal_a_full_recompute(decoder):
     tokens = list(np.random.default_rng(0).integers(0, decoder.vocab, size=40))
-    full, _ = decoder.prefill(tokens)
-    logits, cache = decoder.prefill(tokens[:7])
+    full, _ = decoder.prefill(tokens, all_logits=True)
+    logits, cache = decoder.prefill(tokens[:7], all_logits=True)
     steps = [logits]
     for t in range(7, 40):
         step_logits, cache = decoder.step(cache, np.array([tokens[t]]))

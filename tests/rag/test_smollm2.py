@@ -181,7 +181,7 @@ def _prefill(model_dir, prompt):
     d = Decoder(load_model_config(model_dir))
     d.load()
     try:
-        logits, _ = d.prefill(prompt)
+        logits, _ = d.prefill(prompt, all_logits=True)
         return logits, d.kv
     finally:
         d.close()
@@ -201,7 +201,7 @@ def test_4bit_weights_compute_what_the_fp32_model_computes(smollm2_dir, decoder,
     nbits = [n for n in graph.node if n.op_type == "MatMulNBits"]
     assert len(nbits) == 30 * 7 + 1  # every linear layer, and the tied LM head
     assert all(len(n.input) == 3 for n in nbits)
-    ours, _ = decoder.prefill(PROMPT)
+    ours, _ = decoder.prefill(PROMPT, all_logits=True)
     theirs, kv = _prefill(fp32, PROMPT)
     np.testing.assert_allclose(theirs, ours, atol=2e-3)
     assert kv == decoder.kv
@@ -211,7 +211,7 @@ def test_int8_activations_keep_the_clear_choices(decoder, q4_dirs):
     """accuracy_level 4 (the --q4 default) quantizes activations to int8 per block, as llama.cpp
     does: logits move by ~1 of ~30, so the next token stays where the float model's choice is
     clear (a lead of over 1 logit) at every position of a prompt."""
-    ours, _ = decoder.prefill(PROMPT)
+    ours, _ = decoder.prefill(PROMPT, all_logits=True)
     theirs, _ = _prefill(q4_dirs[0], PROMPT)
     assert np.abs(theirs - ours).max() < 0.1 * np.abs(ours).max()
     top2 = np.sort(ours, axis=-1)[..., -2:]
