@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # edge_batcher from a checkout, installed or not
 
-from edge_batcher.rag.decoder import signature  # noqa: E402
+from edge_batcher.rag.decoder import bind_in_place, in_place_refused, signature  # noqa: E402
 
 OPSET = 17
 IR_VERSION = 8
@@ -497,21 +497,21 @@ def verify(path: Path, w: dict, dims: dict, prompt_ids: list[int]) -> dict:
     kv, d = dims["kv_heads"], dims["head_dim"]
 
     shared = "seqlens_k" in {i.name for i in sess.get_inputs()}
+    buffers = [np.zeros((1, kv, t, d), np.float32) for _ in range(2 * dims["layers"])]
 
     def run(step_ids, positions, past):
-        end = int(positions[0, -1]) + 1  # tokens the row holds after this run
-        if shared:  # past and present are buffers of t columns (the daemon binds them as one)
-            feed = {"input_ids": step_ids, "seqlens_k": np.array([end - 1], np.int32),
-                    "total_sequence_length": np.array(end, np.int32)}
-        else:
-            feed = {"input_ids": step_ids, "attention_mask": np.ones((1, end), np.int64), "position_ids": positions}
-        feed["logits_from"] = np.array(0, np.int64)  # every position's logits
+        if shared:  # as the daemon runs it: one buffer per layer and kind, past and present at once
+            bound = bind_in_place(sess, step_ids, positions[:, 0], buffers, dims["vocab"])
+            sess.run_with_iobinding(bound.binding)
+            return bound.logits, past
+        feed = {"input_ids": step_ids, "attention_mask": np.ones((1, int(positions[0, -1]) + 1), np.int64),
+                "position_ids": positions, "logits_from": np.array(0, np.int64)}  # every position's logits
         for i in range(dims["layers"]):
             feed[f"past_key_values.{i}.key"], feed[f"past_key_values.{i}.value"] = past[2 * i], past[2 * i + 1]
         out = sess.run(None, feed)
         return out[0], out[1:]
 
-    empty = [np.zeros((1, kv, t if shared else 0, d), np.float32)] * (2 * dims["layers"])
+    empty = [np.zeros((1, kv, 0, d), np.float32)] * (2 * dims["layers"])
     full, _ = run(ids, np.arange(t)[None], empty)
     ref = numpy_forward(w, dims, ids)
     ref_diff = float(np.abs(full - ref).max())
@@ -533,6 +533,12 @@ def build(out: Path, name: str = "smollm2", gguf_path: Path | None = None, *, ma
     import onnx
 
     gguf_path = gguf_path or default_gguf()
+    if kv_layout == "shared":
+        import onnxruntime
+
+        why = in_place_refused(onnxruntime.__version__)
+        if why:
+            raise SystemExit(f"--kv-layout shared: {why}; upgrade onnxruntime or use --kv-layout optimum")
     target = out / name
     target.mkdir(parents=True, exist_ok=True)
     dims, w, reader = read_gguf(gguf_path)

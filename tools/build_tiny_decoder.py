@@ -49,7 +49,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # edge_batcher from a checkout, installed or not
 
 from edge_batcher.progress import Progress  # noqa: E402
-from edge_batcher.rag.decoder import signature  # noqa: E402
+from edge_batcher.rag.decoder import bind_in_place, in_place_refused, signature  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = ROOT / "docs" / "corpus"
@@ -296,21 +296,21 @@ def verify(path: Path, w: dict, dims: dict, vocab: int) -> dict:
     kv, d = dims["kv_heads"], dims["head_dim"]
 
     shared = "seqlens_k" in {i.name for i in sess.get_inputs()}
+    buffers = [np.zeros((2, kv, 12, d), np.float32) for _ in range(2 * dims["layers"])]
 
     def run(step_ids, mask, positions, past):
-        if shared:  # past and present are buffers of 12 columns (the daemon binds them as one)
-            ends = positions[:, -1] + 1
-            feed = {"input_ids": step_ids, "seqlens_k": (ends - 1).astype(np.int32),
-                    "total_sequence_length": np.array(ends.max(), np.int32)}
-        else:
-            feed = {"input_ids": step_ids, "attention_mask": mask, "position_ids": positions}
-        feed["logits_from"] = np.array(0, np.int64)  # every position's logits
+        if shared:  # as the daemon runs it: one buffer per layer and kind, past and present at once
+            bound = bind_in_place(sess, step_ids, positions[:, 0], buffers, vocab)
+            sess.run_with_iobinding(bound.binding)
+            return bound.logits, past
+        feed = {"input_ids": step_ids, "attention_mask": mask, "position_ids": positions,
+                "logits_from": np.array(0, np.int64)}  # every position's logits
         for i in range(dims["layers"]):
             feed[f"past_key_values.{i}.key"], feed[f"past_key_values.{i}.value"] = past[2 * i], past[2 * i + 1]
         out = sess.run(None, feed)
         return out[0], out[1:]
 
-    empty = [np.zeros((2, kv, 12 if shared else 0, d), np.float32)] * (2 * dims["layers"])
+    empty = [np.zeros((2, kv, 0, d), np.float32)] * (2 * dims["layers"])
     full, _ = run(ids, np.ones_like(ids), np.tile(np.arange(12), (2, 1)), empty)
     ref_diff = float(np.abs(full - numpy_forward(w, dims, ids)).max())
     logits, past = run(ids[:, :5], np.ones((2, 5), np.int64), np.tile(np.arange(5), (2, 1)), empty)
@@ -333,6 +333,12 @@ def build(out: Path, name: str = "tinylm", seed: int = 0, *, vocab: int = 512, h
           step: Callable[[str], None] = lambda label: None, kv_layout: str = "optimum") -> Path:
     import onnx
 
+    if kv_layout == "shared":
+        import onnxruntime
+
+        why = in_place_refused(onnxruntime.__version__)
+        if why:
+            raise SystemExit(f"--kv-layout shared: {why}; upgrade onnxruntime or use --kv-layout optimum")
     target = out / name
     target.mkdir(parents=True, exist_ok=True)
     files = sorted(CORPUS.glob("*.md"))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +41,21 @@ from .kv import DTYPE_BYTES, KvShape
 from .kv_slots import COLUMN_STEP, SlotCache, round_up
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+# ONNX Runtime's CPU GroupQueryAttention computes the in-place layout right since 1.20: 1.18 and
+# 1.19 accept a prompt's later chunks (and the builders' checks) and give wrong logits.
+IN_PLACE_SINCE = (1, 20)
+
+
+def in_place_refused(version: str) -> str | None:
+    """Why this onnxruntime cannot run the in-place layout, or None if it can."""
+    try:
+        major, minor = (int(part) for part in version.split(".")[:2])
+    except ValueError:
+        return None  # a build with an unusual version string: assume a current one
+    if (major, minor) >= IN_PLACE_SINCE:
+        return None
+    return (f"onnxruntime {version} computes it wrong (GroupQueryAttention needs "
+            f"{'.'.join(map(str, IN_PLACE_SINCE))} or newer)")
 _ORT_FLOAT = {"FP32": np.float32, "FP16": np.float16}
 
 
@@ -115,6 +131,13 @@ class Decoder:
             if name not in specs:
                 raise ConfigError(f"{where}: {self.config.model_path} is not a decoder export of a known layout: "
                                   f"no input {name!r} (inputs: {', '.join(specs)}; docs/rag.md)")
+        if self.shared_kv:
+            import onnxruntime as ort
+
+            why = in_place_refused(ort.__version__)
+            if why:
+                raise ConfigError(f"{where}: {self.config.model_path} keeps its KV cache in place (seqlens_k), and "
+                                  f"{why}: upgrade onnxruntime, or build the model with --kv-layout optimum")
         if self.shared_kv and self.engine.providers[:1] != ["CPUExecutionProvider"]:
             raise ConfigError(f"{where}: {self.config.model_path} keeps its KV cache in place (seqlens_k), which "
                               f"edge-batcher binds in host memory: run it on the CPUExecutionProvider (providers now: "
@@ -176,25 +199,12 @@ class Decoder:
         return out["logits"], [out[n] for n in self._present_names]
 
     def _run_in_place(self, ids: np.ndarray, cache: SlotCache, logits_from: int = 0) -> np.ndarray:
-        """One run of the shared layout: every running row's cache bound as both past and
-        present, so the model writes the new tokens' keys and values where they belong."""
-        rows, tokens = ids.shape
-        ends = cache.lengths + tokens  # each row's length after this run
-        binding = self.engine.session.io_binding()
-        binding.bind_cpu_input("input_ids", np.ascontiguousarray(ids, dtype=np.int64))
-        binding.bind_cpu_input("seqlens_k", (ends - 1).astype(np.int32))
-        binding.bind_cpu_input("total_sequence_length", np.array(int(ends.max()), dtype=np.int32))
-        for past, present, view in zip(self._past_names, self._present_names, cache.views()):
-            shape, where = list(view.shape), view.ctypes.data
-            binding.bind_input(past, "cpu", 0, self.dtype.type, shape, where)
-            binding.bind_output(present, "cpu", 0, self.dtype.type, shape, where)
-        if self.has_logits_from:
-            binding.bind_cpu_input("logits_from", np.array(logits_from, dtype=np.int64))
-        logits = np.empty((rows, tokens - logits_from, self.vocab), dtype=np.float32)
-        binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
-        self.engine.run_binding(binding)
-        cache.lengths = ends
-        return logits
+        """One run of the shared layout over the cache's running rows; their lengths advance."""
+        binding = bind_in_place(self.engine.session, ids, cache.lengths, cache.views(), self.vocab,
+                                logits_from if self.has_logits_from else None)
+        self.engine.run_binding(binding.binding)
+        cache.lengths = cache.lengths + ids.shape[1]
+        return binding.logits
 
     def _new_slots(self, rows: int, columns: int) -> SlotCache:
         assert self.kv is not None
@@ -250,6 +260,36 @@ class Decoder:
 
 
 Declared = tuple[str, type, list[int | str]]  # name, numpy scalar type, dims (symbolic or fixed)
+
+
+@dataclass
+class InPlaceRun:
+    binding: Any  # an onnxruntime IOBinding, ready for session.run_with_iobinding
+    logits: np.ndarray  # where the run writes its logits
+
+
+def bind_in_place(session: Any, ids: np.ndarray, lengths: np.ndarray, buffers: list[np.ndarray], vocab: int,
+                  logits_from: int | None = 0) -> InPlaceRun:
+    """Bind one run of the in-place layout: `buffers` (past_key_values.0.key, .0.value, 1.key,
+    ...: each [rows, kv_heads, capacity, head_dim], contiguous) as both past and present, so the
+    model writes the new tokens' keys and values after each row's `lengths` tokens. `logits_from`
+    None for a model without that input. (The builders' checks run their graphs this way too.)"""
+    rows, tokens = ids.shape
+    ends = lengths + tokens  # each row's length after this run
+    binding = session.io_binding()
+    binding.bind_cpu_input("input_ids", np.ascontiguousarray(ids, dtype=np.int64))
+    binding.bind_cpu_input("seqlens_k", (ends - 1).astype(np.int32))
+    binding.bind_cpu_input("total_sequence_length", np.array(int(ends.max()), dtype=np.int32))
+    for i, buffer in enumerate(buffers):
+        name = f"{i // 2}.{'value' if i % 2 else 'key'}"
+        shape, where = list(buffer.shape), buffer.ctypes.data
+        binding.bind_input(f"past_key_values.{name}", "cpu", 0, buffer.dtype.type, shape, where)
+        binding.bind_output(f"present.{name}", "cpu", 0, buffer.dtype.type, shape, where)
+    if logits_from is not None:
+        binding.bind_cpu_input("logits_from", np.array(logits_from, dtype=np.int64))
+    logits = np.empty((rows, tokens - (logits_from or 0), vocab), dtype=np.float32)
+    binding.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+    return InPlaceRun(binding, logits)
 
 
 def signature(layers: int, kv_heads: int, head_dim: int, vocab: int,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from edge_batcher.config import load_model_config
-from edge_batcher.rag.decoder import Decoder, join, keep
+from edge_batcher.rag.decoder import Decoder, in_place_refused, join, keep
 from edge_batcher.rag.kv_slots import COLUMN_STEP, SlotCache
 from tests.rag.conftest import _require, _tool
 from tests.rag.test_rag_generation import NO_STOP, PROMPTS, start_service
@@ -19,7 +19,11 @@ from tests.rag.test_rag_generation import NO_STOP, PROMPTS, start_service
 
 @pytest.fixture(scope="module")
 def shared_repo(tmp_path_factory):
+    import onnxruntime
+
     _require("tokenizers")
+    if in_place_refused(onnxruntime.__version__):
+        pytest.skip(in_place_refused(onnxruntime.__version__))
     out = tmp_path_factory.mktemp("tiny_shared")
     _tool("build_tiny_decoder").build(out, "tinylm", quiet=True, kv_layout="shared")
     return out
@@ -183,6 +187,13 @@ def test_a_prompt_fed_in_chunks_computes_what_it_computes_whole(decoders, layout
     np.testing.assert_allclose(decoder.step(cache, np.array([3]))[0], step_whole, atol=1e-4)
 
 
+def test_the_in_place_layout_is_refused_where_onnxruntime_computes_it_wrong():
+    """1.18 and 1.19 (the package allows 1.18) give wrong logits for a prompt's later chunks and
+    in the builder's check; 1.20.1, 1.22.0 and 1.32.0 pass this file."""
+    assert "1.20 or newer" in in_place_refused("1.19.2") and in_place_refused("1.18.0")
+    assert in_place_refused("1.20.1") is None and in_place_refused("1.32.0") is None
+
+
 async def test_a_long_prompt_is_prefilled_between_the_running_sequences_steps(shared_repo, tmp_path):
     """With prefill_chunk_tokens the newcomer's prompt goes in chunk by chunk, a decode step of
     the running sequence after each: the stream already running is not held up by the whole
@@ -286,3 +297,15 @@ def test_a_cache_that_cannot_grow_says_out_of_memory_and_stays_usable():
     assert cache.buffers[1][1, :, :20].min() == 7.0  # what the rows held is still there
     cache.fit(2, COLUMN_STEP + 1)  # and it grows when the memory is there
     assert cache.width == 2 * COLUMN_STEP and cache.buffers[1][1, :, :20].min() == 7.0
+
+
+def test_the_decoder_refuses_an_in_place_model_on_an_onnxruntime_that_computes_it_wrong(shared_repo, monkeypatch):
+    import onnxruntime
+
+    from edge_batcher.errors import ConfigError
+
+    monkeypatch.setattr(onnxruntime, "__version__", "1.19.2")
+    decoder = Decoder(load_model_config(shared_repo / "tinylm"))
+    with pytest.raises(ConfigError, match="onnxruntime 1.19.2 computes it wrong .* --kv-layout optimum"):
+        decoder.load()
+    assert decoder.engine.session is None
