@@ -37,12 +37,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # edge_batcher from a checkout, installed or not
 
-from edge_batcher.rag.decoder import bind_in_place, in_place_refused, signature  # noqa: E402
+from edge_batcher.rag.decoder import bind_in_place, in_place_refused, older_than, signature  # noqa: E402
 
 OPSET = 17
 IR_VERSION = 8
 MASK_NEG = -1e9
 KV_LAYOUTS = ("shared", "optimum")
+Q4_SINCE = (1, 22)  # 8-bit MatMulNBits on the CPU (1.20 and 1.21: "Only 4b quantization is supported")
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOKE_PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
 
@@ -533,12 +534,14 @@ def build(out: Path, name: str = "smollm2", gguf_path: Path | None = None, *, ma
     import onnx
 
     gguf_path = gguf_path or default_gguf()
-    if kv_layout == "shared":
-        import onnxruntime
+    import onnxruntime
 
-        why = in_place_refused(onnxruntime.__version__)
-        if why:
-            raise SystemExit(f"--kv-layout shared: {why}; upgrade onnxruntime or use --kv-layout optimum")
+    why = in_place_refused(onnxruntime.__version__) if kv_layout == "shared" else None
+    if why:
+        raise SystemExit(f"--kv-layout shared: {why}; upgrade onnxruntime or use --kv-layout optimum")
+    if q4 and older_than(onnxruntime.__version__, Q4_SINCE):
+        raise SystemExit(f"--q4: onnxruntime {onnxruntime.__version__} has no 8-bit MatMulNBits (the embeddings'); "
+                         f"it needs {'.'.join(map(str, Q4_SINCE))} or newer")
     target = out / name
     target.mkdir(parents=True, exist_ok=True)
     dims, w, reader = read_gguf(gguf_path)

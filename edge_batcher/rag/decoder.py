@@ -46,13 +46,19 @@ _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 IN_PLACE_SINCE = (1, 20)
 
 
-def in_place_refused(version: str) -> str | None:
-    """Why this onnxruntime cannot run the in-place layout, or None if it can."""
+def older_than(version: str, since: tuple[int, int]) -> bool:
+    """Whether an onnxruntime version string is below major.minor `since` (an unusual string,
+    a build of its own: assumed current)."""
     try:
         major, minor = (int(part) for part in version.split(".")[:2])
     except ValueError:
-        return None  # a build with an unusual version string: assume a current one
-    if (major, minor) >= IN_PLACE_SINCE:
+        return False
+    return (major, minor) < since
+
+
+def in_place_refused(version: str) -> str | None:
+    """Why this onnxruntime cannot run the in-place layout, or None if it can."""
+    if not older_than(version, IN_PLACE_SINCE):
         return None
     return (f"onnxruntime {version} computes it wrong (GroupQueryAttention needs "
             f"{'.'.join(map(str, IN_PLACE_SINCE))} or newer)")
