@@ -37,7 +37,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # edge_batcher from a checkout, installed or not
 
-from edge_batcher.rag.decoder import bind_in_place, in_place_refused, older_than, signature  # noqa: E402
+from edge_batcher.engines.ort_graphs import older_than  # noqa: E402
+from edge_batcher.rag.decoder import bind_in_place, in_place_refused, signature  # noqa: E402
 
 OPSET = 17
 IR_VERSION = 8

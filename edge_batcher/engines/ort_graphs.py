@@ -33,13 +33,19 @@ MAX_GRAPHS = 64  # shapes per session (sizes x buckets); a shape beyond runs wit
 GRAPH_IDS_SINCE = (1, 18)
 
 
-def graph_ids_missing(version: str) -> str | None:
-    """Why this onnxruntime version cannot keep a graph per batch shape, or None if it can."""
+def older_than(version: str, since: tuple[int, int]) -> bool:
+    """Whether an onnxruntime version string is below major.minor `since` (an unusual string,
+    a build of its own: assumed current)."""
     try:
         major, minor = (int(part) for part in version.split(".")[:2])
     except ValueError:
-        return None  # a build with an unusual version string: assume a current one
-    if (major, minor) >= GRAPH_IDS_SINCE:
+        return False
+    return (major, minor) < since
+
+
+def graph_ids_missing(version: str) -> str | None:
+    """Why this onnxruntime version cannot keep a graph per batch shape, or None if it can."""
+    if not older_than(version, GRAPH_IDS_SINCE):
         return None
     return (f"onnxruntime {version} keeps one CUDA graph per session, not one per batch shape "
             f"(gpu_graph_id needs {'.'.join(map(str, GRAPH_IDS_SINCE))} or newer)")

@@ -36,6 +36,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..engines.onnxruntime import OnnxRuntimeEngine
+from ..engines.ort_graphs import older_than
 from ..errors import ConfigError
 from .kv import DTYPE_BYTES, KvShape
 from .kv_slots import COLUMN_STEP, SlotCache, round_up
@@ -44,16 +45,6 @@ _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 # ONNX Runtime's CPU GroupQueryAttention computes the in-place layout right since 1.20: 1.18 and
 # 1.19 accept a prompt's later chunks (and the builders' checks) and give wrong logits.
 IN_PLACE_SINCE = (1, 20)
-
-
-def older_than(version: str, since: tuple[int, int]) -> bool:
-    """Whether an onnxruntime version string is below major.minor `since` (an unusual string,
-    a build of its own: assumed current)."""
-    try:
-        major, minor = (int(part) for part in version.split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) < since
 
 
 def in_place_refused(version: str) -> str | None:

@@ -44,6 +44,17 @@ def decoders(tiny_repo, shared_repo):
     shared.close()
 
 
+def _with_prefill_chunk(repo, tmp_path, tokens: int):
+    """A copy of the in-place tinylm whose model.toml sets [generator] prefill_chunk_tokens."""
+    import shutil
+
+    model = tmp_path / "tinylm"
+    shutil.copytree(repo / "tinylm", model)
+    toml = (model / "model.toml").read_text()
+    (model / "model.toml").write_text(toml.replace("[generator]\n", f"[generator]\nprefill_chunk_tokens = {tokens}\n"))
+    return model
+
+
 def _alone(decoder: Decoder, prompt: list[int], steps: list[int]) -> np.ndarray:
     """The logits of the prompt's last token and of each step, the sequence alone."""
     logits, cache = decoder.prefill(prompt)
@@ -198,12 +209,7 @@ async def test_a_long_prompt_is_prefilled_between_the_running_sequences_steps(sh
     """With prefill_chunk_tokens the newcomer's prompt goes in chunk by chunk, a decode step of
     the running sequence after each: the stream already running is not held up by the whole
     prefill. The calls to the real decoder are recorded to show the order."""
-    import shutil
-
-    model = tmp_path / "tinylm"
-    shutil.copytree(shared_repo / "tinylm", model)
-    toml = (model / "model.toml").read_text().replace("[generator]\n", "[generator]\nprefill_chunk_tokens = 8\n")
-    (model / "model.toml").write_text(toml)
+    model = _with_prefill_chunk(shared_repo, tmp_path, 8)
     service = await start_service(model)
     try:
         calls: list[tuple[str, int]] = []
@@ -240,28 +246,18 @@ async def test_a_long_prompt_is_prefilled_between_the_running_sequences_steps(sh
 
 
 def test_a_negative_prefill_chunk_is_refused_with_its_key(shared_repo, tmp_path):
-    import shutil
-
     from edge_batcher.config import DaemonConfig
     from edge_batcher.errors import ConfigError
     from edge_batcher.rag.generate import GenerationService
     from edge_batcher.runtime import Runtime
 
-    model = tmp_path / "tinylm"
-    shutil.copytree(shared_repo / "tinylm", model)
-    toml = (model / "model.toml").read_text().replace("[generator]\n", "[generator]\nprefill_chunk_tokens = -1\n")
-    (model / "model.toml").write_text(toml)
+    model = _with_prefill_chunk(shared_repo, tmp_path, -1)
     with pytest.raises(ConfigError, match=r"\[generator\] prefill_chunk_tokens: expected 0 .* got -1"):
         GenerationService(load_model_config(model), Runtime(DaemonConfig()))
 
 
 async def test_a_sequence_cancelled_while_its_prompt_is_prefilled_frees_everything(shared_repo, tmp_path):
-    import shutil
-
-    model = tmp_path / "tinylm"
-    shutil.copytree(shared_repo / "tinylm", model)
-    toml = (model / "model.toml").read_text().replace("[generator]\n", "[generator]\nprefill_chunk_tokens = 1\n")
-    (model / "model.toml").write_text(toml)
+    model = _with_prefill_chunk(shared_repo, tmp_path, 1)
     service = await start_service(model)
     try:
         prompt = " ".join(["bearing temperature and vibration trend"] * 110)
