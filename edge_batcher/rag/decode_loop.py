@@ -1,10 +1,12 @@
 """DecodeLoop: the generator's worker thread, iteration-level continuous batching. One dedicated
 thread owns the decoder session and the running batch's KV cache; between two decode steps it
-admits waiting sequences whose KV need fits the memory budget and prefills one chunk of the
-oldest admitted prompt (a prompt all in joins the batch), runs one decode step for every running
-sequence, and lets finished or cancelled ones leave at once with their reservation released.
-GenerationService (generate.py) queues sequences and reads the counters; docs/rag.md
-("Continuous batching and KV admission") explains the scheduling.
+admits waiting sequences while the cache's footprint with them (kv.CacheFootprint) fits the
+memory budget and prefills one chunk of the oldest admitted prompt (a prompt all in joins the
+batch), runs one decode step for every running sequence, and lets finished or cancelled ones
+leave at once. After each round the loop's reservation follows what the batch can still hold,
+and only then are finished callers answered. GenerationService (generate.py) queues sequences
+and reads the counters; docs/rag.md ("Continuous batching and KV admission") explains the
+scheduling.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import DeadlineExceeded, EdgeBatcherError, EngineError, Unavailable
-from .decoder import Decoder, KvCache, join, keep
+from .decoder import Decoder, KvCache, join, keep, limit
+from .kv import CacheFootprint
 from .sampling import choose
 from .sequence import GenerationResult, Sequence
 
@@ -56,8 +59,8 @@ class DecodeSnapshot:
 
     counters: dict[str, int]
     running: int
-    kv_reserved: int  # bytes reserved in the budget by admitted sequences
-    kv_in_use: int  # bytes the batch's cache holds now
+    kv_reserved: int  # bytes reserved in the budget for the admitted sequences' cache
+    kv_in_use: int  # bytes the batch's cache (and a prompt's beside it) holds now
     finish_reasons: dict[str, int]
     decode_sizes: dict[int, list[int]] = field(default_factory=dict)  # rows -> [steps, ns]
 
@@ -96,6 +99,13 @@ class DecodeLoop:
         self._kv_in_use = 0
         self._finish_reasons: dict[str, int] = {}
         self._decode_sizes: dict[int, list[int]] = {}
+        self._admitted: tuple[list[int], int] = ([], 0)  # token bounds, prompt beside: for extra_bytes()
+        self.over_reservation = 0  # rounds that found the cache holding more than reserved (a bug)
+        # worker thread only:
+        self.footprint: CacheFootprint | None = None
+        self._held = 0  # bytes this loop has reserved in the budget
+        self._limits = (0, 0)  # this round's admitted rows and their longest token bound
+        self._answers: list[Callable[[], None]] = []  # callers to answer once the reservation is settled
 
     # ------------------------------------------------------------------ from other threads
 
@@ -104,6 +114,7 @@ class DecodeLoop:
         return self._thread is not None
 
     def start(self) -> None:
+        self.footprint = self.decoder.footprint()
         self._thread = threading.Thread(target=self._run, name=f"generate-{self.name}", daemon=True)
         self._thread.start()
 
@@ -129,10 +140,21 @@ class DecodeLoop:
         with self._lock:
             self._counters.rejected_does_not_fit += 1
 
-    def waiting_need(self) -> tuple[int, int]:
-        """(sequences waiting, their KV need in bytes)."""
+    def waiting_count(self) -> int:
         with self._cond:
-            return len(self.waiting), sum(seq.need for seq in self.waiting)
+            return len(self.waiting)
+
+    def extra_bytes(self, prompt_tokens: int, max_new_tokens: int) -> int:
+        """What admitting such a sequence now would add to this loop's reservation (as of the
+        last round)."""
+        assert self.footprint is not None
+        with self._lock:
+            bounds, beside = self._admitted
+            held = self._kv_reserved
+        if bounds:  # it would be prefilled beside the batch or the prompts before it
+            beside = max(beside, prompt_tokens)
+        need = self.footprint.batch_bytes(bounds + [prompt_tokens + max_new_tokens], beside)
+        return max(0, need - held)
 
     def running(self) -> int:
         with self._lock:
@@ -160,9 +182,11 @@ class DecodeLoop:
                         self._cond.wait()
                     if self._stopping:
                         break
-                    admitted = self._admit(len(running) + len(filling))
+                    admitted = self._admit(running, [f.seq for f in filling])
                     held_back = bool(self.waiting) and not admitted and not running and not filling
                 filling += [_Filling(seq) for seq in admitted]
+                admitted_now = running + [f.seq for f in filling]
+                self._limits = (len(admitted_now), max((s.tokens_bound for s in admitted_now), default=0))
                 filling = self._drop_cancelled_fills(filling)
                 if filling:  # one prefill run (a chunk of the oldest prompt) between two decode steps
                     cache = self._prefill(filling, running, cache)
@@ -173,7 +197,7 @@ class DecodeLoop:
                 elif held_back:
                     with self._cond:
                         self._cond.wait(HELD_BACK_RECHECK_S)
-                self._publish(cache, filling)
+                self._settle(cache, running, filling)
         except BaseException as exc:  # a bug: fail everyone rather than hang them
             log.exception("model %s: generation worker failed", self.name)
             self.broken = f"{type(exc).__name__}: {exc}"
@@ -188,14 +212,15 @@ class DecodeLoop:
             with self._cond:
                 while self.waiting:
                     self.waiting.popleft().fail(stop)
-            self._publish(None)
+            self._settle(None, [], [])
 
-    def _admit(self, running: int) -> list[Sequence]:
+    def _admit(self, running: list[Sequence], filling: list[Sequence]) -> list[Sequence]:
         """Under self._cond: pop the waiting sequences that may join now (arrival order,
-        guaranteed-no-evict). Cancelled and expired ones are answered and removed."""
+        guaranteed-no-evict: the batch's footprint with them is reserved). Cancelled and expired
+        ones are answered and removed."""
         now = time.monotonic()
         admitted: list[Sequence] = []
-        while self.waiting and running + len(admitted) < self.max_running:
+        while self.waiting and len(running) + len(filling) + len(admitted) < self.max_running:
             seq = self.waiting[0]
             if seq.cancelled:  # its caller went away while it waited
                 self.waiting.popleft()
@@ -212,15 +237,14 @@ class DecodeLoop:
                     f"model {self.name!r}: waited {now - seq.arrival:.1f} s for KV-cache memory "
                     f"({seq.need / MiB:.2f} MiB) without getting it"))
                 continue
-            if not self.budget.try_reserve(seq.need):
+            extra = self._need(running, filling + admitted + [seq]) - self._held
+            if extra > 0 and not self.budget.try_reserve(extra):
                 if not seq.held_back:
                     seq.held_back = True
                     with self._lock:
                         self._counters.held_back_for_memory += 1
                 break  # no overtaking: the head waits for memory, the rest wait behind it
-            seq.reserved = seq.need
-            with self._lock:
-                self._kv_reserved += seq.need
+            self._held += max(extra, 0)
             self.waiting.popleft()
             admitted.append(seq)
         return admitted
@@ -261,6 +285,7 @@ class DecodeLoop:
         if self._advance(seq, logits[-1]):
             return cache  # finished at its first token: never joins
         try:
+            limit(cache, *self._limits)
             joined = join(cache, own)
         except EdgeBatcherError as exc:  # the batch's cache could not grow for it: it alone fails
             log.error("model %s: a sequence could not join the batch: %s", self.name, exc)
@@ -273,6 +298,7 @@ class DecodeLoop:
         rows = len(running)
         t0 = time.perf_counter()
         try:
+            limit(cache, *self._limits)
             logits, cache = self.decoder.step(cache, np.array([s.next_token for s in running], dtype=np.int64))
         except EdgeBatcherError as exc:
             log.error("model %s: decode step of %d sequences failed: %s", self.name, rows, exc)
@@ -302,7 +328,7 @@ class DecodeLoop:
                 if i not in rows:
                     with self._lock:
                         self._counters.cancelled += 1
-                    self._release(seq)
+                    self._leave(seq)
                     seq.finished = True
         return (keep(cache, rows) if cache is not None else None), [running[i] for i in rows]
 
@@ -331,31 +357,62 @@ class DecodeLoop:
         rest = seq.text.flush()
         if rest:
             seq.emit_token(rest)
-        self._release(seq)
+        self._leave(seq)
         seq.finished = True
         with self._lock:
             self._finish_reasons[reason] = self._finish_reasons.get(reason, 0) + 1
-        seq.emit_done(GenerationResult(
+        result = GenerationResult(
             text=seq.text.emitted, token_ids=list(seq.generated), finish_reason=reason,
             prompt_tokens=len(seq.prompt_ids), queue_s=seq.admitted_at - seq.arrival,
-            first_token_s=seq.first_token_at - seq.arrival))
+            first_token_s=seq.first_token_at - seq.arrival)
+        self._answers.append(lambda: seq.emit_done(result))
 
     def _fail(self, seq: Sequence, error: EdgeBatcherError) -> None:
-        self._release(seq)
+        self._leave(seq)
         seq.finished = True
-        seq.fail(error)
+        self._answers.append(lambda: seq.fail(error))
 
-    def _release(self, seq: Sequence) -> None:
-        """The sequence leaves: its KV reservation goes back to the budget (before its caller
-        hears that it finished, so the statistics it may read next are already up to date)."""
+    def _leave(self, seq: Sequence) -> None:
+        """The sequence no longer runs (its memory goes back at the end of the round: _settle)."""
         with self._lock:
             if seq.in_batch:
                 seq.in_batch = False
                 self._running -= 1
-            self._kv_reserved -= seq.reserved
-        if seq.reserved:
-            self.budget.release(seq.reserved)
-            seq.reserved = 0
+
+    def _need(self, running: list[Sequence], filling: list[Sequence]) -> int:
+        """The most the cache can hold while these sequences run: the batch's rows at the longest
+        one's columns, and the longest prompt prefilled beside the batch (with nothing running,
+        the oldest prompt's cache becomes the batch)."""
+        assert self.footprint is not None
+        beside = filling if running else filling[1:]
+        return self.footprint.batch_bytes([s.tokens_bound for s in running + filling],
+                                          max((len(s.prompt_ids) for s in beside), default=0))
+
+    def _settle(self, cache: KvCache | None, running: list[Sequence], filling: list[_Filling]) -> None:
+        """End of a round: the reservation comes down to what the admitted sequences can still
+        hold (never below what the cache holds now), then finished callers are answered, so the
+        statistics they may read next are already up to date."""
+        assert self.footprint is not None
+        held_now = sum(f.cache.nbytes for f in filling if f.cache is not None)
+        held_now += cache.nbytes if cache is not None else 0
+        target = max(self._need(running, [f.seq for f in filling]), self.footprint.holding(held_now) if held_now else 0)
+        if target > self._held:  # the footprint missed something: say so, and count what is held
+            self.over_reservation += 1
+            log.warning("model %s: the KV cache (%.2f MiB now) may hold %.2f MiB, more than the %.2f MiB "
+                        "reserved for it", self.name, held_now / MiB, target / MiB, self._held / MiB)
+            self.budget.reserve(target - self._held)
+        elif target < self._held:
+            self.budget.release(self._held - target)
+        self._held = target
+        with self._lock:
+            self._kv_reserved = target
+            self._kv_in_use = held_now
+            self._admitted = ([s.tokens_bound for s in running + [f.seq for f in filling]],
+                              max((len(f.seq.prompt_ids) for f in (filling if running else filling[1:])),
+                                  default=0))
+        answers, self._answers = self._answers, []
+        for answer in answers:
+            answer()
 
     def _drop_cancelled_fills(self, filling: list[_Filling]) -> list[_Filling]:
         """Sequences cancelled while their prompt was being prefilled leave, their memory freed."""
@@ -366,11 +423,6 @@ class DecodeLoop:
                 continue
             with self._lock:
                 self._counters.cancelled += 1
-            self._release(fill.seq)
+            self._leave(fill.seq)
             fill.seq.finished = True
         return kept
-
-    def _publish(self, cache: KvCache | None, filling: list[_Filling] | None = None) -> None:
-        held = sum(f.cache.nbytes for f in filling or [] if f.cache is not None)
-        with self._lock:
-            self._kv_in_use = held + (cache.nbytes if cache is not None else 0)

@@ -38,8 +38,8 @@ from ..config import ModelConfig
 from ..engines.onnxruntime import OnnxRuntimeEngine
 from ..engines.ort_graphs import older_than
 from ..errors import ConfigError
-from .kv import DTYPE_BYTES, KvShape
-from .kv_slots import COLUMN_STEP, SlotCache, round_up
+from .kv import COLUMN_STEP, DTYPE_BYTES, CacheFootprint, KvShape, round_up
+from .kv_slots import SlotCache
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
 # ONNX Runtime's CPU GroupQueryAttention computes the in-place layout right since 1.20: 1.18 and
@@ -79,11 +79,19 @@ class BatchCache:
         return sum(int(a.nbytes) for a in self.past)
 
     def join(self, new: BatchCache) -> BatchCache:
-        """The batch with `new`'s rows appended (last), both left-padded to the wider width."""
-        width = max(self.width, new.width)
-        a, b = _left_pad(self, width), _left_pad(new, width)
-        return BatchCache([np.concatenate([x, y], axis=0) for x, y in zip(a.past, b.past)],
-                          np.concatenate([a.mask, b.mask], axis=0), np.concatenate([a.positions, b.positions]))
+        """The batch with `new`'s rows appended (last), both left-padded to the wider width,
+        written straight into the joined arrays (no padded copy of the batch first)."""
+        width, n = max(self.width, new.width), self.rows
+        past = []
+        for mine, theirs in zip(self.past, new.past):
+            joined = np.zeros((n + new.rows, mine.shape[1], width, mine.shape[3]), dtype=mine.dtype)
+            joined[:n, :, width - self.width:] = mine
+            joined[n:, :, width - new.width:] = theirs
+            past.append(joined)
+        mask = np.zeros((n + new.rows, width), dtype=np.int64)
+        mask[:n, width - self.width:] = self.mask
+        mask[n:, width - new.width:] = new.mask
+        return BatchCache(past, mask, np.concatenate([self.positions, new.positions]))
 
     def keep(self, rows: list[int]) -> BatchCache | None:
         """Only the given rows (in that order), with the columns now padding for all of them trimmed."""
@@ -93,7 +101,8 @@ class BatchCache:
         mask = self.mask[index]
         used = np.flatnonzero(mask.any(axis=0))
         start = int(used[0]) if used.size else mask.shape[1]
-        return BatchCache([p[index][:, :, start:] for p in self.past], mask[:, start:], self.positions[index])
+        # one fancy index over rows and columns at once: copies only what is kept
+        return BatchCache([p[index, :, start:] for p in self.past], mask[:, start:], self.positions[index])
 
 
 KvCache = BatchCache | SlotCache
@@ -172,6 +181,11 @@ class Decoder:
 
     def close(self) -> None:
         self.engine.close()
+
+    def footprint(self) -> CacheFootprint:
+        """How much this decoder's batches hold (after load)."""
+        assert self.kv is not None
+        return CacheFootprint(self.kv, self.shared_kv, self.max_context)
 
     @property
     def weights_bytes(self) -> int:
@@ -326,11 +340,8 @@ def keep(batch: KvCache, rows: list[int]) -> KvCache | None:
     return batch.keep(rows)
 
 
-def _left_pad(cache: BatchCache, width: int) -> BatchCache:
-    extra = width - cache.width
-    if extra == 0:
-        return cache
-    past = [np.concatenate([np.zeros(p.shape[:2] + (extra,) + p.shape[3:], dtype=p.dtype), p], axis=2)
-            for p in cache.past]
-    mask = np.concatenate([np.zeros((cache.rows, extra), dtype=np.int64), cache.mask], axis=1)
-    return BatchCache(past, mask, cache.positions)
+def limit(cache: KvCache | None, rows: int, tokens: int) -> None:
+    """Keep an in-place cache within `rows` rows of `tokens` tokens (what admission reserved);
+    Optimum's layout never holds more than its rows' tokens."""
+    if isinstance(cache, SlotCache):
+        cache.limit(rows, tokens)

@@ -188,15 +188,16 @@ class GenerationService(ServiceAccounting):
         self.check_fits_context(len(ids), params.max_new_tokens)
         kv = self.decoder.kv
         assert kv is not None
-        need = kv.sequence_bytes(len(ids), params.max_new_tokens)
+        need = self.decoder.footprint().sequence_bytes(len(ids), params.max_new_tokens)
         budget = self.runtime.budget
         capacity = budget.available() + budget.reserved
         if kvmath.never_fits(need, capacity):
             self._loop.count_rejected()
             raise DoesNotFit(
                 f"model {self.name!r}: {len(ids)} prompt + {params.max_new_tokens} new tokens need "
-                f"{need / MiB:.2f} MiB of KV cache ({kv.describe()}), more than the memory budget can ever give "
-                f"({capacity / MiB:.2f} MiB with nothing else running): lower max_new_tokens or shorten the prompt")
+                f"{need / MiB:.2f} MiB of KV cache alone ({kv.describe()}, {self._layout()}), more than the "
+                f"memory budget can ever give ({capacity / MiB:.2f} MiB with nothing else running): lower "
+                "max_new_tokens or shorten the prompt")
         seq = Sequence(ids, params, need, deadline, asyncio.get_running_loop(), self.tokenizer)
         self._loop.enqueue(seq)
         return seq
@@ -227,16 +228,21 @@ class GenerationService(ServiceAccounting):
                 "or ask for fewer new tokens")
 
     def fits_now(self, prompt_tokens: int, max_new_tokens: int) -> bool:
-        """Would a sequence this long be admitted at once: its KV need fits in what the budget has
-        free after the sequences already waiting, and a decode slot is free? (The rag service asks
-        before choosing between this generator and a peer.)"""
+        """Would a sequence this long be admitted at once: nothing waits, a decode slot is free,
+        and what it would add to the batch's KV reservation fits in what the budget has free?
+        (The rag service asks before choosing between this generator and a peer.)"""
         kv = self.decoder.kv
         if kv is None or self._draining or not self._loop.started:
             return False
-        need = kv.sequence_bytes(prompt_tokens, max_new_tokens)
-        queued, waiting = self._loop.waiting_need()
+        queued = self._loop.waiting_count()
         running = self._loop.running()
-        return queued == 0 and running < self.settings.max_running and need + waiting <= self.runtime.budget.available()
+        return (queued == 0 and running < self.settings.max_running
+                and self._loop.extra_bytes(prompt_tokens, max_new_tokens) <= self.runtime.budget.available())
+
+    def _layout(self) -> str:
+        if self.decoder.shared_kv:
+            return "kept in place: whole 64-token columns"
+        return "Optimum's layout: held twice while a step runs"
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer.encode(text))

@@ -7,9 +7,10 @@ lives in slot r, its tokens in columns 0 .. lengths[r] - 1; a decode step writes
 token at column lengths[r] and copies nothing else, where the Optimum layout returns a new cache
 with every past token copied (docs/rag.md, "The cache in place"). Rows joining are copied in
 once; rows leaving are closed up by moving the rows behind them. The buffers grow (rows to the
-next power of two, columns by half again, in steps of COLUMN_STEP) and shrink when less than
-half is used, so the memory held follows the batch. Growing past the memory there is raises
-OutOfMemory (the sequences of that step fail, the rest of the model serves on).
+next power of two, columns by half again, in steps of COLUMN_STEP), never past the rows and
+columns admission reserved (limit()), and shrink when less than half is used, so the memory held
+follows the batch. Growing past the memory there is raises OutOfMemory (the sequences of that
+step fail, the rest of the model serves on).
 
 Thread: used by the generation worker thread only.
 """
@@ -19,12 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import OutOfMemory
-
-COLUMN_STEP = 64  # columns are allocated in multiples of this many tokens
-
-
-def round_up(n: int, step: int) -> int:
-    return -(-n // step) * step
+from .kv import COLUMN_STEP, round_up
 
 
 def _rows_for(n: int) -> int:
@@ -36,7 +32,9 @@ class SlotCache:
                  max_columns: int):
         self._shape = (kv_heads, head_dim)
         self.dtype = np.dtype(dtype)
+        self.context = max_columns  # the model's context: no row ever needs more columns
         self.max_columns = max_columns
+        self.max_rows = 0  # 0: no limit on growth by rows
         self.buffers = [self._new(rows, columns) for _ in range(2 * layers)]
         self.lengths = np.zeros(0, dtype=np.int64)
 
@@ -65,6 +63,12 @@ class SlotCache:
         """The running rows of every buffer (contiguous: slots 0 .. rows - 1)."""
         return [b[: self.rows] for b in self.buffers]
 
+    def limit(self, rows: int, columns: int) -> None:
+        """Grow to at most `rows` rows and `columns` columns (whole COLUMN_STEPs, within the
+        context) from now on, unless a fit asks for more itself."""
+        self.max_rows = rows
+        self.max_columns = max(columns, min(round_up(columns, COLUMN_STEP), self.context))
+
     def fit(self, rows: int, columns: int) -> None:
         """Make room for `rows` rows of `columns` tokens each, keeping what the running rows
         hold; give memory back when less than half of either dimension is needed."""
@@ -78,6 +82,8 @@ class SlotCache:
         elif columns * 2 <= have_columns and have_columns > COLUMN_STEP:
             want_columns = round_up(columns, COLUMN_STEP)
         want_columns = max(min(want_columns, self.max_columns), columns)
+        if self.max_rows and (want_rows, want_columns) != (have_rows, have_columns):
+            want_rows = max(rows, min(want_rows, self.max_rows))  # rows no longer admitted are not copied on
         n, used = self.rows, int(self.lengths.max(initial=0))
         try:
             for i, old in enumerate(self.buffers):  # one at a time: at most one buffer held twice

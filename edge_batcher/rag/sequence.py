@@ -42,7 +42,7 @@ class Sequence:
         self.id = next(self._ids)
         self.prompt_ids = prompt_ids
         self.params = params
-        self.need = need  # KV bytes for prompt + max_new_tokens (rag/kv.py)
+        self.need = need  # KV bytes it needs alone (kv.CacheFootprint.sequence_bytes)
         self.deadline = deadline  # monotonic; past it a sequence still waiting for admission fails
         self.loop = loop
         self.events: asyncio.Queue = asyncio.Queue()
@@ -50,7 +50,6 @@ class Sequence:
         self.rng = np.random.default_rng(params.seed)
         self.generated: list[int] = []
         self.next_token = -1
-        self.reserved = 0
         self.held_back = False
         self.in_batch = False
         self.cancelled = False  # set by the loop when the caller went away; read by the worker
@@ -58,6 +57,11 @@ class Sequence:
         self.arrival = time.monotonic()
         self.admitted_at = 0.0
         self.first_token_at = 0.0
+
+    @property
+    def tokens_bound(self) -> int:
+        """The most tokens its cache can hold: the prompt and every token it may generate."""
+        return len(self.prompt_ids) + self.params.max_new_tokens
 
     def emit_token(self, piece: str) -> None:
         self._send(("token", piece))

@@ -142,15 +142,15 @@ async def test_sequences_joining_mid_generation_match_generating_alone(smollm2_d
 async def test_kv_admission_holds_a_real_sequence_back_until_memory_frees(smollm2_dir):
     NEW = 160
     probe = await start_service(smollm2_dir)
-    prompt_tokens = probe.count_tokens(QUESTIONS[0])
-    bytes_per_token = probe.decoder.kv.bytes_per_token
+    tokens = probe.count_tokens(QUESTIONS[0]) + NEW
+    footprint = probe.decoder.footprint()
     taken = 2048 * MiB - probe.runtime.budget.available()  # the weights and the budget's own margins
     await probe.close()
-    # 160 new tokens: a need (9 MiB) well above the few MiB the process's own use moves the budget by.
-    need = bytes_per_token * (prompt_tokens + NEW)
-    service = await start_service(smollm2_dir, budget_bytes=taken + need * 8 // 5)  # one sequence, not two
+    # 160 new tokens: a need (~10 MiB) well above the few MiB the process's own use moves the budget by.
+    need, both = footprint.batch_bytes([tokens]), footprint.batch_bytes([tokens, tokens])
+    service = await start_service(smollm2_dir, budget_bytes=taken + (need + both) // 2)  # one sequence, not two
     try:
-        assert need <= service.runtime.budget.available() < 2 * need
+        assert need <= service.runtime.budget.available() < both
         first = asyncio.ensure_future(service.generate(QUESTIONS[0], {"max_new_tokens": NEW, **NO_STOP}))
         second = asyncio.ensure_future(service.generate(QUESTIONS[0], {"max_new_tokens": NEW, **NO_STOP}))
         a, b = await asyncio.gather(first, second)

@@ -1,0 +1,148 @@
+"""What a batch's KV cache holds against what admission reserved for it (kv.CacheFootprint):
+the arithmetic, the in-place cache kept within it, and the real tiny decoder in both layouts
+through a mix of one long and several short sequences, where the per-sequence sum that
+admission used before falls far below what the contiguous cache holds."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from edge_batcher.rag.decode_loop import DecodeLoop
+from edge_batcher.rag.kv import COLUMN_STEP, CacheFootprint, KvShape
+from edge_batcher.rag.kv_slots import SlotCache
+from tests.rag.test_kv_in_place import shared_repo  # noqa: F401  (the in-place tinylm, built once)
+from tests.rag.test_rag_generation import NO_STOP, PROMPTS, start_service
+
+MiB = 1 << 20
+KV = KvShape(layers=2, kv_heads=2, head_dim=16, dtype_bytes=4)  # tinylm's: 512 bytes per token
+
+
+def test_the_footprint_is_rows_times_the_longest_row_by_layout():
+    in_place = CacheFootprint(KV, in_place=True, max_context=1024)
+    optimum = CacheFootprint(KV, in_place=False, max_context=1024)
+    per_token = KV.bytes_per_token
+    # one row of 900 tokens and seven of 40: in place, 8 rows of 960 columns (whole steps of 64),
+    # plus one of the 4 buffers while the cache is copied
+    cache = 8 * 960 * per_token
+    assert in_place.batch_bytes([900] + [40] * 7) == cache + cache // 4
+    # Optimum's layout holds rows x the longest row, twice while a step runs
+    assert optimum.batch_bytes([900] + [40] * 7) == 2 * 8 * 900 * per_token
+    # against the per-sequence sum admission reserved before: 4.7x and 8.4x more
+    assert in_place.batch_bytes([900] + [40] * 7) > 4.7 * (900 + 7 * 40) * per_token
+    # a prompt prefilled beside the batch holds a one-row cache of its own
+    assert in_place.batch_bytes([100], prompt_beside=70) == in_place.batch_bytes([100]) + 128 * per_token
+    assert optimum.batch_bytes([100], prompt_beside=70) == optimum.batch_bytes([100]) + 2 * 70 * per_token
+    # columns never past the context, nor below what a row holds
+    assert in_place.columns(1000) == 1024 and in_place.columns(1024) == 1024
+    assert CacheFootprint(KV, True, 1000).columns(1000) == 1000
+    assert in_place.sequence_bytes(100, 28) == in_place.batch_bytes([128])
+    assert in_place.batch_bytes([]) == 0 and optimum.batch_bytes([]) == 0
+
+
+def test_the_in_place_cache_grows_only_as_far_as_admission_reserved():
+    cache = SlotCache(layers=1, kv_heads=2, head_dim=4, dtype=np.float32, rows=1, columns=COLUMN_STEP,
+                      max_columns=4096)
+    cache.lengths = np.array([COLUMN_STEP])
+    cache.limit(3, 130)
+    cache.fit(3, COLUMN_STEP + 1)  # a power of two would be 4 rows; 3 were admitted
+    assert cache.row_capacity == 3 and cache.width == 2 * COLUMN_STEP
+    cache.fit(3, 129)  # by half again would be 192 columns; 130 rounds up to 192 as well
+    assert cache.width == 192
+    cache.limit(3, 200)
+    cache.fit(3, 193)  # 288 by half again, held to 256 (200 in whole steps)
+    assert cache.width == 256
+    cache.lengths = np.array([193, 1, 1])
+    cache.keep([0, 1])
+    cache.limit(2, 300)
+    cache.fit(2, 257)  # growing: the third row, no longer admitted, is not copied on
+    assert (cache.row_capacity, cache.width) == (2, 320)
+
+
+async def _mixed_run(model_dir, budget_bytes: int = 256 * MiB):
+    """One long sequence and six short ones arriving while it runs, some cancelled; every
+    round's cache against the reservation, and against the per-sequence sum."""
+    rounds: list[tuple[int, int, int]] = []  # (held, reserved, per-sequence sum of the admitted)
+    settle = DecodeLoop._settle
+
+    def recording(self, cache, running, filling):
+        held = (cache.nbytes if cache is not None else 0) + sum(
+            f.cache.nbytes for f in filling if f.cache is not None)
+        per_sequence = sum(s.tokens_bound for s in running + [f.seq for f in filling])
+        settle(self, cache, running, filling)
+        rounds.append((held, self._held, per_sequence * self.footprint.kv.bytes_per_token))
+
+    DecodeLoop._settle = recording
+    service = await start_service(model_dir, budget_bytes)
+    try:
+        long = await service.submit(PROMPTS[0] * 12, {"max_new_tokens": 250, **NO_STOP})
+        events = service.events(long)
+        assert (await events.__anext__())[0] == "token"
+
+        async def rest():
+            async for kind, payload in events:
+                if kind == "done":
+                    return payload
+
+        async def cancelled_early(prompt):
+            seq = await service.submit(prompt, {"max_new_tokens": 60, **NO_STOP})
+            async for kind, _ in service.events(seq):
+                if kind == "token" and len(seq.generated) >= 3:
+                    break
+
+        shorts = [service.generate(p, {"max_new_tokens": 8 + 6 * i, **NO_STOP}) for i, p in enumerate(PROMPTS)]
+        results = await asyncio.gather(rest(), *shorts, cancelled_early(PROMPTS[1]), cancelled_early(PROMPTS[2]))
+        stats = service.statistics()
+        loop = service._loop
+        return results, stats, rounds, loop.over_reservation, service.runtime.budget.reserved
+    finally:
+        DecodeLoop._settle = settle
+        await service.close()
+
+
+@pytest.mark.parametrize("layout", ["optimum", "in_place"])
+async def test_the_cache_never_holds_more_than_admission_reserved(layout, tiny_repo, shared_repo):  # noqa: F811
+    repo = tiny_repo if layout == "optimum" else shared_repo
+    results, stats, rounds, over, left = await _mixed_run(repo / "tinylm")
+    assert results[0].finish_reason == "length" and len(results[0].token_ids) == 250
+    assert stats["max_running_seen"] >= 4, stats
+    assert over == 0 and all(held <= reserved for held, reserved, _ in rounds)
+    # the reservation is the footprint, not the per-sequence sum the cache outgrew before
+    assert max(held - per_sequence for held, _, per_sequence in rounds) > 0
+    assert left == 0 and stats["kv"]["reserved_bytes"] == 0 and stats["kv"]["cache_bytes"] == 0
+
+
+async def test_a_short_sequence_waits_while_the_batch_with_it_would_not_fit(shared_repo):  # noqa: F811
+    """In place: a long sequence runs; a short one whose own tokens would fit, but whose row
+    at the long one's width would not, is held back until the long one finishes."""
+    model = shared_repo / "tinylm"
+    probe = await start_service(model)
+    footprint = probe.decoder.footprint()
+    long_tokens = probe.count_tokens(PROMPTS[0] * 12) + 250
+    short_tokens = probe.count_tokens(PROMPTS[3]) + 20
+    await probe.close()
+    weights = (model / "model.onnx").stat().st_size
+    alone, together = footprint.batch_bytes([long_tokens]), footprint.batch_bytes([long_tokens, short_tokens])
+    per_sequence = (long_tokens + short_tokens) * footprint.kv.bytes_per_token
+    room = (alone + together) // 2
+    assert per_sequence < alone < room < together  # the old rule would have admitted both
+    service = await start_service(model, budget_bytes=weights + room)
+    try:
+        long = asyncio.ensure_future(service.generate(PROMPTS[0] * 12, {"max_new_tokens": 250, **NO_STOP}))
+        while service.statistics()["running"] == 0:
+            await asyncio.sleep(0.001)
+        assert not service.fits_now(short_tokens - 20, 20)  # the rag service would send it to a peer
+        short = asyncio.ensure_future(service.generate(PROMPTS[3], {"max_new_tokens": 20, **NO_STOP}))
+        while service.statistics()["held_back_for_memory"] == 0 and not long.done():
+            await asyncio.sleep(0.001)
+        assert service.statistics()["held_back_for_memory"] == 1
+        a, b = await asyncio.gather(long, short)
+        stats = service.statistics()
+        assert stats["max_running_seen"] == 1 and stats["admitted"] == 2
+        assert b.queue_s > 0 and len(a.token_ids) == 250 and len(b.token_ids) == 20
+        assert service.runtime.budget.reserved == 0
+        assert service.fits_now(short_tokens - 20, 20)
+    finally:
+        await service.close()
