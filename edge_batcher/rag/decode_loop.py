@@ -48,6 +48,7 @@ class GenerationCounters:
     tokens_generated: int = 0
     max_running_seen: int = 0
     prefill_ns: int = 0
+    prefill_tokens: int = 0  # prompt tokens prefilled (the chunks of prompts cancelled midway too)
     decode_ns: int = 0
     cancelled: int = 0
     expired: int = 0
@@ -265,9 +266,11 @@ class DecodeLoop:
             filling.pop(0)
             self._fail(seq, exc)
             return cache
+        chunk = len(prompt[fill.done:fill.done + size])
         fill.done += size
         with self._lock:
             self._counters.prefill_ns += int((time.perf_counter() - t0) * 1e9)
+            self._counters.prefill_tokens += chunk
         if fill.done < len(prompt):
             return cache
         filling.pop(0)

@@ -22,6 +22,8 @@ from ..errors import ConfigError, DeadlineExceeded, DoesNotFit, EngineError, Inv
 from ..memory.device import DeviceLoad, ModelDoesNotFit
 from ..types import InferRequest, InferResponse, TensorSpec
 from . import kv as kvmath
+from .deadline import LocalEstimate
+from .deadline import estimate as estimate_local
 from .decode_loop import DecodeLoop
 from .decoder import Decoder
 from .sampling import parse_params
@@ -248,12 +250,18 @@ class GenerationService(ServiceAccounting):
         return len(self.tokenizer.encode(text))
 
     def step_times(self) -> tuple[float, float] | None:
-        """(mean seconds of a prefill, mean seconds of a decode step) measured so far, or None
-        before both were measured. The rag service estimates a local generation's time from them."""
+        """(seconds of prefill per prompt token, mean seconds of a decode step) measured so far,
+        or None before both were measured."""
         g = self._loop.snapshot().counters
-        if not g["prefills"] or not g["decode_steps"]:
+        if not g["prefill_tokens"] or not g["decode_steps"]:
             return None
-        return g["prefill_ns"] / g["prefills"] / 1e9, g["decode_ns"] / g["decode_steps"] / 1e9
+        return g["prefill_ns"] / g["prefill_tokens"] / 1e9, g["decode_ns"] / g["decode_steps"] / 1e9
+
+    def estimate(self, prompt_tokens: int, max_new_tokens: int) -> LocalEstimate | None:
+        """How long such a generation would take if it started now (rag/deadline.py): the rag
+        service routes by it."""
+        return estimate_local(self.step_times(), max_new_tokens, prompt_tokens, self.settings.prefill_chunk_tokens,
+                              self._loop.running())
 
     async def events(self, seq: Sequence) -> AsyncGenerator[tuple[str, object], None]:
         """The sequence's events: ("token", piece) ..., then ("done", GenerationResult).

@@ -22,7 +22,6 @@ from ..errors import ConfigError, InvalidInput, Unavailable
 from ..offload.client import PeerError
 from ..scheduler.runner import ModelRunner
 from ..types import InferRequest, InferResponse, TensorSpec
-from .deadline import estimate as estimate_local
 from .deadline import too_slow
 from .documents import Documents
 from .extract import NO_PASSAGE, answer_text, choose, quoted_sentences, stored_vectors
@@ -318,7 +317,7 @@ class RagService(ServiceAccounting):
                 raise InvalidInput(f"parameters.max_new_tokens must be an integer, got {max_new!r}")
             prompt, used, tokens = await asyncio.get_running_loop().run_in_executor(
                 None, self._prompt, gen, question, hits, max_new)
-            late = too_slow(s.generator, estimate_local(gen.step_times(), max_new), deadline - time.monotonic())
+            late = too_slow(s.generator, gen.estimate(tokens, max_new), deadline - time.monotonic())
             if late is None and (self.peer is None or gen.fits_now(tokens, max_new)):
                 seq = await gen.submit(prompt, generation, timeout_s=request.timeout_s, apply_template=False)
                 return "local", used, gen.events(seq), None

@@ -57,13 +57,22 @@ async def generate(client, model: str, max_new_tokens: int, timeout_ms: float) -
     return body
 
 
-def test_the_estimate_is_one_prefill_and_a_step_per_new_token():
-    local = estimate((0.1, 0.005), 200)
+def test_the_estimate_is_the_prompt_s_prefill_and_a_step_per_new_token():
+    local = estimate((0.0005, 0.005), 200, prompt_tokens=200)  # 0.5 ms a prompt token, 5 ms a step
     assert local == LocalEstimate(0.1, 0.005, 200) and local.seconds == pytest.approx(1.1)
     assert too_slow("g", local, 2.0) is None
     reason = too_slow("g", local, 0.5)
     assert "~1.10 s" in reason and "200 steps x 5.00 ms" in reason and "0.50 s left" in reason
     assert estimate(None, 200) is None and too_slow("g", None, 0.0) is None  # nothing measured: no veto
+
+
+def test_a_prompt_prefilled_in_chunks_waits_a_step_of_the_running_batch_between_them():
+    alone = estimate((0.0005, 0.005), 200, prompt_tokens=300, chunk_tokens=128)
+    assert alone.waits == 0 and alone.seconds == pytest.approx(0.15 + 1.0)  # nothing runs: chunks back to back
+    beside = estimate((0.0005, 0.005), 200, prompt_tokens=300, chunk_tokens=128, running=3)
+    assert beside.waits == 2 and beside.seconds == pytest.approx(0.15 + 1.0 + 0.01)
+    assert "2 steps of the running batch between its chunks" in beside.describe()
+    assert estimate((0.0005, 0.005), 200, prompt_tokens=300, chunk_tokens=0, running=3).waits == 0  # whole
 
 
 @pytest.mark.asyncio(loop_scope="module")
@@ -74,12 +83,12 @@ async def test_a_generation_that_would_miss_the_deadline_goes_to_the_peer_else_e
     # Nothing measured yet: the deadline cannot veto, and this first request measures.
     first = await generate(client, "ragslowpeer", 8, 60_000)
     assert first["route"] == "local" and "route_reason" not in first
-    local = estimate(gen.step_times(), LONG)
+    local = gen.estimate(0, LONG)  # a lower bound: without the prompt's prefill
     assert local is not None and local.seconds > 0.2, local
     roomy = await generate(client, "ragslowpeer", LONG, 60_000 + local.seconds * 4000)
     assert roomy["route"] == "local" and roomy["completion_tokens"] == LONG
 
-    local = estimate(gen.step_times(), LONG)  # now from 264 steps
+    local = gen.estimate(0, LONG)  # now from 264 steps
     tight_ms = local.seconds * 600  # 60% of the estimate: retrieval still has long enough
     offloaded = await generate(client, "ragslowpeer", LONG, tight_ms)
     assert offloaded["route"] == "peer" and offloaded["answer"] == "".join(PIECES)
