@@ -61,20 +61,71 @@ def test_the_in_place_cache_grows_only_as_far_as_admission_reserved():
     assert (cache.row_capacity, cache.width) == (2, 320)
 
 
+class _Rounds:
+    """Every round of the decode loop: (what the cache holds, what is reserved, the per-sequence
+    sum of the admitted) after the loop settled its reservation."""
+
+    def __init__(self, monkeypatch):
+        self.rounds: list[tuple[int, int, int]] = []
+        settle = DecodeLoop._settle
+
+        def recording(loop, cache, running, filling):
+            held = (cache.nbytes if cache is not None else 0) + sum(
+                f.cache.nbytes for f in filling if f.cache is not None)
+            per_sequence = sum(s.tokens_bound for s in running + [f.seq for f in filling])
+            settle(loop, cache, running, filling)
+            self.rounds.append((held, loop._held, per_sequence * loop.footprint.kv.bytes_per_token))
+
+        monkeypatch.setattr(DecodeLoop, "_settle", recording)
+
+
+@pytest.mark.parametrize("layout", ["optimum", "in_place"])
+@pytest.mark.parametrize("seed", [1, 2])
+async def test_random_arrivals_lengths_and_cancels_under_a_tight_budget(layout, seed, tiny_repo, shared_repo,  # noqa: F811
+                                                                        monkeypatch):
+    """Sequences of random prompt and answer lengths arrive at random moments, some are
+    cancelled, and the budget fits only a few at a time: every round's cache within the
+    reservation, everyone answered, the budget whole again at the end."""
+    rng = np.random.default_rng(seed)
+    repo = tiny_repo if layout == "optimum" else shared_repo
+    model = repo / "tinylm"
+    weights = (model / "model.onnx").stat().st_size
+    record = _Rounds(monkeypatch)
+    probe = await start_service(model)
+    footprint = probe.decoder.footprint()
+    await probe.close()
+    service = await start_service(model, budget_bytes=weights + footprint.batch_bytes([360] * 2))
+    try:
+        async def one(i: int):
+            await asyncio.sleep(float(rng.uniform(0, 0.3)))
+            prompt = " ".join(PROMPTS[j % 4] for j in range(int(rng.integers(1, 16))))
+            params = {"max_new_tokens": int(rng.integers(2, 250)), **NO_STOP}
+            seq = await service.submit(prompt, params)
+            stop_after = int(rng.integers(1, 6)) if i % 5 == 4 else None
+            async for kind, payload in service.events(seq):
+                if kind == "token" and stop_after is not None and len(seq.generated) >= stop_after:
+                    return "cancelled"
+                if kind == "done":
+                    assert len(payload.token_ids) == params["max_new_tokens"]
+                    return "done"
+
+        outcomes = await asyncio.gather(*(one(i) for i in range(16)))
+        assert outcomes.count("done") == 13
+        for _ in range(1000):
+            if service.statistics()["running"] == 0:
+                break
+            await asyncio.sleep(0.001)
+        stats = service.statistics()
+        assert stats["held_back_for_memory"] >= 1, stats  # the budget was tight
+        assert service._loop.over_reservation == 0
+        assert all(held <= reserved for held, reserved, _ in record.rounds)
+        assert service.runtime.budget.reserved == 0 and stats["kv"]["cache_bytes"] == 0
+    finally:
+        await service.close()
+
+
 async def _mixed_run(model_dir, budget_bytes: int = 256 * MiB):
-    """One long sequence and six short ones arriving while it runs, some cancelled; every
-    round's cache against the reservation, and against the per-sequence sum."""
-    rounds: list[tuple[int, int, int]] = []  # (held, reserved, per-sequence sum of the admitted)
-    settle = DecodeLoop._settle
-
-    def recording(self, cache, running, filling):
-        held = (cache.nbytes if cache is not None else 0) + sum(
-            f.cache.nbytes for f in filling if f.cache is not None)
-        per_sequence = sum(s.tokens_bound for s in running + [f.seq for f in filling])
-        settle(self, cache, running, filling)
-        rounds.append((held, self._held, per_sequence * self.footprint.kv.bytes_per_token))
-
-    DecodeLoop._settle = recording
+    """One long sequence and six short ones arriving while it runs, two of them cancelled."""
     service = await start_service(model_dir, budget_bytes)
     try:
         long = await service.submit(PROMPTS[0] * 12, {"max_new_tokens": 250, **NO_STOP})
@@ -95,17 +146,18 @@ async def _mixed_run(model_dir, budget_bytes: int = 256 * MiB):
         shorts = [service.generate(p, {"max_new_tokens": 8 + 6 * i, **NO_STOP}) for i, p in enumerate(PROMPTS)]
         results = await asyncio.gather(rest(), *shorts, cancelled_early(PROMPTS[1]), cancelled_early(PROMPTS[2]))
         stats = service.statistics()
-        loop = service._loop
-        return results, stats, rounds, loop.over_reservation, service.runtime.budget.reserved
+        return results, stats, service._loop.over_reservation, service.runtime.budget.reserved
     finally:
-        DecodeLoop._settle = settle
         await service.close()
 
 
 @pytest.mark.parametrize("layout", ["optimum", "in_place"])
-async def test_the_cache_never_holds_more_than_admission_reserved(layout, tiny_repo, shared_repo):  # noqa: F811
+async def test_the_cache_never_holds_more_than_admission_reserved(layout, tiny_repo, shared_repo,  # noqa: F811
+                                                                   monkeypatch):
     repo = tiny_repo if layout == "optimum" else shared_repo
-    results, stats, rounds, over, left = await _mixed_run(repo / "tinylm")
+    record = _Rounds(monkeypatch)
+    results, stats, over, left = await _mixed_run(repo / "tinylm")
+    rounds = record.rounds
     assert results[0].finish_reason == "length" and len(results[0].token_ids) == 250
     assert stats["max_running_seen"] >= 4, stats
     assert over == 0 and all(held <= reserved for held, reserved, _ in rounds)
