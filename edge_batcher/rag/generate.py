@@ -342,6 +342,7 @@ class GenerationService(ServiceAccounting):
             waiting=len(self._loop.waiting),
             finish_reasons=now.finish_reasons,
             kv={"bytes_per_token": kv.bytes_per_token if kv else 0,
+                "layout": "in_place" if self.decoder.shared_kv else "optimum",
                 "reserved_bytes": now.kv_reserved,
                 "cache_bytes": now.kv_in_use,
                 "budget_available_bytes": self.runtime.budget.available()},

@@ -164,6 +164,7 @@ async def test_the_cache_never_holds_more_than_admission_reserved(layout, tiny_r
     # the reservation is the footprint, not the per-sequence sum the cache outgrew before
     assert max(held - per_sequence for held, _, per_sequence in rounds) > 0
     assert left == 0 and stats["kv"]["reserved_bytes"] == 0 and stats["kv"]["cache_bytes"] == 0
+    assert stats["kv"]["layout"] == layout
 
 
 async def test_a_short_sequence_waits_while_the_batch_with_it_would_not_fit(shared_repo):  # noqa: F811
