@@ -387,9 +387,7 @@ class DecodeLoop:
         one's columns, and the longest prompt prefilled beside the batch (with nothing running,
         the oldest prompt's cache becomes the batch)."""
         assert self.footprint is not None
-        beside = filling if running else filling[1:]
-        return self.footprint.batch_bytes([s.tokens_bound for s in running + filling],
-                                          max((len(s.prompt_ids) for s in beside), default=0))
+        return self.footprint.batch_bytes([s.tokens_bound for s in running + filling], _beside(running, filling))
 
     def _settle(self, cache: KvCache | None, running: list[Sequence], filling: list[_Filling]) -> None:
         """End of a round: the reservation comes down to what the admitted sequences can still
@@ -398,7 +396,8 @@ class DecodeLoop:
         assert self.footprint is not None
         held_now = sum(f.cache.nbytes for f in filling if f.cache is not None)
         held_now += cache.nbytes if cache is not None else 0
-        target = max(self._need(running, [f.seq for f in filling]), self.footprint.holding(held_now) if held_now else 0)
+        fills = [f.seq for f in filling]
+        target = max(self._need(running, fills), self.footprint.holding(held_now))
         if target > self._held:  # the footprint missed something: say so, and count what is held
             self.over_reservation += 1
             log.warning("model %s: the KV cache (%.2f MiB now) may hold %.2f MiB, more than the %.2f MiB "
@@ -410,9 +409,7 @@ class DecodeLoop:
         with self._lock:
             self._kv_reserved = target
             self._kv_in_use = held_now
-            self._admitted = ([s.tokens_bound for s in running + [f.seq for f in filling]],
-                              max((len(f.seq.prompt_ids) for f in (filling if running else filling[1:])),
-                                  default=0))
+            self._admitted = ([s.tokens_bound for s in running + fills], _beside(running, fills))
         answers, self._answers = self._answers, []
         for answer in answers:
             answer()
@@ -429,3 +426,9 @@ class DecodeLoop:
             self._leave(fill.seq)
             fill.seq.finished = True
         return kept
+
+
+def _beside(running: list[Sequence], filling: list[Sequence]) -> int:
+    """The longest prompt that will be prefilled in a cache of its own beside a batch (with
+    nothing running, the oldest prompt's cache becomes the batch): 0 if none."""
+    return max((len(s.prompt_ids) for s in (filling if running else filling[1:])), default=0)
