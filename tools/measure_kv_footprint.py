@@ -47,6 +47,10 @@ async def run(model: Path, long: tuple[int, int], short: tuple[int, int, int], t
         short_texts = [service.tokenizer.decode(service.tokenizer.encode(t, special=False)[:short_prompt])
                        for t in texts[1:]]
         no_stop = {"ignore_stop": True}
+        # one generation of the same shape first: the session's first runs allocate for good
+        # (kernels' buffers, thread pools), which is not the cache
+        await asyncio.gather(*(service.generate(t, {"max_new_tokens": 4, **no_stop}, apply_template=False)
+                               for t in [long_text] + short_texts))
         before = _status("VmRSS")
         reset_peak()
         peak = {"cache": 0, "reserved": 0}
