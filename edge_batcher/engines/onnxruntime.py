@@ -108,6 +108,7 @@ class OnnxRuntimeEngine(Engine):
 
         self.config = config
         self.session: Any = None  # an onnxruntime.InferenceSession once loaded
+        self.cpu_arena = True  # ONNX Runtime's CPU memory arena (its default)
         self.providers: list[str] = []
         self.inputs: list[TensorSpec] = []
         self.outputs: list[TensorSpec] = []
@@ -210,6 +211,7 @@ class OnnxRuntimeEngine(Engine):
         settings = self.config.onnxruntime
         options = ort.SessionOptions()
         options.enable_mem_pattern = uses_memory_pattern([name for name, _ in chain])
+        options.enable_cpu_mem_arena = self.cpu_arena
         options.intra_op_num_threads = settings.intra_op_threads
         options.inter_op_num_threads = settings.inter_op_threads
         spinning = "1" if settings.allow_spinning else "0"
@@ -251,6 +253,14 @@ class OnnxRuntimeEngine(Engine):
         except Exception as exc:
             raise self._failure(exc) from exc
         return {spec.name: value for spec, value in zip(self.outputs, values)}
+
+    def reopen_without_cpu_arena(self) -> None:
+        """Open the loaded model's session again with ONNX Runtime's CPU arena off. Blocking."""
+        import onnxruntime as ort
+
+        self.cpu_arena = False
+        self.session = None
+        self._open_session(ort, self.config.model_path, self._chain)
 
     def run_binding(self, binding: Any) -> None:
         """Run with inputs and outputs the caller bound (session.io_binding()): the decoder's

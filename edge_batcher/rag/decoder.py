@@ -127,6 +127,11 @@ class Decoder:
         except ConfigError:
             self.engine.close()  # a model the decoder cannot run does not keep its session
             raise
+        if not self.shared_kv and self.engine.providers[:1] == ["CPUExecutionProvider"]:
+            # Optimum's layout gets its cache back from ONNX Runtime as new tensors, one size
+            # larger every step: in the CPU arena they left a high-water mark hundreds of MiB
+            # above the KV reservation that never came back (docs/rag.md, "KV memory").
+            self.engine.reopen_without_cpu_arena()
 
     def _read_layout(self) -> None:
         where = f"{self.config.directory / 'model.toml'}"

@@ -124,6 +124,20 @@ async def test_random_arrivals_lengths_and_cancels_under_a_tight_budget(layout, 
         await service.close()
 
 
+def test_optimum_s_layout_runs_without_the_cpu_arena_the_in_place_one_with_it(tiny_repo, shared_repo):  # noqa: F811
+    from edge_batcher.config import load_model_config
+    from edge_batcher.rag.decoder import Decoder
+
+    for repo, arena in ((tiny_repo, False), (shared_repo, True)):
+        decoder = Decoder(load_model_config(repo / "tinylm"))
+        decoder.load()
+        try:
+            assert decoder.engine.session.get_session_options().enable_cpu_mem_arena is arena
+            assert [s.name for s in decoder.engine.inputs][0] == "input_ids"
+        finally:
+            decoder.close()
+
+
 async def _mixed_run(model_dir, budget_bytes: int = 256 * MiB):
     """One long sequence and six short ones arriving while it runs, two of them cancelled."""
     service = await start_service(model_dir, budget_bytes)
