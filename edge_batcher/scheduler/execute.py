@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from ..engines.base import Engine
@@ -27,6 +27,14 @@ Outcome = tuple[Answers, float, float]  # answers per request, seconds, engine s
 
 
 @dataclass(eq=False, slots=True)
+class DispatchRound:
+    """The batches one planning round dispatched together (an idle burst's cheapest cover may
+    be 4 + 2): how many requests they carried, the company the next idle arrival waits for."""
+
+    requests: int = 0
+
+
+@dataclass(eq=False, slots=True)
 class LocalBatch:
     """A batch handed to an engine instance's worker."""
 
@@ -35,6 +43,7 @@ class LocalBatch:
     reserved: int  # admission bytes held until it finishes
     dispatched: float
     holds_slot: bool  # False for the parts of a batch split after running out of memory
+    round: DispatchRound = field(default_factory=DispatchRound)
 
 
 @dataclass(frozen=True)

@@ -229,10 +229,12 @@ def decide(
     size = sizes[-1] if bq.rows >= sizes[-1] else cheapest_cover(bq.rows, sizes, exec_time)[0]
     # Requests are never split: the batch must hold at least the head request's rows.
     size = max(size, _smallest_at_least(next(bq.in_order()).rows, sizes))
+    # An idle arrival's company split by the cheapest cover (5 rows: 4 + 2), or by the largest
+    # size when it is more than one batch holds: the rest came with it and is due too, not after
+    # max_queue_delay_s waiting for partners already gone.
+    company_split = reason is Reason.IDLE or company_arrived(bq, settings, state.company)
     taken = queue.take(bq.bucket, size)
-    if reason is Reason.IDLE:
-        # The cheapest cover split the company (5 rows: 4 + 2): the rest came with it and
-        # is due too, not after max_queue_delay_s waiting for partners already gone.
+    if company_split:
         for r in bq.in_order():
             r.left_by_company = True
     rows = sum(r.rows for r in taken)

@@ -38,7 +38,7 @@ from ..metrics import Metrics
 from ..shared_memory.device_tensor import holds_device_tensor
 from ..types import InferRequest, InferResponse, TensorSpec
 from . import policy
-from .execute import Answers, BatchExecutor, LocalBatch, Outcome
+from .execute import Answers, BatchExecutor, DispatchRound, LocalBatch, Outcome
 from .offloading import Offloader, OffloadPort
 from .policy import Dispatch, Reason, Reject, Target
 from .preparing import Prepared, PrepareStage, Preparing
@@ -117,7 +117,7 @@ class ModelRunner:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None  # when the policy wants to look again; None: no timer
         self._local_batches = 0  # batches with a worker (queued there or running)
-        self._company = 1  # requests in the last local batch to finish (policy.PlanState.company)
+        self._company = 1  # requests the last finished batch's round carried (policy.PlanState.company)
         self.batches_started = 0  # local batches handed to a worker, ever (the memory watch's "what ran")
         self._draining = False
         self._closed = False
@@ -385,6 +385,7 @@ class ModelRunner:
             self._stats.depth.set(0)
             return  # nothing to plan or expire; a timer still set fires and finds nothing
         loop = self._loop
+        round_ = DispatchRound()  # the batches this call dispatches go together
         while True:
             now = loop.time()
             for req in self.queue.expire(now):
@@ -406,7 +407,7 @@ class ModelRunner:
             wake_at = decision.wake_at
             if not isinstance(decision, Dispatch):
                 break
-            self._dispatch(decision.plan, now)
+            self._dispatch(decision.plan, now, round_)
             if wake_at is None or wake_at > now:
                 break  # the policy saw nothing else due now
             if not self._slots.free and self.offload is None:
@@ -442,13 +443,14 @@ class ModelRunner:
         self._timer_at = None
         self._schedule()
 
-    def _dispatch(self, plan: policy.BatchPlan, now: float) -> None:
+    def _dispatch(self, plan: policy.BatchPlan, now: float, round_: DispatchRound) -> None:
         if plan.target is Target.PEER:
             assert self._offloads is not None  # the policy plans for a peer only when there is one
             self._offloads.send(plan)
             return
         instance = self._slots.take(now, self.exec_time.estimate(plan.size))
-        self._start_batch(plan, instance, now, holds_slot=True)
+        round_.requests += len(plan.requests)
+        self._start_batch(plan, instance, now, holds_slot=True, round_=round_)
 
     def _reject(self, decision: Reject) -> None:
         reason = decision.reason
@@ -463,11 +465,12 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ local batches
 
-    def _start_batch(self, plan: policy.BatchPlan, instance: int, now: float, *, holds_slot: bool) -> None:
+    def _start_batch(self, plan: policy.BatchPlan, instance: int, now: float, *, holds_slot: bool,
+                     round_: DispatchRound) -> None:
         reserved = self.admission.reserve(plan.size, plan.bucket) if self.admission is not None else 0
         self._local_batches += 1
         self.batches_started += 1
-        batch = LocalBatch(plan, instance, reserved, now, holds_slot)
+        batch = LocalBatch(plan, instance, reserved, now, holds_slot, round_)
         self._threads.submit(instance, self._execute, batch, self._batch_done)
 
     def _batch_done(self, batch: LocalBatch, outcome: Outcome | None, error: BaseException | None) -> None:
@@ -480,7 +483,7 @@ class ModelRunner:
             self._slots.give_back(instance)
         self._local_batches -= 1
         plan = batch.plan
-        self._company = len(plan.requests)
+        self._company = batch.round.requests
         if error is None:
             assert outcome is not None  # the executor returned
             try:
@@ -542,9 +545,10 @@ class ModelRunner:
             self._fail(req, error)
         assert self._loop is not None  # batches run only once start() set the loop
         now = self._loop.time()
+        round_ = DispatchRound(len(plan.requests))  # the parts are still the one batch's company
         for part, rows, size in parts:
             part_plan = policy.BatchPlan(part, rows, size, plan.bucket, reason=Reason.OOM_SPLIT)
-            self._start_batch(part_plan, instance, now, holds_slot=False)
+            self._start_batch(part_plan, instance, now, holds_slot=False, round_=round_)
 
     def _record(self, batch: LocalBatch, answered: list[Pending], seconds: float, engine_seconds: float) -> None:
         self.exec_time.observe(batch.plan.size, seconds)

@@ -167,6 +167,42 @@ async def test_a_queued_request_times_out_on_time_while_every_instance_is_stuck(
     await runner.close()
 
 
+async def test_a_burst_split_in_two_batches_is_waited_for_whole_when_it_comes_back():
+    """An idle burst of five runs as 4 + 2 in one planning round (size 8 measured slow); when the
+    five come back one loop turn apart, the first waits for all five (the round's company), not
+    for the requests of whichever batch of the round finished last (the 2's one: it would run
+    alone, or the last would wait the 5 s queue delay)."""
+    engine = GatedEngine()
+    engine.gate.set()
+    runner = ModelRunner(config(max_queue_delay_ms=5000.0, default_timeout_ms=20000.0), [engine], Metrics())
+    for size, seconds in ((2, 1e-4), (4, 1e-4), (8, 1.0)):
+        runner.exec_time.observe(size, seconds)
+    await runner.start()
+    for seeds in (range(5), range(10, 15)):
+        calls = []
+        for i in seeds:
+            calls.append(asyncio.ensure_future(runner.infer(request(seed=i)[1])))
+            if seeds.start:  # the second time, one loop turn apart, as closed-loop clients come back
+                await asyncio.sleep(0)
+        await asyncio.wait_for(asyncio.gather(*calls), 4.0)
+    assert engine.sizes == [4, 2, 4, 2], engine.sizes
+    assert runner.statistics()["dispatch_reasons"] == {"idle": 4}
+    await runner.close()
+
+
+async def test_a_full_batch_of_an_idle_burst_leaves_the_rest_due_at_once():
+    """Five requests find the model idle and the largest size is 4: the 4 run, and the fifth,
+    which came with them, does not wait the queue delay for partners that are gone."""
+    engine = GatedEngine()
+    engine.gate.set()
+    runner = ModelRunner(config(preferred_batch_sizes=[2, 4], max_batch_size=4, max_queue_delay_ms=5000.0,
+                                default_timeout_ms=20000.0), [engine], Metrics())
+    await runner.start()
+    await asyncio.wait_for(asyncio.gather(*(runner.infer(request(seed=i)[1]) for i in range(5))), 4.0)
+    assert engine.sizes == [4, 2]
+    await runner.close()
+
+
 async def test_a_request_that_finds_the_model_idle_runs_without_waiting_for_partners():
     """dispatch_when_idle (the default): the queue delay is 5 s, and a lone request is answered
     well before it; a burst that arrives in one loop turn still forms one batch; requests that
