@@ -42,6 +42,7 @@ from .kv import COLUMN_STEP, DTYPE_BYTES, CacheFootprint, KvShape, round_up
 from .kv_slots import SlotCache
 
 _PAST = re.compile(r"^past_key_values\.(\d+)\.(key|value)$")
+_ORT_FLOAT = {"FP32": np.float32, "FP16": np.float16}
 # ONNX Runtime's CPU GroupQueryAttention computes the in-place layout right since 1.20: 1.18 and
 # 1.19 accept a prompt's later chunks (and the builders' checks) and give wrong logits.
 IN_PLACE_SINCE = (1, 20)
@@ -53,7 +54,6 @@ def in_place_refused(version: str) -> str | None:
         return None
     return (f"onnxruntime {version} computes it wrong (GroupQueryAttention needs "
             f"{'.'.join(map(str, IN_PLACE_SINCE))} or newer)")
-_ORT_FLOAT = {"FP32": np.float32, "FP16": np.float16}
 
 
 @dataclass

@@ -232,7 +232,7 @@ def decide(
     # An idle arrival's company split by the cheapest cover (5 rows: 4 + 2), or by the largest
     # size when it is more than one batch holds: the rest came with it and is due too, not after
     # max_queue_delay_s waiting for partners already gone.
-    company_split = reason is Reason.IDLE or company_arrived(bq, settings, state.company)
+    company_split = company_arrived(bq, settings, state.company)  # Reason.IDLE's test, or a full batch's
     taken = queue.take(bq.bucket, size)
     if company_split:
         for r in bq.in_order():

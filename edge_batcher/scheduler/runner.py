@@ -494,7 +494,7 @@ class ModelRunner:
                 for req in plan.requests:
                     self._fail(req, failed)
         elif isinstance(error, OutOfMemory):
-            self._split_after_oom(plan, instance, error)
+            self._split_after_oom(plan, instance, error, batch.round)
         else:
             if not isinstance(error, EdgeBatcherError):
                 error = EngineError(f"model {self.name!r}: batch failed: {error}")
@@ -526,11 +526,12 @@ class ModelRunner:
             if not req.future.done():  # done = the caller gave up; the rest of the batch is unaffected
                 req.future.set_result(InferResponse(name, request.id, outputs))
 
-    def _split_after_oom(self, plan: policy.BatchPlan, instance: int, error: OutOfMemory) -> None:
+    def _split_after_oom(self, plan: policy.BatchPlan, instance: int, error: OutOfMemory,
+                         round_: DispatchRound) -> None:
         """The engine ran out of memory although the estimate said the batch fits: raise the
         estimate's calibration, split the batch in two smaller preferred sizes and retry each
-        on the same instance (after what its worker has queued). A batch of the smallest size
-        that still fails gets the error."""
+        on the same instance (after what its worker has queued), as part of the batch's round. A
+        batch of the smallest size that still fails gets the error."""
         self.metrics.oom_retries_total.inc(model=self.name)
         factor = self.admission.raise_calibration() if self.admission is not None else None
         parts, failed = policy.oom_split(plan.requests, plan.size, self.settings.preferred_batch_sizes)
@@ -545,7 +546,6 @@ class ModelRunner:
             self._fail(req, error)
         assert self._loop is not None  # batches run only once start() set the loop
         now = self._loop.time()
-        round_ = DispatchRound(len(plan.requests))  # the parts are still the one batch's company
         for part, rows, size in parts:
             part_plan = policy.BatchPlan(part, rows, size, plan.bucket, reason=Reason.OOM_SPLIT)
             self._start_batch(part_plan, instance, now, holds_slot=False, round_=round_)
