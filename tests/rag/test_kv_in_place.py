@@ -6,6 +6,9 @@ buffers growing and shrinking."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -128,6 +131,40 @@ def test_the_buffers_grow_and_shrink_with_the_batch():
     assert cache.nbytes == 2 * 1 * 2 * 128 * 4 * 4
     cache.fit(1, 2000)
     assert cache.width == 2000  # past max_columns only as far as asked
+
+
+_GIVES_BACK = """
+import numpy as np
+from edge_batcher.rag.kv_slots import SlotCache
+
+def rss_mib():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 >> 20
+
+freed = np.ones(8 << 20, np.uint8)  # freeing it raises glibc's mmap threshold to 8 MiB
+del freed
+start = rss_mib()
+cache = SlotCache(layers=30, kv_heads=3, head_dim=64, dtype=np.float32, rows=4, columns=1024, max_columns=1024)
+cache.lengths = np.array([100, 1000, 1000, 1000])
+for b in cache.buffers:
+    b[:] = 1.0  # 3 MiB each, 180 MiB in all, every page written
+later = [np.ones(64) for _ in range(1000)]  # small objects allocated after the buffers
+held = rss_mib() - start
+cache.keep([0])  # one short row left: the buffers shrink to 1 x 128
+print(held, rss_mib() - start)
+"""
+
+
+def test_a_shrinking_cache_gives_its_memory_back_to_the_system():
+    """The buffers a shrink (or a finished batch) frees leave the process at once: from numpy's
+    allocator, glibc kept them in its heap under the objects allocated after them. A fresh
+    process, so that the heap is as a daemon's is after its first large free."""
+    if not Path("/proc/self/statm").exists():
+        pytest.skip("reads the resident size from Linux's /proc")
+    out = subprocess.run([sys.executable, "-c", _GIVES_BACK], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    held, after = (int(x) for x in out.stdout.split())
+    assert held >= 170, out.stdout  # 60 buffers of 4 x 3 x 1024 x 64 float32
+    assert after <= 20, f"{after} MiB still resident of the {held} MiB the cache held"
 
 
 async def test_generation_in_place_gives_optimum_s_tokens_joins_included(tiny_repo, shared_repo):
