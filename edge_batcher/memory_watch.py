@@ -1,12 +1,14 @@
 """The memory watch while serving: the memory in use against the plan, and what follows when it grew.
 
 memory/plan.py holds the plan per meter and finds the overruns; this module ties them to the
-models (scheduler runners): which ones ran since the last look, each overrun counted in the
-budget as resident memory (it is held now, whatever holds it), and, while that leaves the budget
-overdrawn, the batch sizes of the models that ran shrink by one step per look, down to the
-smallest: their largest batches are the ones that could grow further (docs/memory.md, "The plan
-under traffic"). The daemon calls `settle` just before ready and `check` every
-`[memory] check_interval_s`; both read the meters only (cheap enough for the event loop).
+models: which ones ran since the last look (engine models and generators), each overrun counted
+in the budget as resident memory (it is held now, whatever holds it), and, while that leaves the
+budget overdrawn, the batch sizes of the engine models that ran shrink by one step per look, down
+to the smallest: their largest batches are the ones that could grow further. Growth of the
+process's own memory that the meter no longer shows later is given back to the budget
+(docs/memory.md, "The plan under traffic"). The daemon calls `settle` just before ready and
+`check` every `[memory] check_interval_s`; both read the meters only (cheap enough for the event
+loop).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable
 from .memory.budget import MemoryBudget
 from .memory.plan import MemoryPlan
 from .scheduler.runner import ModelRunner
+from .servable import Servable
 
 log = logging.getLogger(__name__)
 
@@ -24,16 +27,19 @@ MiB = 1 << 20
 
 
 class MemoryWatch:
-    def __init__(self, budget: MemoryBudget, runners: Callable[[], list[ModelRunner]]):
+    def __init__(self, budget: MemoryBudget, servables: Callable[[], list[Servable]]):
         self.budget = budget
         self.plan = MemoryPlan(budget.probe)
-        self._runners = runners
+        self._servables = servables  # the loaded models
         self._batches_seen: dict[str, int] = {}  # batches started per model at the last look
         self.unplanned = 0  # overruns counted into budget.resident since the start
 
     def start(self) -> None:
         """Before any model loads."""
         self.plan.start()
+
+    def _runners(self) -> list[ModelRunner]:
+        return [s for s in self._servables() if isinstance(s, ModelRunner)]
 
     def residents(self) -> dict[str, int]:
         """The resident memory of the loaded models, by the meter that measured it."""
@@ -50,7 +56,7 @@ class MemoryWatch:
     def settle(self) -> None:
         """Count what the daemon holds at ready beyond its models. Just before ready."""
         self.plan.settle(self.residents())
-        self._batches_seen = {r.name: r.batches_started for r in self._runners()}
+        self._batches_seen = {s.name: s.batches_started for s in self._servables()}
 
     def check(self) -> None:
         """Compare the memory in use with the plan; growth beyond it is logged at WARNING, naming
@@ -62,24 +68,40 @@ class MemoryWatch:
         tolerance["process"] = self.budget.headroom_bytes
         overruns = self.plan.check(residents, self.budget.reserved, tolerance)
         ran = []
-        for runner in self._runners():
-            if runner.batches_started != self._batches_seen.get(runner.name, 0):
-                ran.append(runner)
-            self._batches_seen[runner.name] = runner.batches_started
+        for servable in self._servables():
+            if servable.batches_started != self._batches_seen.get(servable.name, 0):
+                ran.append(servable)
+            self._batches_seen[servable.name] = servable.batches_started
         for overrun in overruns:
             log.warning("memory: %s in use is %.1f MiB, %.1f MiB above the plan (%.1f MiB): growth that no "
                         "measurement at load saw%s, now counted in the plan; models that ran since the last check: %s",
                         overrun.meter, overrun.used / MiB, overrun.excess / MiB, overrun.planned / MiB,
                         "" if overrun.meter == "process" else " (by this daemon or another process on the device)",
-                        ", ".join(f"{r.name} (sizes up to {r.settings.max_batch_size})" for r in ran) or "none")
+                        ", ".join(_what_ran(s) for s in ran) or "none")
             self.budget.resident += overrun.excess
             self.unplanned += overrun.excess
+        if not overruns and self.unplanned:
+            # The process's own meter only: it reads this process alone (plan.given_back).
+            for back in self.plan.given_back(residents, self.budget.reserved, {"process"}):
+                log.info("memory: %s in use is %.1f MiB, %.1f MiB below the plan: %.1f MiB of the growth counted "
+                         "since ready has gone and is given back to the budget", back.meter, back.used / MiB,
+                         (back.planned - back.used) / MiB, back.amount / MiB)
+                self.budget.resident -= back.amount
+                self.unplanned -= back.amount
         if not self.unplanned:
             return
         self.budget.refresh()
         if self.budget.overdrawn():
             for runner in ran:
+                if not isinstance(runner, ModelRunner):
+                    continue  # a generator's admission already holds its cache to the budget
                 smaller = runner.shrink_batch_size()
                 if smaller is not None:
                     log.warning("model %s: the memory budget is overdrawn by growth no measurement saw (%.1f MiB "
                                 "counted): serving batch sizes up to %d", runner.name, self.unplanned / MiB, smaller)
+
+
+def _what_ran(servable: Servable) -> str:
+    if isinstance(servable, ModelRunner):
+        return f"{servable.name} (sizes up to {servable.settings.max_batch_size})"
+    return servable.name

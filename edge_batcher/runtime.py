@@ -181,7 +181,7 @@ class Runtime:
 
             self.offload = PeerPool(config.offload)
         self._reload_lock = asyncio.Lock()
-        self.memory_watch = MemoryWatch(self.budget, self.local_runners)  # memory_watch.py
+        self.memory_watch = MemoryWatch(self.budget, lambda: list(self.runners.values()))  # memory_watch.py
 
     def _collect_memory(self) -> None:
         import psutil

@@ -23,6 +23,9 @@ class Servable(Protocol):
     outputs: list[TensorSpec]
     # Bytes of the memory budget its weights hold while loaded (given back when unloaded).
     resident_bytes: int
+    # Engine runs it started in this process, ever (a generator's prefills and decode steps): the
+    # memory watch names the models whose count moved since its last look.
+    batches_started: int
 
     @property
     def cuda_graphs(self) -> bool:

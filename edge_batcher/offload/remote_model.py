@@ -33,6 +33,7 @@ class RemoteModel:
 
     resident_bytes = 0  # nothing of it is loaded here
     cuda_graphs = False
+    batches_started = 0  # its batches run on the peers
 
     def __init__(self, config: ModelConfig, inputs: list[TensorSpec], outputs: list[TensorSpec],
                  peers: OffloadPort, metrics: Metrics) -> None:

@@ -161,6 +161,11 @@ class DecodeLoop:
         with self._lock:
             return self._running
 
+    def runs_started(self) -> int:
+        """Prefills and decode steps so far."""
+        with self._lock:
+            return self._counters.prefills + self._counters.decode_steps
+
     def snapshot(self) -> DecodeSnapshot:
         with self._lock:
             return DecodeSnapshot(asdict(self._counters), self._running, self._kv_reserved, self._kv_in_use,

@@ -330,6 +330,10 @@ class GenerationService(ServiceAccounting):
             self._in_flight.count -= 1
         self._ok(started, 1)
 
+    @property
+    def batches_started(self) -> int:
+        return self._loop.runs_started()
+
     def statistics(self) -> dict:
         out = self.stats.triton(self.name) | {"queue_depth": len(self.queue), "instances": 1,
                                               "memory": {"resident_bytes": self.resident_bytes,

@@ -139,6 +139,11 @@ class ServiceAccounting:
     stats: ServiceStats
     runtime: Runtime
 
+    @property
+    def batches_started(self) -> int:
+        """None of its own: the rag pipeline's run in its models (the generator counts its steps)."""
+        return 0
+
     def _ok(self, started: float, rows: int) -> None:
         self.stats.ok(started, rows)
         self.runtime.metrics.requests_total.inc(model=self.name, status="200")

@@ -50,6 +50,26 @@ def test_growth_beyond_the_plan_is_reported_once_and_counted():
     more.close()
 
 
+def test_growth_that_goes_again_leaves_the_plan_but_not_what_ready_counted():
+    plan = MemoryPlan(FixedProbe(1 << 30))  # the process's resident memory is the meter
+    plan.start()
+    plan.settle({"process": 0})
+    at_ready = plan.planned({"process": 0})["process"]
+    grown = resident(64 * MiB)
+    [overrun] = plan.check({"process": 0}, 0, {"process": 0})
+    assert plan.given_back({"process": 0}, 0, {"process"}) == []  # still held: nothing goes
+    grown.close()
+    assert plan.given_back({"process": 0}, 0, set()) == []  # only the meters asked about
+    [back] = plan.given_back({"process": 0}, 0, {"process"})
+    assert overrun.excess - 8 * MiB <= back.amount <= overrun.excess
+    assert at_ready <= plan.planned({"process": 0})["process"] <= at_ready + 8 * MiB
+    # far less in use than planned: only the growth still counted goes, never what ready counted
+    left = plan.grown["process"]
+    assert sum(b.amount for b in plan.given_back({"process": 256 * MiB}, 0, {"process"})) == left
+    assert plan.planned({"process": 0})["process"] == at_ready
+    assert plan.given_back({"process": 256 * MiB}, 0, {"process"}) == []
+
+
 def test_a_daemon_warns_of_memory_that_serving_took_and_no_load_measured_and_shrinks(start_daemon, tmp_path):
     """The leak is counted as resident; with budget_mb = 40 that overdraws the budget: the model
     that ran serves smaller batches, and while the budget stays overdrawn nothing more is run."""

@@ -213,3 +213,45 @@ async def test_a_short_sequence_waits_while_the_batch_with_it_would_not_fit(shar
         assert service.fits_now(short_tokens - 20, 20)
     finally:
         await service.close()
+
+
+async def test_the_memory_watch_names_a_generator_that_ran_and_gives_back_growth_that_went(tiny_repo, caplog):
+    """Growth the plan did not have while a generator ran is logged with the generator's name (it
+    is no engine runner), and once the process's memory falls back it leaves the budget again."""
+    import logging
+    import mmap
+
+    from edge_batcher.config import DaemonConfig, MemorySettings, load_model_config
+    from edge_batcher.memory_watch import MemoryWatch
+    from edge_batcher.rag.generate import GenerationService
+    from edge_batcher.runtime import Runtime
+
+    runtime = Runtime(DaemonConfig(memory=MemorySettings(probe="fixed", budget_mb=1024, headroom_mb=8)))
+    service = GenerationService(load_model_config(tiny_repo / "tinylm"), runtime)
+    watch = MemoryWatch(runtime.budget, lambda: [service])
+    watch.start()
+    await service.start()
+    try:
+        watch.settle()
+        resident_at_ready = runtime.budget.resident
+        await service.generate(PROMPTS[0], {"max_new_tokens": 4, **NO_STOP})
+        grown = mmap.mmap(-1, 96 << 20)
+        grown.write(b"\1" * (96 << 20))  # what no plan saw, held while the watch looks
+        with caplog.at_level(logging.INFO, logger="edge_batcher.memory_watch"):
+            watch.check()
+            warning = next(r for r in caplog.records if "above the plan" in r.getMessage())
+            assert warning.levelno == logging.WARNING
+            assert warning.getMessage().endswith("models that ran since the last check: tinylm")
+            counted = runtime.budget.resident - resident_at_ready
+            assert counted >= 80 << 20
+            watch.check()  # nothing ran, nothing new: no second warning, nothing given back
+            assert sum("above the plan" in r.getMessage() for r in caplog.records) == 1
+            assert runtime.budget.resident - resident_at_ready == counted
+            grown.close()
+            watch.check()
+            back = next(r for r in caplog.records if "given back to the budget" in r.getMessage())
+            assert back.levelno == logging.INFO
+        assert runtime.budget.resident - resident_at_ready <= 8 << 20
+        assert watch.unplanned == runtime.budget.resident - resident_at_ready
+    finally:
+        await service.close()
