@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DeadlineExceeded, EdgeBatcherError, EngineError, Unavailable
-from .decoder import Decoder, KvCache, join, keep, limit
+from .decoder import Decoder, KvCache, held_shape, join, keep, limit
 from .kv import CacheFootprint
 from .sampling import choose
 from .sequence import GenerationResult, Sequence
@@ -100,7 +100,8 @@ class DecodeLoop:
         self._kv_in_use = 0
         self._finish_reasons: dict[str, int] = {}
         self._decode_sizes: dict[int, list[int]] = {}
-        self._admitted: tuple[list[int], int] = ([], 0)  # token bounds, prompt beside: for extra_bytes()
+        # token bounds, prompt beside, the batch's buffers (rows, columns): for extra_bytes()
+        self._admitted: tuple[list[int], int, tuple[int, int]] = ([], 0, (0, 0))
         self.over_reservation = 0  # rounds that found the cache holding more than reserved (a bug)
         # worker thread only:
         self.footprint: CacheFootprint | None = None
@@ -150,11 +151,11 @@ class DecodeLoop:
         last round)."""
         assert self.footprint is not None
         with self._lock:
-            bounds, beside = self._admitted
+            bounds, beside, shape = self._admitted
             held = self._kv_reserved
         if bounds:  # it would be prefilled beside the batch or the prompts before it
             beside = max(beside, prompt_tokens)
-        need = self.footprint.batch_bytes(bounds + [prompt_tokens + max_new_tokens], beside)
+        need = self.footprint.batch_bytes(bounds + [prompt_tokens + max_new_tokens], beside, shape)
         return max(0, need - held)
 
     def running(self) -> int:
@@ -188,7 +189,7 @@ class DecodeLoop:
                         self._cond.wait()
                     if self._stopping:
                         break
-                    admitted = self._admit(running, [f.seq for f in filling])
+                    admitted = self._admit(running, [f.seq for f in filling], cache)
                     held_back = bool(self.waiting) and not admitted and not running and not filling
                 filling += [_Filling(seq) for seq in admitted]
                 admitted_now = running + [f.seq for f in filling]
@@ -220,7 +221,7 @@ class DecodeLoop:
                     self.waiting.popleft().fail(stop)
             self._settle(None, [], [])
 
-    def _admit(self, running: list[Sequence], filling: list[Sequence]) -> list[Sequence]:
+    def _admit(self, running: list[Sequence], filling: list[Sequence], cache: KvCache | None) -> list[Sequence]:
         """Under self._cond: pop the waiting sequences that may join now (arrival order,
         guaranteed-no-evict: the batch's footprint with them is reserved). Cancelled and expired
         ones are answered and removed."""
@@ -243,7 +244,7 @@ class DecodeLoop:
                     f"model {self.name!r}: waited {now - seq.arrival:.1f} s for KV-cache memory "
                     f"({seq.need / MiB:.2f} MiB) without getting it"))
                 continue
-            extra = self._need(running, filling + admitted + [seq]) - self._held
+            extra = self._need(running, filling + admitted + [seq], cache) - self._held
             if extra > 0 and not self.budget.try_reserve(extra):
                 if not seq.held_back:
                     seq.held_back = True
@@ -387,22 +388,26 @@ class DecodeLoop:
                 seq.in_batch = False
                 self._running -= 1
 
-    def _need(self, running: list[Sequence], filling: list[Sequence]) -> int:
+    def _need(self, running: list[Sequence], filling: list[Sequence], cache: KvCache | None) -> int:
         """The most the cache can hold while these sequences run: the batch's rows at the longest
-        one's columns, and the longest prompt prefilled beside the batch (with nothing running,
-        the oldest prompt's cache becomes the batch)."""
+        one's columns (at least the rows and columns its buffers have now), and the longest
+        prompt prefilled beside the batch (with nothing running, the oldest prompt's cache becomes
+        the batch)."""
         assert self.footprint is not None
-        return self.footprint.batch_bytes([s.tokens_bound for s in running + filling], _beside(running, filling))
+        return self.footprint.batch_bytes([s.tokens_bound for s in running + filling], _beside(running, filling),
+                                          held_shape(cache))
 
     def _settle(self, cache: KvCache | None, running: list[Sequence], filling: list[_Filling]) -> None:
         """End of a round: the reservation comes down to what the admitted sequences can still
         hold (never below what the cache holds now), then finished callers are answered, so the
         statistics they may read next are already up to date."""
         assert self.footprint is not None
-        held_now = sum(f.cache.nbytes for f in filling if f.cache is not None)
-        held_now += cache.nbytes if cache is not None else 0
+        beside = sum(f.cache.nbytes for f in filling if f.cache is not None)
+        batch = cache.nbytes if cache is not None else 0
+        held_now = batch + beside
         fills = [f.seq for f in filling]
-        target = max(self._need(running, fills), self.footprint.holding(held_now))
+        target = max(self._need(running, fills, cache),
+                     self.footprint.holding(batch) + self.footprint.holding_beside(beside))
         if target > self._held:  # the footprint missed something: say so, and count what is held
             self.over_reservation += 1
             log.warning("model %s: the KV cache (%.2f MiB now) may hold %.2f MiB, more than the %.2f MiB "
@@ -414,7 +419,7 @@ class DecodeLoop:
         with self._lock:
             self._kv_reserved = target
             self._kv_in_use = held_now
-            self._admitted = ([s.tokens_bound for s in running + fills], _beside(running, fills))
+            self._admitted = ([s.tokens_bound for s in running + fills], _beside(running, fills), held_shape(cache))
         answers, self._answers = self._answers, []
         for answer in answers:
             answer()

@@ -253,7 +253,9 @@ class Decoder:
                 cache = self._new_slots(1, max(n, room))
                 cache.lengths = np.zeros(1, dtype=np.int64)
             assert isinstance(cache, SlotCache) and cache.rows == 1
-            cache.fit(1, int(cache.lengths[0]) + n)
+            # never below the whole prompt: fitted to each chunk, it shrank at the second and grew
+            # past the prompt by half again at the later ones, beyond what admission reserved
+            cache.fit(1, max(int(cache.lengths[0]) + n, room))
             return self._run_in_place(ids, cache, logits_from)[0], cache
         assert cache is None or (isinstance(cache, BatchCache) and cache.rows == 1)
         past = self.empty_past(1) if cache is None else cache.past
@@ -343,6 +345,14 @@ def join(batch: KvCache | None, new: KvCache) -> KvCache:
 def keep(batch: KvCache, rows: list[int]) -> KvCache | None:
     """Only the given rows, in that order."""
     return batch.keep(rows)
+
+
+def held_shape(cache: KvCache | None) -> tuple[int, int]:
+    """(rows, columns) an in-place cache's buffers have now, whatever its rows use; (0, 0) for
+    none and for Optimum's layout, which holds its rows' tokens only."""
+    if isinstance(cache, SlotCache):
+        return cache.row_capacity, cache.width
+    return 0, 0
 
 
 def limit(cache: KvCache | None, rows: int, tokens: int) -> None:

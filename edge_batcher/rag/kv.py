@@ -49,7 +49,9 @@ class CacheFootprint:
     """The most a running batch's KV cache holds, by layout: what admission reserves.
 
     In place (kv_slots.SlotCache): rows x the longest row's columns (whole COLUMN_STEPs), and one
-    of the 2 x layers buffers twice while the cache grows, shrinks or reorders. Optimum's layout
+    of the 2 x layers buffers twice while the cache grows, shrinks or reorders; rows and columns
+    at least what its buffers have now (they shrink only once less than half is used, so they
+    keep the room of sequences that left). Optimum's layout
     (decoder.BatchCache): rows x the longest row, twice: a step returns the new cache while the
     old one is still alive, and a join builds the joined cache beside the old one. A prompt
     prefilled beside a running batch holds a one-row cache of its own until it joins.
@@ -65,15 +67,14 @@ class CacheFootprint:
             return tokens
         return max(tokens, min(round_up(tokens, COLUMN_STEP), self.max_context))
 
-    def batch_bytes(self, token_bounds: Sequence[int], prompt_beside: int = 0) -> int:
+    def batch_bytes(self, token_bounds: Sequence[int], prompt_beside: int = 0, held: tuple[int, int] = (0, 0)) -> int:
         """Sequences that hold at most `token_bounds` tokens each (prompt + max_new_tokens),
-        batched, and beside them the longest prompt that is prefilled in a cache of its own (0:
-        none)."""
+        batched in buffers that have `held` (rows, columns) now, and beside them the longest
+        prompt that is prefilled in a cache of its own (0: none)."""
         per_token = self.kv.bytes_per_token
-        if not token_bounds:
-            cache = 0
-        else:
-            cache = len(token_bounds) * self.columns(max(token_bounds)) * per_token
+        rows = max(len(token_bounds), held[0])
+        columns = max(self.columns(max(token_bounds, default=0)), held[1])
+        cache = rows * columns * per_token if rows else 0
         if self.in_place:
             beside = self.columns(prompt_beside + 1) * per_token if prompt_beside else 0
             return self.holding(cache) + beside
@@ -84,10 +85,16 @@ class CacheFootprint:
         return self.batch_bytes([prompt_tokens + max_new_tokens])
 
     def holding(self, cache_bytes: int) -> int:
-        """The most a cache of `cache_bytes` holds while it is copied (grown, shrunk, stepped)."""
+        """The most a batch's cache of `cache_bytes` holds while it is copied (grown, shrunk,
+        stepped)."""
         if self.in_place:
             return cache_bytes + -(-cache_bytes // (2 * self.kv.layers))
         return 2 * cache_bytes
+
+    def holding_beside(self, cache_bytes: int) -> int:
+        """The same for a prompt's cache beside the batch: sized once for the whole prompt in
+        place; in Optimum's layout each chunk returns a new cache beside the old one."""
+        return cache_bytes if self.in_place else 2 * cache_bytes
 
 
 def never_fits(need: int, capacity: int) -> bool:

@@ -215,6 +215,31 @@ async def test_a_short_sequence_waits_while_the_batch_with_it_would_not_fit(shar
         await service.close()
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+async def test_many_clients_with_long_prompts_in_chunks_stay_within_the_reservation(seed, shared_repo):  # noqa: F811
+    """Twelve clients, each sending its next prompt (up to ~600 tokens, prefilled in chunks of
+    128 beside the batch) when the last is answered, on the in-place layout: rows leave and join
+    while the buffers keep their capacity, and prompts' own caches fill chunk by chunk. No round
+    may find the cache able to hold more than was reserved (memory_soak.py found rounds that did:
+    a prompt's cache shrank at its second chunk and grew past its prompt; buffers kept the rows
+    and columns of sequences that had left while the reservation followed those still there)."""
+    rng = np.random.default_rng(seed)
+    service = await start_service(shared_repo / "tinylm", budget_bytes=1 << 30)
+    words = " ".join(PROMPTS).split()
+    try:
+        async def client() -> None:
+            for _ in range(3):
+                prompt = " ".join(words[int(i)] for i in rng.integers(0, len(words), int(rng.integers(10, 240))))
+                await service.generate(prompt, {"max_new_tokens": int(rng.integers(8, 64)), **NO_STOP})
+
+        await asyncio.gather(*(client() for _ in range(12)))
+        stats = service.statistics()
+        assert stats["max_running_seen"] >= 4 and stats["prefill_tokens"] > 128 * stats["prefills"] / 2, stats
+        assert service._loop.over_reservation == 0
+    finally:
+        await service.close()
+
+
 async def test_the_memory_watch_names_a_generator_that_ran_and_gives_back_growth_that_went(tiny_repo, caplog):
     """Growth the plan did not have while a generator ran is logged with the generator's name (it
     is no engine runner), and once the process's memory falls back it leaves the budget again."""
