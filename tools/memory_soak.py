@@ -5,7 +5,9 @@ Starts `edge-batcher serve` (optionally inside a memory cgroup: `--cgroup-limit-
 Jetson's unified memory bounds the process), waits until it is ready, then has `--clients`
 connections send requests for `--seconds`: each picks a model at random and sends it a random
 request of 1 to max_batch_size rows (random text of 5-100 words, token sequences of random
-length up to the longest bucket, sensor windows). Memory is sampled every 50 ms on one meter:
+length up to the longest bucket, sensor windows); a generator gets a prompt of 20 to 400 words
+(a quarter of its context at most) through the generate extension with 8-64 new tokens. Memory
+is sampled every 50 ms on one meter:
 
   device   the GPU's memory in use (NVML; nvidia-smi when pynvml is missing), the daemon's GPU plan;
   jetson   a Jetson's shared memory in use, as the daemon's jetson probe reads it (NVML has none);
@@ -20,7 +22,11 @@ overload (429) or a passed deadline (504), nothing is answered, the daemon dies 
 OOM-killed, or the peak exceeds what the daemon held at ready (its plan), read by the same meter,
 by more than its margin: on the GPU `--tolerance` (5%) of the models' resident memory, for the
 daemon's resident memory the budget's headroom (`[memory] headroom_mb`, what it keeps for
-request bodies and Python objects). docs/memory.md has the runs recorded.
+request bodies and Python objects). A generator's KV cache is reserved per running batch, not
+held at ready: with generators the peak may exceed ready by the most their reservations reached
+(their statistics' `kv.reserved_bytes`, read every 100 ms) plus the margin. It also fails when the
+daemon's own memory watch logged growth beyond its plan, or a generator's decode loop a KV cache
+beyond what it had reserved. docs/memory.md has the runs recorded.
 
     python tools/memory_soak.py [--config FILE] [--models DIR] [--seconds 30] [--clients 48]
                                 [--meter auto|device|process] [--cgroup-limit-mb N] [--json FILE]
@@ -236,6 +242,7 @@ class ModelTraffic:
     max_rows: int
     max_length: int  # the longest sequence bucket, or 0
     max_words: int  # of a text (the rag service refuses questions longer than its embedding model reads)
+    generator: bool = False  # a prompt through the generate extension instead of v2 infer
 
     @property
     def large(self) -> bool:
@@ -244,7 +251,15 @@ class ModelTraffic:
         and fewer of them pooled per client."""
         return any(int(np.prod([max(d, 1) for d in spec["shape"][1:]])) > LARGE_ROW for spec in self.inputs)
 
+    @property
+    def path(self) -> str:
+        return f"/v2/models/{self.name}/" + ("generate" if self.generator else "infer")
+
     def request(self, rng: random.Random) -> tuple[bytes, dict[str, str]]:
+        if self.generator:
+            prompt = " ".join(rng.choice(WORDS) for _ in range(rng.randint(20, self.max_words)))
+            body = {"text_input": prompt, "parameters": {"max_new_tokens": rng.randint(8, 64), "ignore_stop": True}}
+            return json.dumps(body).encode(), {"Content-Type": "application/json"}
         rows = rng.randint(1, self.max_rows)
         length = rng.randint(min(8, self.max_length), self.max_length) if self.max_length else 0
         arrays = {}
@@ -278,6 +293,13 @@ def _random_tensor(spec: dict, shape: list[int], rng: random.Random, max_words: 
 
 
 def traffic_for(metadata: dict, config: ModelConfig | None) -> ModelTraffic:
+    if config is not None and config.backend == "generator":
+        from edge_batcher.config import backend_settings
+        from edge_batcher.rag.generate import GeneratorSettings
+
+        # Prompts well within the context: a word is 1-3 tokens, and 64 new ones follow.
+        words = min(400, backend_settings(config, "generator", GeneratorSettings).max_context // 4)
+        return ModelTraffic(metadata["name"], metadata["inputs"], 1, 0, words, generator=True)
     service = config is None or config.backend == "rag"
     max_rows = 1 if service else min(8, config.batching.max_batch_size)
     max_length = max(config.sequence.buckets) if config is not None and config.sequence else 0
@@ -302,6 +324,7 @@ class SoakResult:
     alive: bool
     cgroup: dict[str, int] | None
     margin: int  # bytes the peak may exceed the plan by
+    kv_reserved_peak: int = 0  # the most the generators' KV reservations reached together
     log_tail: str = ""
     memory_log: str = ""  # the daemon's log lines about memory
 
@@ -315,9 +338,10 @@ class SoakResult:
 
     @property
     def over_plan(self) -> int:
-        """Growth under traffic beyond what the daemon held at ready, which its plan counts in full
-        (memory/plan.py), read by one meter: NVML's figures are not the daemon's cuMemGetInfo."""
-        return self.peak - self.ready
+        """Growth under traffic beyond what the daemon held at ready and its generators reserved,
+        which its plan counts in full (memory/plan.py), read by one meter: NVML's figures are not
+        the daemon's cuMemGetInfo."""
+        return self.peak - self.ready - self.kv_reserved_peak
 
     def failures(self) -> list[str]:
         out = []
@@ -331,8 +355,16 @@ class SoakResult:
         if not self.statuses.get("200"):
             out.append("nothing was answered")
         if self.over_plan > self.margin:
+            reserved = (f" and its generators reserved ({self.kv_reserved_peak / MiB:.1f} MiB)"
+                        if self.kv_reserved_peak else "")
             out.append(f"peak {self.peak / MiB:.1f} MiB is {self.over_plan / MiB:.1f} MiB above what the daemon held "
-                       f"at ready (its plan), more than the margin of {self.margin / MiB:.1f} MiB")
+                       f"at ready (its plan){reserved}, more than the margin of {self.margin / MiB:.1f} MiB")
+        watch = [line for line in self.memory_log.splitlines() if "above the plan" in line]
+        if watch:
+            out.append(f"the daemon's memory watch saw growth beyond its plan: {watch[0][-200:]}")
+        kv = [line for line in self.memory_log.splitlines() if "reserved for it" in line]
+        if kv:
+            out.append(f"{len(kv)} round(s) of a generator found its KV cache beyond its reservation: {kv[0][-160:]}")
         return out
 
     def report(self) -> str:
@@ -340,11 +372,13 @@ class SoakResult:
             f"soak: {self.clients} clients, {self.seconds:.0f} s, {self.requests} requests, meter {self.meter}",
             f"  memory before the daemon  {self.before / MiB:10.1f} MiB",
             f"  after warm-up (ready)     {self.ready / MiB:10.1f} MiB",
-            f"  peak under load           {self.peak / MiB:10.1f} MiB  ({self.over_plan / MiB:+.1f} MiB beyond ready, "
-            f"margin {self.margin / MiB:.1f} MiB)",
+            f"  peak under load           {self.peak / MiB:10.1f} MiB  "
+            f"({(self.peak - self.ready) / MiB:+.1f} MiB beyond ready, margin {self.margin / MiB:.1f} MiB)",
             f"  the daemon's plan         {self.planned / MiB:10.1f} MiB  (its own meter at ready; "
             f"models resident {self.resident_total / MiB:.1f} MiB: "
             + ", ".join(f"{m} {b / MiB:.1f}" for m, b in sorted(self.resident.items())) + ")",
+            *([f"  generators' KV reserved    {self.kv_reserved_peak / MiB:10.1f} MiB at most"]
+              if self.kv_reserved_peak else []),
             "  answers by status         " + ", ".join(f"{k}: {v}" for k, v in sorted(self.statuses.items())),
         ]
         if self.cgroup is not None:
@@ -357,6 +391,40 @@ class SoakResult:
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("log_tail", "memory_log")} | {
             "failures": self.failures()}
+
+
+class KvReservations:
+    """The generators' KV reservations together, read from their statistics every 100 ms on a
+    thread; stop() gives the most they reached."""
+
+    def __init__(self, sock: str, generators: list[str]):
+        self.sock, self.generators = sock, generators
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> KvReservations:
+        if self.generators:
+            self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            total = 0
+            for name in self.generators:
+                try:
+                    status, body = _http(self.sock, "GET", f"/v2/models/{name}/stats")
+                except OSError:
+                    continue
+                if status == 200:
+                    total += json.loads(body)["model_stats"][0]["kv"]["reserved_bytes"]
+            self.peak = max(self.peak, total)
+
+    def stop(self) -> int:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        return self.peak
 
 
 def _http(sock: str, method: str, path: str, body: bytes | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -394,6 +462,7 @@ async def _drive(sock: str, traffic: list[ModelTraffic], clients: int, seconds: 
     import aiohttp
 
     connector = aiohttp.UnixConnector(path=sock, limit=clients)
+    paths = {t.name: t.path for t in traffic}
     stop_at = time.monotonic() + seconds
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
 
@@ -404,7 +473,7 @@ async def _drive(sock: str, traffic: list[ModelTraffic], clients: int, seconds: 
                 model = rng.choice(traffic).name
                 body, headers = rng.choice(pools[model])
                 try:
-                    async with session.post(f"http://localhost/v2/models/{model}/infer", data=body,
+                    async with session.post(f"http://localhost{paths[model]}", data=body,
                                             headers=headers) as response:
                         text = await response.read()
                         statuses[str(response.status)] += 1
@@ -461,11 +530,13 @@ def run_soak(*, config: str | None = None, models: str | None = None, seconds: f
                 traffic.append(traffic_for(json.loads(body), configs[name]))
         statuses: Counter = Counter()
         errors: list[str] = []
+        reservations = KvReservations(sock, [t.name for t in traffic if t.generator]).start()
         sampler.start()
         t0 = time.monotonic()
         asyncio.run(_drive(sock, traffic, clients, seconds, seed, statuses, errors))
         elapsed = time.monotonic() - t0
         peak = sampler.stop()
+        kv_reserved_peak = reservations.stop()
         alive = proc.poll() is None
         cg = None
         if cgroup is not None:
@@ -473,7 +544,8 @@ def run_soak(*, config: str | None = None, models: str | None = None, seconds: f
         margin = (int(daemon_config.memory.headroom_mb * MiB) if meter == "process"
                   else int(tolerance * sum(resident.values())))
         return SoakResult(meter, before, ready, peak, int(planned[plan_key]), resident, dict(statuses), errors,
-                          elapsed, clients, alive, cg, margin, _tail(log_path), _memory_lines(log_path))
+                          elapsed, clients, alive, cg, margin, kv_reserved_peak, _tail(log_path),
+                          _memory_lines(log_path))
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
