@@ -49,6 +49,14 @@ class Admission:
             return False  # measured at load: it ran out of memory, or the budget could not hold it
         return self.batch_bytes(size, seq_len) <= self.budget.available()
 
+    def fits_later(self, size: int, seq_len: int) -> bool:
+        """Whether it would fit once every reservation now held (batches in flight, generators'
+        KV caches) has come back: a batch that does not fit now waits for them instead of being
+        refused."""
+        if self.device is not None and self.device.refuses(size, seq_len):
+            return False
+        return self.batch_bytes(size, seq_len) <= self.budget.capacity()
+
     def reserve(self, size: int, seq_len: int) -> int:
         nbytes = self.batch_bytes(size, seq_len)
         self.budget.reserve(nbytes)

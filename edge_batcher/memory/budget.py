@@ -3,7 +3,8 @@
 A probe says what the device has free; the budget turns that into what the scheduler may
 *plan* with:
 
-    available = min(fixed_bytes - resident, free - reserve_fraction * total - headroom_bytes) - reserved
+    available = min(fixed_bytes - resident - reserved,
+                    free - reserve_fraction * total - headroom_bytes - (reserved - visible))
 
 * reserve_fraction and headroom_bytes keep a margin for what no estimate sees (allocator
   rounding and fragmentation, CUDA/cuDNN workspaces, other processes growing, the kernel).
@@ -14,6 +15,11 @@ A probe says what the device has free; the budget turns that into what the sched
   whose allocations the probe does not show yet must not be admitted twice against the same
   free memory. While a running batch's memory *is* visible to the probe it is counted twice
   (in free and in reserved) until release(); that errs on the safe side and lasts one batch.
+* visible is the part of the reservations that is allocated and that the probe's free figure
+  already shows: a generator's KV cache in host memory, reserved for as long as its sequences
+  run (seconds to minutes, not one batch), where counting it twice left nothing for the other
+  models while the memory was there (docs/memory.md). Only a probe that reads host memory
+  (`sees_host_memory`: cpu, jetson) shows it; the fixed cap counts every reservation whole.
 
 Reading the probe costs a file read or a driver call, so available() caches the snapshot and
 re-reads at most every refresh_interval_s; refresh() forces a read after known load changes.
@@ -84,6 +90,7 @@ class MemoryBudget:
         self._lock = threading.Lock()
         self._read_at: float | None = None
         self._reserved = 0
+        self._visible = 0  # of _reserved: allocated, and shown by the probe's free figure
         self.resident = 0  # weights of loaded models (see the module docstring)
         self.snapshot: MemorySnapshot | None = None
 
@@ -126,11 +133,49 @@ class MemoryBudget:
         with self._lock:
             return self._plannable(self._current()) < 0
 
+    def _unreserved(self, snapshot: MemorySnapshot, reserved: int, visible: int) -> int:
+        """What is left after `reserved`, of which the probe's free figure shows `visible`
+        already."""
+        live = (snapshot.free_bytes - int(self.reserve_fraction * snapshot.total_bytes) - self.headroom_bytes
+                - (reserved - visible))
+        if self.fixed_bytes is not None:
+            return min(live, self.fixed_bytes - self.resident - reserved)
+        return live
+
+    def capacity(self) -> int:
+        """Bytes a batch could have once every reservation has come back, their memory freed:
+        the most it could ever be given while the rest of the device stays as it is (whether a
+        reservation's memory is allocated yet is not known, so it counts as freed: a batch or a
+        sequence is refused as never fitting only when even that could not hold it). Never
+        negative."""
+        with self._lock:
+            return max(0, self._unreserved(self._current(), 0, self._reserved))
+
     def available(self) -> int:
         """Bytes a new batch may use now: never negative. Re-reads the probe only when the
         cached snapshot is refresh_interval_s old, so it is cheap on the hot path."""
         with self._lock:
-            return max(0, self._plannable(self._current()) - self._reserved)
+            return max(0, self._unreserved(self._current(), self._reserved, self._visible))
+
+    @property
+    def sees_host_memory(self) -> bool:
+        """Whether the probe's free figure falls when this process allocates host memory."""
+        return getattr(self.probe, "name", "") in ("cpu", "jetson")
+
+    @property
+    def visible(self) -> int:
+        return self._visible
+
+    def set_visible(self, delta: int) -> None:
+        """Of the reservations, `delta` more (or, negative, fewer) bytes are allocated where the
+        probe sees them. Call after refresh() when they grow (the probe must show them first) and
+        before it when they shrink: in between they are counted twice, which errs on the safe
+        side."""
+        with self._lock:
+            if not 0 <= self._visible + delta <= self._reserved:
+                raise ValueError(f"visible bytes would be {self._visible + delta}, outside 0 .. the "
+                                 f"{self._reserved} bytes reserved")
+            self._visible += delta
 
     # -- in-flight reservations ---------------------------------------------------------------
 
@@ -153,7 +198,7 @@ class MemoryBudget:
         """
         _check_nbytes(nbytes)
         with self._lock:
-            if nbytes > max(0, self._plannable(self._current()) - self._reserved):
+            if nbytes > max(0, self._unreserved(self._current(), self._reserved, self._visible)):
                 return False
             self._reserved += nbytes
             return True
@@ -162,10 +207,10 @@ class MemoryBudget:
         """Give back bytes reserved for a batch that finished (or failed)."""
         _check_nbytes(nbytes)
         with self._lock:
-            if nbytes > self._reserved:
+            if nbytes > self._reserved - self._visible:
                 raise ValueError(
-                    f"release({nbytes}) exceeds the {self._reserved} bytes reserved: "
-                    "a batch was released twice or never reserved"
+                    f"release({nbytes}) exceeds the {self._reserved - self._visible} bytes reserved and not "
+                    "visible: a batch was released twice or never reserved, or its visible part is still marked"
                 )
             self._reserved -= nbytes
 

@@ -106,6 +106,10 @@ class DecodeLoop:
         # worker thread only:
         self.footprint: CacheFootprint | None = None
         self._held = 0  # bytes this loop has reserved in the budget
+        # Of them, the cache's buffers allocated now, which a probe of host memory already shows
+        # (budget.visible): only the in-place layout's, which are written whole when allocated.
+        self._visible = 0
+        self._shows_cache = decoder.shared_kv and budget.sees_host_memory
         self._limits = (0, 0)  # this round's admitted rows and their longest token bound
         self._answers: list[Callable[[], None]] = []  # callers to answer once the reservation is settled
 
@@ -413,7 +417,8 @@ class DecodeLoop:
             log.warning("model %s: the KV cache (%.2f MiB now) may hold %.2f MiB, more than the %.2f MiB "
                         "reserved for it", self.name, held_now / MiB, target / MiB, self._held / MiB)
             self.budget.reserve(target - self._held)
-        elif target < self._held:
+        self._show(min(held_now, target) if self._shows_cache else 0)
+        if target < self._held:
             self.budget.release(self._held - target)
         self._held = target
         with self._lock:
@@ -423,6 +428,18 @@ class DecodeLoop:
         answers, self._answers = self._answers, []
         for answer in answers:
             answer()
+
+    def _show(self, visible: int) -> None:
+        """Tell the budget how much of the reservation the cache has allocated (the probe shows
+        it, so it is not subtracted twice): the probe is read first when that grows, after when
+        it shrinks, so that in between it counts twice rather than not at all."""
+        if visible > self._visible:
+            self.budget.refresh()
+            self.budget.set_visible(visible - self._visible)
+        elif visible < self._visible:
+            self.budget.set_visible(visible - self._visible)
+            self.budget.refresh()
+        self._visible = visible
 
     def _drop_cancelled_fills(self, filling: list[_Filling]) -> list[_Filling]:
         """Sequences cancelled while their prompt was being prefilled leave, their memory freed."""

@@ -192,7 +192,7 @@ class GenerationService(ServiceAccounting):
         assert kv is not None
         need = self.decoder.footprint().sequence_bytes(len(ids), params.max_new_tokens)
         budget = self.runtime.budget
-        capacity = budget.available() + budget.reserved
+        capacity = budget.capacity()
         if kvmath.never_fits(need, capacity):
             self._loop.count_rejected()
             raise DoesNotFit(

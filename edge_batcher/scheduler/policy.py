@@ -21,6 +21,9 @@ from .queues import BucketQueue, ModelQueue, QueuedRequest
 from .timing import ExecTimeModel
 
 FitsHook = Callable[[int, int], bool]  # (batch_size, seq_len) -> bool
+# Nothing fits while other models hold the memory: their release is not announced to this
+# model's runner, so it looks again this often (the requests' deadlines still bound the wait).
+MEMORY_RECHECK_S = 0.02
 
 
 class Reason(str, Enum):
@@ -110,6 +113,9 @@ class PlanState:
     busy_s: float = 0.0  # estimated seconds until a batch dispatched now would start locally
     offload: OffloadView = NO_OFFLOAD
     company: int = 1  # requests in the last local batch: how many to expect back after it
+    # Whether a size would fit once the memory reserved now comes back (other models' batches, a
+    # generator's KV cache): None, when the budget does not say (no memory admission).
+    fits_later: FitsHook | None = None
 
 
 @dataclass(frozen=True)
@@ -140,10 +146,12 @@ class Reject:
 Decision = Dispatch | Wait | Reject
 
 
+def _local_sizes(settings: PolicySettings) -> list[int]:
+    return [s for s in settings.preferred_batch_sizes if s <= settings.max_batch_size]
+
+
 def allowed_sizes(settings: PolicySettings, bucket: int, fits: FitsHook) -> list[int]:
-    return [
-        s for s in settings.preferred_batch_sizes if s <= settings.max_batch_size and fits(s, bucket)
-    ]
+    return [s for s in _local_sizes(settings) if fits(s, bucket)]
 
 
 def cheapest_cover(rows: int, sizes: list[int], exec_time: ExecTimeModel) -> list[int]:
@@ -191,6 +199,10 @@ def decide(
         if not sizes:
             if peer and not _head_is_local_only(bq):
                 return _peer_plan(queue, bq, offload, Reason.DOES_NOT_FIT)
+            if state.fits_later is not None and any(state.fits_later(s, bq.bucket) for s in _local_sizes(settings)):
+                recheck = now + MEMORY_RECHECK_S  # held by others now: wait for it, do not refuse
+                wake_at = recheck if wake_at is None else min(wake_at, recheck)
+                continue
             rejected = queue.take(bq.bucket, bq.rows)
             return Reject(rejected, Reason.DOES_NOT_FIT,
                           f"no batch size of {list(settings.preferred_batch_sizes)} fits (bucket {bq.bucket})")

@@ -345,7 +345,8 @@ class ModelRunner:
 
     def not_ready(self) -> str | None:
         """Why this model cannot serve now, or None: not started, draining, or (without a peer)
-        not even its smallest batch fits the memory budget in some length bucket."""
+        not even its smallest batch fits the memory budget in some length bucket, also once the
+        memory others hold now (batches in flight, a generator's KV cache) comes back."""
         if self._draining:
             return "draining"
         if not self._threads.serving:
@@ -353,7 +354,7 @@ class ModelRunner:
         if self.admission is not None and self.offload is None:
             smallest = self.settings.preferred_batch_sizes[0]
             for bucket in self.config.sequence.buckets if self.config.sequence else [0]:
-                if not self.admission.fits(smallest, bucket):
+                if not self.admission.fits_later(smallest, bucket):
                     return "does not fit in device memory: " + self.admission.explain(smallest, bucket)
         return None
 
@@ -399,6 +400,7 @@ class ModelRunner:
                 # only the offload decision reads busy_s: not worth computing without a peer
                 busy_s=self._slots.wait_s(now) if offload.peer_available else 0.0, offload=offload,
                 company=self._company,
+                fits_later=self.admission.fits_later if self.admission is not None else None,
             )
             decision = policy.decide(self.queue, now, self.settings, self.exec_time, self.fits, state)
             if isinstance(decision, Reject):

@@ -98,6 +98,38 @@ def test_reserve_and_release() -> None:
         b.reserve(-1)
 
 
+class HostProbe(FixedProbe):
+    """Plays a probe of host memory (cpu, jetson), moved by hand: its free figure falls when the
+    process allocates."""
+
+    name = "cpu"
+
+
+def test_a_reservation_allocated_where_the_probe_sees_it_is_counted_once() -> None:
+    probe = HostProbe(1000, total_bytes=2000)
+    b = budget(probe, Clock(), refresh_interval_s=0)
+    assert b.sees_host_memory and not budget(FixedProbe(1000), Clock()).sees_host_memory
+    assert b.try_reserve(300) and b.available() == 450  # 1000 - 200 - 50 - 300
+    probe.free_bytes -= 300  # the reserved cache is allocated: the probe shows it
+    assert b.available() == 150  # counted twice until its owner says so
+    b.set_visible(300)
+    assert b.available() == 450 and b.visible == 300
+    assert b.capacity() == 750  # everything back: what was free before
+    with pytest.raises(ValueError, match="visible"):
+        b.release(300)  # its visible part is taken back first
+    with pytest.raises(ValueError, match="outside"):
+        b.set_visible(1)  # never more than is reserved
+    b.set_visible(-300)
+    probe.free_bytes += 300
+    b.release(300)
+    assert b.available() == b.capacity() == 750 and b.visible == 0
+    # budget_mb's cap is no probe reading: there every reservation counts whole
+    capped = budget(HostProbe(1000, total_bytes=2000), Clock(), fixed_bytes=500, refresh_interval_s=0)
+    capped.reserve(300)
+    capped.set_visible(300)
+    assert capped.available() == 200 and capped.capacity() == 500
+
+
 def test_fixed_bytes_caps_the_budget() -> None:
     probe = FixedProbe(1000, total_bytes=2000)
     b = budget(probe, Clock(), fixed_bytes=300)

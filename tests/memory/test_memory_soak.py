@@ -79,6 +79,29 @@ def test_a_generator_s_cache_stays_within_what_it_reserved_in_a_cgroup(demo_repo
     assert result.statuses.get("200", 0) >= 20
 
 
+def test_a_generator_filling_the_memory_leaves_the_other_models_what_it_does_not_use(demo_repo, tmp_path):
+    """A cgroup tight enough that the generator's KV cache could take everything the budget has:
+    its cache, once allocated, was counted twice on this path (in the probe's free figure and as
+    reserved), so the budget showed nothing left while memory was there: the vibration model's
+    batches of a few KiB were refused with 503 ("needs 0.0 MiB ... has 0.0 MiB available"), and
+    sequences as never fitting (358 of 954 answers with the cache's memory counted twice). Now
+    every request of both models is answered, in time, within the cgroup."""
+    pytest.importorskip("tokenizers")
+    repo = tmp_path / "engines"
+    repo.mkdir()
+    (repo / "vibration").symlink_to(demo_repo / "vibration")
+    _tool("build_tiny_decoder").build(repo, "fatlm", layers=8, hidden=256, heads=4, kv_heads=4, ffn=512,
+                                      kv_layout="shared", quiet=True)
+    cgroup_or_skip(200).remove()
+    config = demo_config(tmp_path, ["vibration", "fatlm"], "headroom_mb = 16\n")
+    result = memory_soak.run_soak(config=config, models=str(repo), seconds=15, clients=12, cgroup_limit_mb=200,
+                                  meter="process")
+    print(result.report())
+    assert result.failures() == [], result.report() + "\n" + result.memory_log + "\n" + result.log_tail
+    assert set(result.statuses) == {"200"}, result.report() + "\n" + "\n".join(result.errors)
+    assert result.cgroup["oom_kills"] == 0 and result.kv_reserved_peak >= 16 * MiB
+
+
 def serve_in_cgroup(tmp_path: Path, repo: Path, config: str, limit_mb: float) -> subprocess.CompletedProcess:
     cgroup = cgroup_or_skip(limit_mb)
     try:

@@ -11,6 +11,7 @@ from edge_batcher.scheduler.policy import (
     DRAIN,
     FULL,
     IDLE,
+    MEMORY_RECHECK_S,
     Dispatch,
     PlanState,
     PolicySettings,
@@ -380,6 +381,27 @@ def test_nothing_fits_rejects_instead_of_hanging():
     assert isinstance(d, Reject) and d.requests == reqs
     assert "no batch size" in d.reason
     assert len(q) == 0
+
+
+def test_what_fits_once_others_give_memory_back_waits_for_it_and_runs():
+    """Nothing fits now because other models hold the memory (a generator's KV cache): the
+    requests wait, looked at again every MEMORY_RECHECK_S, and run once it comes back; what would
+    not fit even then is refused as before."""
+    clock, q = FakeClock(), make_queue()
+    reqs = push(q, clock, 2)
+    held_by_others = {"now": True}
+    fits_now = lambda size, seq: not held_by_others["now"]  # noqa: E731
+    state = PlanState(fits_later=lambda size, seq: size <= 4)
+    d = decide(q, clock.now, SETTINGS, linear_times(), fits_now, state)
+    assert isinstance(d, Wait) and d.wake_at == pytest.approx(clock.now + MEMORY_RECHECK_S)
+    assert len(q) == 2  # nothing refused, nothing taken
+    clock.advance(MEMORY_RECHECK_S)
+    held_by_others["now"] = False
+    d = decide(q, clock.now, SETTINGS, linear_times(), fits_now, state)
+    assert isinstance(d, Dispatch) and d.plan.requests == reqs
+    push(q, clock, 2)
+    never = PlanState(fits_later=lambda size, seq: False)  # more than the whole budget
+    assert isinstance(decide(q, clock.now, SETTINGS, linear_times(), lambda size, seq: False, never), Reject)
 
 
 def test_max_batch_size_caps_preferred_sizes():
