@@ -208,6 +208,6 @@ def test_model_setting_bench_serves_the_model_twice_with_the_setting_changed(mod
     rows = {line.split("|")[2].strip(): line.split("|") for line in proc.stdout.splitlines()
             if line.startswith("| 8 |")}
     assert set(rows) == {"[2]", "[2, 4, 8]"}
-    assert float(rows["[2]"][7]) == 2.0  # rows per batch: never more than the only size
+    assert float(rows["[2]"][7]) <= 2.0  # rows per batch: never more than the only size (a lone one pads)
     assert float(rows["[2, 4, 8]"][7]) > 2.0
     assert float(rows["[2]"][3]) > 0 and float(rows["[2, 4, 8]"][3]) > 0
