@@ -54,25 +54,29 @@ def test_under_a_cgroup_limit_of_1_5x_its_peak_nothing_is_oom_killed_or_refused(
     assert result.peak <= result.planned + 64 * MiB  # the default headroom
 
 
+def _soak_with_generator(demo_repo: Path, tmp_path: Path, limit_mb: float, memory: str):
+    """15 s of 12 clients on vibration and an in-place tiny decoder large enough to matter (8
+    layers x 4 KV heads x 64: 16 KiB a token, 8 sequences of up to ~700 tokens), in a cgroup."""
+    pytest.importorskip("tokenizers")
+    repo = tmp_path / "engines"
+    repo.mkdir()
+    (repo / "vibration").symlink_to(demo_repo / "vibration")
+    _tool("build_tiny_decoder").build(repo, "fatlm", layers=8, hidden=256, heads=4, kv_heads=4, ffn=512,
+                                      kv_layout="shared", quiet=True)
+    cgroup_or_skip(limit_mb).remove()
+    result = memory_soak.run_soak(config=demo_config(tmp_path, ["vibration", "fatlm"], memory), models=str(repo),
+                                  seconds=15, clients=12, cgroup_limit_mb=limit_mb, meter="process")
+    print(result.report())
+    return result
+
+
 def test_a_generator_s_cache_stays_within_what_it_reserved_in_a_cgroup(demo_repo, tmp_path):
-    """Generation beside an engine model, in a cgroup: a decoder in the in-place layout (8 layers x
-    4 KV heads x 64: 16 KiB a token, 8 sequences of up to ~700 tokens) driven through the generate
+    """Generation beside an engine model, in a cgroup: the decoder driven through the generate
     extension while the vibration model serves. Nothing is OOM-killed or refused, and the daemon's
     memory stays within what it held at ready plus what the generator reserved: its memory watch
     (every 0.2 s) never saw growth beyond its plan, which it did when a finished batch's cache
     stayed in glibc's heap."""
-    pytest.importorskip("tokenizers")
-    build_tiny_decoder = _tool("build_tiny_decoder")
-    repo = tmp_path / "engines"
-    repo.mkdir()
-    (repo / "vibration").symlink_to(demo_repo / "vibration")
-    build_tiny_decoder.build(repo, "fatlm", layers=8, hidden=256, heads=4, kv_heads=4, ffn=512,
-                             kv_layout="shared", quiet=True)
-    cgroup_or_skip(900).remove()
-    config = demo_config(tmp_path, ["vibration", "fatlm"], "check_interval_s = 0.2\nheadroom_mb = 16\n")
-    result = memory_soak.run_soak(config=config, models=str(repo), seconds=15, clients=12, cgroup_limit_mb=900,
-                                  meter="process")
-    print(result.report())
+    result = _soak_with_generator(demo_repo, tmp_path, 900, "check_interval_s = 0.2\nheadroom_mb = 16\n")
     assert result.failures() == [], result.report() + "\n" + result.memory_log + "\n" + result.log_tail
     assert result.cgroup["oom_kills"] == 0
     assert result.kv_reserved_peak >= 16 * MiB, result.report()  # the generator really held a cache
@@ -86,17 +90,7 @@ def test_a_generator_filling_the_memory_leaves_the_other_models_what_it_does_not
     batches of a few KiB were refused with 503 ("needs 0.0 MiB ... has 0.0 MiB available"), and
     sequences as never fitting (358 of 954 answers with the cache's memory counted twice). Now
     every request of both models is answered, in time, within the cgroup."""
-    pytest.importorskip("tokenizers")
-    repo = tmp_path / "engines"
-    repo.mkdir()
-    (repo / "vibration").symlink_to(demo_repo / "vibration")
-    _tool("build_tiny_decoder").build(repo, "fatlm", layers=8, hidden=256, heads=4, kv_heads=4, ffn=512,
-                                      kv_layout="shared", quiet=True)
-    cgroup_or_skip(200).remove()
-    config = demo_config(tmp_path, ["vibration", "fatlm"], "headroom_mb = 16\n")
-    result = memory_soak.run_soak(config=config, models=str(repo), seconds=15, clients=12, cgroup_limit_mb=200,
-                                  meter="process")
-    print(result.report())
+    result = _soak_with_generator(demo_repo, tmp_path, 200, "headroom_mb = 16\n")
     assert result.failures() == [], result.report() + "\n" + result.memory_log + "\n" + result.log_tail
     assert set(result.statuses) == {"200"}, result.report() + "\n" + "\n".join(result.errors)
     assert result.cgroup["oom_kills"] == 0 and result.kv_reserved_peak >= 16 * MiB
