@@ -81,8 +81,10 @@ class MemoryWatch:
             self.budget.resident += overrun.excess
             self.unplanned += overrun.excess
         if not overruns and self.unplanned:
-            # The process's own meter only: it reads this process alone (plan.given_back).
-            for back in self.plan.given_back(residents, self.budget.reserved, {"process"}):
+            # The process's own meter only: it reads this process alone (plan.given_back). Against
+            # the plan without the reservations: memory promised and not yet allocated (a
+            # generator's batch just admitted) would look like growth gone that is still held.
+            for back in self.plan.given_back(residents, 0, {"process"}):
                 log.info("memory: %s in use is %.1f MiB, %.1f MiB below the plan: %.1f MiB of the growth counted "
                          "since ready has gone and is given back to the budget", back.meter, back.used / MiB,
                          (back.planned - back.used) / MiB, back.amount / MiB)

@@ -272,6 +272,11 @@ async def test_the_memory_watch_names_a_generator_that_ran_and_gives_back_growth
             watch.check()  # nothing ran, nothing new: no second warning, nothing given back
             assert sum("above the plan" in r.getMessage() for r in caplog.records) == 1
             assert runtime.budget.resident - resident_at_ready == counted
+            runtime.budget.reserve(256 << 20)  # promised, not allocated: the growth is still held
+            watch.check()
+            runtime.budget.release(256 << 20)
+            assert not any("given back" in r.getMessage() for r in caplog.records)
+            assert runtime.budget.resident - resident_at_ready == counted
             grown.close()
             watch.check()
             back = next(r for r in caplog.records if "given back to the budget" in r.getMessage())
