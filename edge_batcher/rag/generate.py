@@ -74,6 +74,7 @@ class GenerationService(ServiceAccounting):
         self.queue = self._loop.waiting  # the transports' view: sequences waiting for admission
         self._draining = False
         self.resident_bytes = 0
+        self._capacity_at_load = 0  # budget.capacity() once the decoder is loaded (submit)
         self.stats = ServiceStats()
         self._in_flight = InFlight()
         self._collected: dict[int, int] = {}  # decode steps per batch size already counted in /metrics
@@ -136,6 +137,7 @@ class GenerationService(ServiceAccounting):
         budget = self.runtime.budget
         budget.resident += self.resident_bytes
         budget.refresh()
+        self._capacity_at_load = budget.capacity()
         self.runtime.metrics.collectors.append(self._collect_metrics)
         self._loop.start()
         log.info("model %s: decoder with %s; a full-context sequence (%d tokens) needs %.1f MiB of KV; "
@@ -191,8 +193,11 @@ class GenerationService(ServiceAccounting):
         kv = self.decoder.kv
         assert kv is not None
         need = self.decoder.footprint().sequence_bytes(len(ids), params.max_new_tokens)
-        budget = self.runtime.budget
-        capacity = budget.capacity()
+        # A probe's free figure moves with whatever else holds memory for a moment (another batch's
+        # allocations, an arena growing, other processes): refused as never fitting only against
+        # the most the budget could give since the load; one that fits that is held back until
+        # the memory is there, or its deadline.
+        capacity = max(self.runtime.budget.capacity(), self._capacity_at_load)
         if kvmath.never_fits(need, capacity):
             self._loop.count_rejected()
             raise DoesNotFit(
