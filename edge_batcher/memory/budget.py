@@ -117,25 +117,15 @@ class MemoryBudget:
             return self._read()
         return self.snapshot
 
-    def _plannable(self, snapshot: MemorySnapshot) -> int:
-        usable = (
-            snapshot.free_bytes
-            - int(self.reserve_fraction * snapshot.total_bytes)
-            - self.headroom_bytes
-        )
-        if self.fixed_bytes is not None:
-            usable = min(usable, self.fixed_bytes - self.resident)
-        return usable
-
     def overdrawn(self) -> bool:
         """True when what is free (or the fixed cap, less what is resident) is below the margins:
         memory is held beyond what the budget allows, by growth no measurement saw."""
         with self._lock:
-            return self._plannable(self._current()) < 0
+            return self._unreserved(self._current(), 0, 0) < 0
 
     def _unreserved(self, snapshot: MemorySnapshot, reserved: int, visible: int) -> int:
-        """What is left after `reserved`, of which the probe's free figure shows `visible`
-        already."""
+        """What is left after the margins and `reserved`, of which the probe's free figure shows
+        `visible` already (with both 0: what the budget has at all)."""
         live = (snapshot.free_bytes - int(self.reserve_fraction * snapshot.total_bytes) - self.headroom_bytes
                 - (reserved - visible))
         if self.fixed_bytes is not None:
@@ -155,7 +145,10 @@ class MemoryBudget:
         """Bytes a new batch may use now: never negative. Re-reads the probe only when the
         cached snapshot is refresh_interval_s old, so it is cheap on the hot path."""
         with self._lock:
-            return max(0, self._unreserved(self._current(), self._reserved, self._visible))
+            return self._available()
+
+    def _available(self) -> int:  # under self._lock
+        return max(0, self._unreserved(self._current(), self._reserved, self._visible))
 
     @property
     def sees_host_memory(self) -> bool:
@@ -198,7 +191,7 @@ class MemoryBudget:
         """
         _check_nbytes(nbytes)
         with self._lock:
-            if nbytes > max(0, self._unreserved(self._current(), self._reserved, self._visible)):
+            if nbytes > self._available():
                 return False
             self._reserved += nbytes
             return True
