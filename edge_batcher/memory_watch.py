@@ -4,9 +4,10 @@ memory/plan.py holds the plan per meter and finds the overruns; this module ties
 models: which ones ran since the last look (engine models and generators), each overrun counted
 in the budget as resident memory (it is held now, whatever holds it), and, while that leaves the
 budget overdrawn, the batch sizes of the engine models that ran shrink by one step per look, down
-to the smallest: their largest batches are the ones that could grow further. Growth of the
-process's own memory that the meter no longer shows later is given back to the budget
-(docs/memory.md, "The plan under traffic"). The daemon calls `settle` just before ready and
+to the smallest: their largest batches are the ones that could grow further; once the budget is
+no longer overdrawn they grow back one step per look. Growth of the process's own memory that
+the meter no longer shows later is given back to the budget (docs/memory.md, "The plan under
+traffic"). The daemon calls `settle` just before ready and
 `check` every `[memory] check_interval_s`; both read the meters only (cheap enough for the event
 loop).
 """
@@ -90,10 +91,13 @@ class MemoryWatch:
                          (back.planned - back.used) / MiB, back.amount / MiB)
                 self.budget.resident -= back.amount
                 self.unplanned -= back.amount
-        if not self.unplanned:
+        shrunk = [runner for runner in self._runners() if runner.shrunk_from is not None]
+        if not self.unplanned and not shrunk:
             return
         self.budget.refresh()
         if self.budget.overdrawn():
+            if not self.unplanned:
+                return  # held by others (a host probe's free memory): not what serving here grew
             for runner in ran:
                 if not isinstance(runner, ModelRunner):
                     continue  # a generator's admission already holds its cache to the budget
@@ -101,6 +105,14 @@ class MemoryWatch:
                 if smaller is not None:
                     log.warning("model %s: the memory budget is overdrawn by growth no measurement saw (%.1f MiB "
                                 "counted): serving batch sizes up to %d", runner.name, self.unplanned / MiB, smaller)
+            return
+        # Room again (growth given back, or others freed memory): one size back per look, so a
+        # size whose batches grow again is seen before the next; admission still checks each batch.
+        for runner in shrunk:
+            larger = runner.regrow_batch_size()
+            log.info("model %s: the memory budget is no longer overdrawn (%.1f MiB available): serving batch "
+                     "sizes up to %d%s", runner.name, self.budget.available() / MiB, larger,
+                     "" if runner.shrunk_from is None else f" (up to {runner.shrunk_from} before the shrink)")
 
 
 def _what_ran(servable: Servable) -> str:

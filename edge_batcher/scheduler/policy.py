@@ -6,7 +6,8 @@ one of `Dispatch`, `Wait` or `Reject`. It is deterministic and never awaits; it 
 requests it plans out of the queue. The other rules the runner applies are here too: whether an
 arrival can change the plan (`decision_may_change`), how a batch splits after running out of
 memory (`oom_split`), whether a request whose offload failed retries locally
-(`retries_locally`), and the size cap after warm-up runs out of memory (`capped_after_oom`).
+(`retries_locally`), and the size cap after warm-up runs out of memory (`capped_after_oom`) or
+the memory budget is overdrawn, and its way back (`regrown`).
 The README ("How batches are formed") states the rules with examples; docs/architecture.md
 ("How a request flows") where the runner applies them.
 """
@@ -320,6 +321,15 @@ def capped_after_oom(settings: PolicySettings, size: int) -> PolicySettings | No
     if not smaller:
         return None
     return replace(settings, max_batch_size=smaller[-1])
+
+
+def regrown(settings: PolicySettings, ceiling: int) -> PolicySettings | None:
+    """The memory budget has room again after a shrink: the settings that serve the next size
+    up, never above `ceiling` (the largest before the shrink), or None when already there."""
+    if settings.max_batch_size >= ceiling:
+        return None
+    larger = [s for s in settings.preferred_batch_sizes if settings.max_batch_size < s <= ceiling]
+    return replace(settings, max_batch_size=larger[0] if larger else ceiling)
 
 
 def _peer_plan(queue: ModelQueue, bq: BucketQueue, offload: OffloadView, reason: Reason) -> Dispatch:

@@ -119,6 +119,7 @@ class ModelRunner:
         self._local_batches = 0  # batches with a worker (queued there or running)
         self._company = 1  # requests the last finished batch's round carried (policy.PlanState.company)
         self.batches_started = 0  # local batches handed to a worker, ever (the memory watch's "what ran")
+        self.shrunk_from: int | None = None  # the largest batch size before the memory watch shrank it
         self._draining = False
         self._closed = False
         # Set when a batch or an offload finished, or requests were rejected: drain() waits on it.
@@ -146,8 +147,22 @@ class ModelRunner:
         capped = policy.capped_after_oom(self.settings, self.settings.max_batch_size)
         if capped is None:
             return None
+        if self.shrunk_from is None:
+            self.shrunk_from = self.settings.max_batch_size
         self.settings = capped
         return capped.max_batch_size
+
+    def regrow_batch_size(self) -> int | None:
+        """One size back up after shrink_batch_size (the budget has room again): the new largest
+        size, or None when the model is not shrunk."""
+        if self.shrunk_from is None:
+            return None
+        grown = policy.regrown(self.settings, self.shrunk_from)
+        if grown is not None:
+            self.settings = grown
+        if self.settings.max_batch_size >= self.shrunk_from:
+            self.shrunk_from = None
+        return self.settings.max_batch_size
 
     def on_instance(self, instance: int, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on an engine instance's own thread, waited for: load-time work only

@@ -15,7 +15,7 @@ from edge_batcher.client import ClientError
 from edge_batcher.memory.plan import NOISE_BYTES, MemoryPlan
 from edge_batcher.memory.probe import FixedProbe
 from tests.support import rawhttp
-from tests.support.faulty_engine import LEAK, LEAK_BYTES
+from tests.support.faulty_engine import LEAK, LEAK_BYTES, RELEASE_ENV, TRANSIENT_LEAK
 from tests.support.models import add_vibration_variant, build_demo
 
 MiB = 1 << 20
@@ -110,3 +110,43 @@ def test_a_daemon_warns_of_memory_that_serving_took_and_no_load_measured_and_shr
             client.infer("leaky", {"signal": np.zeros((1, 256), np.float32)})
         assert info.value.status == 503 and "does not fit in device memory: a batch of 2 needs" in info.value.message
         assert client.ready()
+
+
+def test_batch_sizes_shrunk_by_a_transient_peak_grow_back_once_it_is_gone(start_daemon, tmp_path):
+    """A peak that overdraws the budget shrinks the model that ran; once the memory is back with
+    the system, the growth leaves the plan, the budget has room, and the sizes come back one step
+    per look, up to the largest before the shrink, and nothing is refused."""
+    repo = tmp_path / "engines"
+    build_demo(repo)
+    add_vibration_variant(repo, "leaky", "tests.support.faulty_engine:LeakyEngine", "max_queue_delay_ms = 2.0\n")
+    shutil.rmtree(repo / "vibration")
+    release = tmp_path / "release"
+    d = start_daemon('[memory]\nprobe = "cpu"\ncheck_interval_s = 0.2\nheadroom_mb = 8\nbudget_mb = 40\n', repo=repo,
+                     env={RELEASE_ENV: str(release)})
+
+    def sizes() -> list[int]:
+        _, body = rawhttp.request(d.socket, "GET", "/v2/models/leaky/stats")
+        return body["model_stats"][0]["batch_sizes"]
+
+    def wait_for(text: str) -> str:
+        deadline = time.monotonic() + 30
+        while text not in d.log_text() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return next(line for line in d.log_text().splitlines() if text in line)
+
+    assert sizes() == [2, 4, 8]
+    with d.client() as client:
+        client.infer("leaky", {"signal": np.full((1, 256), TRANSIENT_LEAK, np.float32)})
+    shrunk = wait_for("serving batch sizes up to")
+    assert "WARNING" in shrunk and "overdrawn" in shrunk and "up to 4" in shrunk
+    assert sizes() == [2, 4]
+    release.touch()  # the engine unmaps the peak's pages
+    back = wait_for("given back to the budget")
+    assert "INFO" in back
+    grown = wait_for("no longer overdrawn")
+    assert "INFO" in grown and "model leaky" in grown and "serving batch sizes up to 8" in grown
+    assert sizes() == [2, 4, 8]
+    with d.client() as client:
+        out = client.infer("leaky", {"signal": np.zeros((8, 256), np.float32)})
+    assert out["class_probs"].shape[0] == 8
+    assert "overdrawn by growth" not in d.log_text().split(grown)[1]  # no new shrink after it

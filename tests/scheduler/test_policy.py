@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from edge_batcher.errors import Overloaded
@@ -509,6 +511,7 @@ from edge_batcher.scheduler.policy import (  # noqa: E402
     capped_after_oom,
     decision_may_change,
     oom_split,
+    regrown,
     retries_locally,
 )
 
@@ -565,3 +568,16 @@ def test_warm_up_out_of_memory_caps_the_sizes_below_it():
     capped = capped_after_oom(SETTINGS, 8)
     assert capped is not None and (capped.max_batch_size, capped.preferred_batch_sizes) == (4, (2, 4, 8))
     assert capped_after_oom(SETTINGS, 2) is None
+
+
+def test_sizes_shrunk_for_memory_grow_back_one_step_at_a_time_up_to_the_largest_before():
+    two = replace(SETTINGS, max_batch_size=2)
+    four = regrown(two, 8)
+    assert four is not None and four.max_batch_size == 4
+    eight = regrown(four, 8)
+    assert eight is not None and eight.max_batch_size == 8
+    assert regrown(eight, 8) is None
+    assert regrown(four, 4) is None  # never above the largest before the shrink
+    # a largest size that is no preferred size (6 of 2/4/8) comes back as itself
+    six = regrown(four, 6)
+    assert six is not None and six.max_batch_size == 6 and six.preferred_batch_sizes == (2, 4, 8)

@@ -9,12 +9,16 @@ a test model.toml. It runs the real model; only batches carrying a sentinel valu
          exists (at most 60 s): a queue that the test builds at its own pace, then releases.
 
 LeakyEngine (another test double) instead keeps LEAK_BYTES of memory, touched, for every batch
-carrying -777: memory that serving takes and no measurement at load saw.
+carrying -777: memory that serving takes and no measurement at load saw; -776 takes the same
+until the file named by FAULTY_ENGINE_RELEASE exists (at most 60 s), then gives it back to the
+system: a transient peak.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -29,6 +33,7 @@ HELD = -3000.0
 RELEASE_ENV = "FAULTY_ENGINE_RELEASE"
 LEAK = -777.0
 LEAK_BYTES = 48 << 20
+TRANSIENT_LEAK = -776.0
 
 
 class FaultyOnnxEngine(OnnxRuntimeEngine):
@@ -68,4 +73,16 @@ class LeakyEngine(OnnxRuntimeEngine):
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if any(np.any(np.asarray(v) == LEAK) for v in inputs.values()):
             self.kept.append(np.ones(LEAK_BYTES, np.uint8))  # ones: every page touched, resident
+        if any(np.any(np.asarray(v) == TRANSIENT_LEAK) for v in inputs.values()):
+            pages = mmap.mmap(-1, LEAK_BYTES)  # a mapping of its own: closing it unmaps the pages
+            pages.write(b"\1" * LEAK_BYTES)
+            threading.Thread(target=_close_when_released, args=(pages,), daemon=True).start()
         return super().infer(inputs)
+
+
+def _close_when_released(pages: mmap.mmap) -> None:
+    release = Path(os.environ.get(RELEASE_ENV, "/nonexistent"))
+    deadline = time.monotonic() + 60
+    while not release.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    pages.close()
