@@ -21,6 +21,12 @@ A probe says what the device has free; the budget turns that into what the sched
   models while the memory was there (docs/memory.md). Only a probe that reads host memory
   (`sees_host_memory`: cpu, jetson) shows it; the fixed cap counts every reservation whole.
 
+Consumers that wait for memory others hold (an engine model whose smallest batch does not fit
+now, a generator whose next sequence does not) stand in a line: whoever waits longest takes
+memory first (`first_in_line`, `try_reserve(waiter=)`), so a generator that admits a sequence
+whenever one leaves cannot keep an engine model waiting until its requests expire (docs/memory.md,
+"Waiting for memory").
+
 Reading the probe costs a file read or a driver call, so available() caches the snapshot and
 re-reads at most every refresh_interval_s; refresh() forces a read after known load changes.
 """
@@ -37,6 +43,9 @@ from ..errors import ConfigError
 from .probe import MemoryProbe, MemorySnapshot
 
 MiB = 1 << 20
+# A place in the line not renewed for this long is gone: a model unloaded (or a loop stalled)
+# while it waited must not hold everyone else back. Waiters renew every ~20 ms.
+WAIT_LEASE_S = 2.0
 
 
 class MemoryBudget:
@@ -92,6 +101,7 @@ class MemoryBudget:
         self._reserved = 0
         self._visible = 0  # of _reserved: allocated, and shown by the probe's free figure
         self.resident = 0  # weights of loaded models (see the module docstring)
+        self._line: dict[str, tuple[float, float]] = {}  # consumer -> (waiting since, renewed at)
         self.snapshot: MemorySnapshot | None = None
 
     # -- reading ------------------------------------------------------------------------------
@@ -183,18 +193,57 @@ class MemoryBudget:
         with self._lock:
             self._reserved += nbytes
 
-    def try_reserve(self, nbytes: int) -> bool:
+    def try_reserve(self, nbytes: int, waiter: str | None = None) -> bool:
         """Check-and-reserve in one step: reserve nbytes only if they fit available().
 
         Two threads that each call available() and then reserve() could both admit against
-        the same free memory; this does both under one lock.
+        the same free memory; this does both under one lock. With `waiter`, also only when no
+        other consumer has waited for memory longer; refused, the waiter keeps (or takes) its
+        place in the line; granted, it leaves it.
         """
         _check_nbytes(nbytes)
         with self._lock:
-            if nbytes > self._available():
+            if nbytes > self._available() or (waiter is not None and not self._first(waiter)):
+                if waiter is not None:
+                    self._wait(waiter)
                 return False
+            if waiter is not None:
+                self._line.pop(waiter, None)
             self._reserved += nbytes
             return True
+
+    # -- the line of consumers waiting for memory ---------------------------------------------
+
+    def wait_in_line(self, name: str) -> None:
+        """`name` waits for memory others hold: take a place in the line, or renew it."""
+        with self._lock:
+            self._wait(name)
+
+    def leave_line(self, name: str) -> None:
+        """`name` no longer waits (it got its memory, or has nothing left to run)."""
+        if name in self._line:
+            with self._lock:
+                self._line.pop(name, None)
+
+    def first_in_line(self, name: str) -> bool:
+        """Whether `name` may take memory now: no other consumer has waited longer (one not
+        waiting at all comes after everyone who is)."""
+        if not self._line:
+            return True  # the usual case, without the lock
+        with self._lock:
+            return self._first(name)
+
+    def _wait(self, name: str) -> None:  # under self._lock
+        now = self._clock()
+        place = self._line.get(name)
+        since = place[0] if place is not None and now - place[1] <= WAIT_LEASE_S else now
+        self._line[name] = (since, now)
+
+    def _first(self, name: str) -> bool:  # under self._lock
+        now = self._clock()
+        waiting = {n: since for n, (since, renewed) in self._line.items() if now - renewed <= WAIT_LEASE_S}
+        mine = waiting.get(name, math.inf)
+        return not any(since < mine for n, since in waiting.items() if n != name)
 
     def release(self, nbytes: int) -> None:
         """Give back bytes reserved for a batch that finished (or failed)."""

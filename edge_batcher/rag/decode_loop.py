@@ -231,6 +231,7 @@ class DecodeLoop:
         ones are answered and removed."""
         now = time.monotonic()
         admitted: list[Sequence] = []
+        held_back = False
         while self.waiting and len(running) + len(filling) + len(admitted) < self.max_running:
             seq = self.waiting[0]
             if seq.cancelled:  # its caller went away while it waited
@@ -249,15 +250,20 @@ class DecodeLoop:
                     f"({seq.need / MiB:.2f} MiB) without getting it"))
                 continue
             extra = self._need(running, filling + admitted + [seq], cache) - self._held
-            if extra > 0 and not self.budget.try_reserve(extra):
+            # In the budget's line: while an engine model has waited longer for memory, nothing
+            # new is admitted, and what the running sequences free reaches it first.
+            if extra > 0 and not self.budget.try_reserve(extra, waiter=self.name):
                 if not seq.held_back:
                     seq.held_back = True
                     with self._lock:
                         self._counters.held_back_for_memory += 1
+                held_back = True
                 break  # no overtaking: the head waits for memory, the rest wait behind it
             self._held += max(extra, 0)
             self.waiting.popleft()
             admitted.append(seq)
+        if not held_back:
+            self.budget.leave_line(self.name)
         return admitted
 
     def _prefill(self, filling: list[_Filling], running: list[Sequence], cache: KvCache | None) -> KvCache | None:

@@ -125,13 +125,17 @@ class Dispatch:
 
     plan: BatchPlan
     wake_at: float | None = None
+    waits_for_memory: bool = False  # another bucket waits for memory others hold (see Wait)
 
 
 @dataclass(frozen=True)
 class Wait:
-    """Nothing to dispatch now; call `decide` again at `wake_at` (None: when something changes)."""
+    """Nothing to dispatch now; call `decide` again at `wake_at` (None: when something changes).
+    `waits_for_memory`: a bucket's requests wait for memory others hold (PlanState.fits_later),
+    so the runner stands in the budget's line for it."""
 
     wake_at: float | None = None
+    waits_for_memory: bool = False
 
 
 @dataclass(frozen=True)
@@ -191,6 +195,7 @@ def decide(
     caller with queue.expire(now) first). Synchronous and deterministic."""
     due: list[tuple[int, float, BucketQueue, Reason, list[int]]] = []
     wake_at: float | None = None
+    waits_for_memory = False
     offload = state.offload
     peer = offload.peer_available
     for bq in queue.nonempty_buckets():
@@ -203,6 +208,7 @@ def decide(
             if state.fits_later is not None and any(state.fits_later(s, bq.bucket) for s in _local_sizes(settings)):
                 recheck = now + MEMORY_RECHECK_S  # held by others now: wait for it, do not refuse
                 wake_at = recheck if wake_at is None else min(wake_at, recheck)
+                waits_for_memory = True
                 continue
             rejected = queue.take(bq.bucket, bq.rows)
             return Reject(rejected, Reason.DOES_NOT_FIT,
@@ -236,7 +242,7 @@ def decide(
         elif wake_at is None or at < wake_at:
             wake_at = at
     if not due:
-        return Wait(wake_at)
+        return Wait(wake_at, waits_for_memory)
     due.sort(key=lambda d: (d[0], d[1]))
     _, _, bq, reason, sizes = due[0]
     size = sizes[-1] if bq.rows >= sizes[-1] else cheapest_cover(bq.rows, sizes, exec_time)[0]
@@ -253,7 +259,7 @@ def decide(
     rows = sum(r.rows for r in taken)
     plan = BatchPlan(requests=taken, rows=rows, size=_smallest_at_least(rows, sizes), bucket=bq.bucket, reason=reason)
     # Another bucket (or the rest of this one) may be due now too: the caller decides again.
-    return Dispatch(plan, now if len(due) > 1 or bq.count else wake_at)
+    return Dispatch(plan, now if len(due) > 1 or bq.count else wake_at, waits_for_memory)
 
 
 def decision_may_change(

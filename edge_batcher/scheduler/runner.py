@@ -40,7 +40,7 @@ from ..types import InferRequest, InferResponse, TensorSpec
 from . import policy
 from .execute import Answers, BatchExecutor, DispatchRound, LocalBatch, Outcome
 from .offloading import Offloader, OffloadPort
-from .policy import Dispatch, Reason, Reject, Target
+from .policy import Dispatch, Reason, Reject, Target, Wait
 from .preparing import Prepared, PrepareStage, Preparing
 from .queues import ModelQueue, Pending, QueuedRequest
 from .slots import InstanceSlots
@@ -209,6 +209,7 @@ class ModelRunner:
         """Answer what is queued with an error, let batches with a worker finish, close the engines."""
         self._draining = True
         self._closed = True
+        self._wait_for_memory(False)
         if self._timer is not None:
             self._timer.cancel()
         for req in self.queue.take_all():
@@ -399,6 +400,7 @@ class ModelRunner:
             return
         if not self.queue.count:
             self._stats.depth.set(0)
+            self._wait_for_memory(False)
             return  # nothing to plan or expire; a timer still set fires and finds nothing
         loop = self._loop
         round_ = DispatchRound()  # the batches this call dispatches go together
@@ -438,7 +440,18 @@ class ModelRunner:
         expiry = self.queue.next_deadline()
         if expiry is not None and (wake_at is None or expiry < wake_at):
             wake_at = expiry
+        self._wait_for_memory(isinstance(decision, (Wait, Dispatch)) and decision.waits_for_memory)
         self._arm_timer(wake_at)
+
+    def _wait_for_memory(self, waiting: bool) -> None:
+        """Stand in the budget's line while requests wait for memory others hold: a generator
+        admits no new sequence meanwhile (memory/budget.py)."""
+        if self.admission is None:
+            return
+        if waiting:
+            self.admission.budget.wait_in_line(self.name)
+        else:
+            self.admission.budget.leave_line(self.name)
 
     def _offload_view(self) -> policy.OffloadView:
         return self.offload.view(self.name) if self.offload is not None else policy.NO_OFFLOAD

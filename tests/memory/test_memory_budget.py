@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from edge_batcher.errors import ConfigError
-from edge_batcher.memory.budget import MemoryBudget
+from edge_batcher.memory.budget import WAIT_LEASE_S, MemoryBudget
 from edge_batcher.memory.probe import FixedProbe
 
 
@@ -175,3 +175,49 @@ def test_bad_arguments_name_the_argument(kwargs: dict[str, object], name: str) -
 def test_probe_must_be_a_probe() -> None:
     with pytest.raises(ConfigError, match="probe"):
         MemoryBudget(object())  # type: ignore[arg-type]
+
+
+def test_consumers_waiting_for_memory_take_it_in_the_order_they_began_to_wait() -> None:
+    clock = Clock()
+    b = budget(FixedProbe(1000, total_bytes=2000), clock)  # 750 available
+    assert b.first_in_line("gen") and b.try_reserve(100, waiter="gen")  # nobody waits: granted
+    b.wait_in_line("vision")  # an engine model whose batch does not fit now
+    clock.now = 1.0
+    # memory is there, but vision has waited longer: refused, and gen now waits behind it
+    assert not b.try_reserve(100, waiter="gen")
+    assert b.first_in_line("vision") and not b.first_in_line("gen") and not b.first_in_line("other")
+    b.wait_in_line("vision")  # renewing keeps the place
+    clock.now = 2.0
+    assert not b.try_reserve(100, waiter="gen")  # renewing gen's place keeps it behind
+    b.leave_line("vision")  # it got its memory
+    assert b.first_in_line("gen") and not b.first_in_line("other")  # gen waits, other does not
+    assert b.try_reserve(100, waiter="gen") and b.first_in_line("other")  # granted: it left the line
+    assert b.reserved == 200
+    # without a waiter's name, try_reserve is the plain check
+    b.wait_in_line("vision")
+    assert b.try_reserve(100) and b.reserved == 300
+    # memory short: refused, and the waiter takes its place behind those already waiting
+    clock.now = 3.0
+    assert not b.try_reserve(10_000, waiter="gen") and b.first_in_line("vision") and not b.first_in_line("gen")
+    b.leave_line("vision")
+    clock.now = 4.0
+    assert not b.try_reserve(10_000, waiter="gen")  # renewed: still since 3.0
+    b.wait_in_line("vision")
+    assert not b.first_in_line("vision") and b.first_in_line("gen")
+    b.leave_line("gen")
+    b.leave_line("nobody")  # leaving a line one is not in is allowed
+
+
+def test_a_place_in_the_line_not_renewed_for_the_lease_is_gone() -> None:
+    clock = Clock()
+    b = budget(FixedProbe(1000, total_bytes=2000), clock)
+    b.wait_in_line("unloaded")  # a model that stopped renewing (unloaded while it waited)
+    assert not b.try_reserve(100, waiter="gen")
+    clock.now = WAIT_LEASE_S + 0.1
+    b.wait_in_line("gen")
+    assert b.first_in_line("gen") and b.try_reserve(100, waiter="gen")
+    # renewed after it lapsed, a place starts again at the back
+    b.wait_in_line("gen")
+    clock.now += 1.0
+    b.wait_in_line("unloaded")
+    assert not b.first_in_line("unloaded") and b.first_in_line("gen")

@@ -285,3 +285,58 @@ async def test_the_memory_watch_names_a_generator_that_ran_and_gives_back_growth
         assert watch.unplanned == runtime.budget.resident - resident_at_ready
     finally:
         await service.close()
+
+
+async def test_an_engine_model_waiting_for_memory_is_served_before_the_generator_admits_more(tiny_repo, tmp_path):
+    """A generator that always has sequences waiting admits one whenever one leaves: an engine
+    model whose batch needs more than the generator leaves free waited for the memory until its
+    requests expired (5 of 5 answered 504 after 3 s in a scratch run of this scenario). Now the
+    engine model stands in the budget's line, the generator admits nothing new meanwhile, and
+    what its running sequences free reaches the engine model."""
+    from edge_batcher.config import DaemonConfig, MemorySettings, ModelsSettings
+    from edge_batcher.runtime import Runtime
+    from edge_batcher.types import InferRequest
+    from tests.support.models import build_demo
+
+    repo = tmp_path / "engines"
+    build_demo(repo)
+    (repo / "tinylm").symlink_to(tiny_repo / "tinylm")
+    runtime = Runtime(DaemonConfig(
+        models=ModelsSettings(repository=str(repo), warmup=False, load=["vibration", "tinylm"]),
+        memory=MemorySettings(probe="fixed", budget_mb=1024, headroom_mb=0)))
+    await runtime.start()
+    budget, vibration, generator = runtime.budget, runtime.runner("vibration"), runtime.runner("tinylm")
+    stop = asyncio.Event()
+
+    async def keep_generating() -> None:
+        while not stop.is_set():
+            await generator.generate("word " * 100, {"max_new_tokens": 40, **NO_STOP})
+
+    clients = [asyncio.create_task(keep_generating()) for _ in range(12)]
+    try:
+        seen = []
+        for _ in range(50):
+            await asyncio.sleep(0.01)
+            seen.append(budget.reserved)
+        most = max(seen)
+        assert most > 0  # the generator holds a cache
+        # The engine model's batch needs 1.5x what the generator holds at most (its estimate
+        # raised, as after out-of-memory errors); the budget fits the generator's most and half
+        # that batch: the batch fits only once the generator holds under a quarter of its most.
+        admission = vibration.admission
+        admission.estimator.scale_calibration(1.5 * most / admission.batch_bytes(2, 0))
+        need = admission.batch_bytes(2, 0)
+        budget.fixed_bytes = budget.resident + most + need // 2
+        await asyncio.sleep(0.2)
+        assert not admission.fits(2, 0) or budget.reserved < most // 4
+        held_back_before = generator.statistics()["held_back_for_memory"]
+        signal = np.zeros((1, 256), np.float32)
+        for _ in range(5):
+            out = await runtime.infer(InferRequest(model="vibration", inputs={"signal": signal}, timeout_s=3.0))
+            assert out.outputs["class_probs"].shape == (1, 4)
+        assert generator.statistics()["held_back_for_memory"] > held_back_before  # it gave way
+        assert budget.first_in_line("tinylm")  # served, the engine model left the line
+    finally:
+        stop.set()
+        await asyncio.gather(*clients, return_exceptions=True)
+        await runtime.close()

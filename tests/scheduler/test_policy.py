@@ -396,11 +396,12 @@ def test_what_fits_once_others_give_memory_back_waits_for_it_and_runs():
     state = PlanState(fits_later=lambda size, seq: size <= 4)
     d = decide(q, clock.now, SETTINGS, linear_times(), fits_now, state)
     assert isinstance(d, Wait) and d.wake_at == pytest.approx(clock.now + MEMORY_RECHECK_S)
+    assert d.waits_for_memory  # the runner stands in the budget's line
     assert len(q) == 2  # nothing refused, nothing taken
     clock.advance(MEMORY_RECHECK_S)
     held_by_others["now"] = False
     d = decide(q, clock.now, SETTINGS, linear_times(), fits_now, state)
-    assert isinstance(d, Dispatch) and d.plan.requests == reqs
+    assert isinstance(d, Dispatch) and d.plan.requests == reqs and not d.waits_for_memory
     push(q, clock, 2)
     never = PlanState(fits_later=lambda size, seq: False)  # more than the whole budget
     assert isinstance(decide(q, clock.now, SETTINGS, linear_times(), lambda size, seq: False, never), Reject)
