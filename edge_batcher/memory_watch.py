@@ -43,12 +43,12 @@ class MemoryWatch:
         return [s for s in self._servables() if isinstance(s, ModelRunner)]
 
     def residents(self) -> dict[str, int]:
-        """The resident memory of the loaded models, by the meter that measured it."""
+        """The resident memory of the loaded models (generators too), by the meter that measured it."""
         by_meter: dict[str, int] = {}
-        for runner in self._runners():
-            device = runner.admission.device if runner.admission is not None else None
-            if device is not None:
-                by_meter[device.meter] = by_meter.get(device.meter, 0) + runner.resident_bytes
+        for servable in self._servables():
+            meter = servable.resident_meter
+            if meter is not None:
+                by_meter[meter] = by_meter.get(meter, 0) + servable.resident_bytes
         return by_meter
 
     def planned(self) -> dict[str, int]:

@@ -28,6 +28,12 @@ class Servable(Protocol):
     batches_started: int
 
     @property
+    def resident_meter(self) -> str | None:
+        """The meter that measured resident_bytes at load (memory/device.py: "process", a
+        device's); None: not measured (an estimate, or nothing loaded). The memory plan counts
+        them under it."""
+
+    @property
     def cuda_graphs(self) -> bool:
         """Whether its engines replay captured CUDA graphs (Triton's optimization.cuda.graphs)."""
 

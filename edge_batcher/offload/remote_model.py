@@ -32,6 +32,7 @@ class RemoteModel:
     """A servable (servable.Servable) whose every request runs on an offload peer."""
 
     resident_bytes = 0  # nothing of it is loaded here
+    resident_meter: str | None = None
     cuda_graphs = False
     batches_started = 0  # its batches run on the peers
 

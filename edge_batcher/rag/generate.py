@@ -107,7 +107,8 @@ class GenerationService(ServiceAccounting):
 
     def _load_decoder(self) -> int:
         """Load the decoder; what it took of the memory the budget plans with (its weights where
-        no meter sees it: memory/device.py). A load the budget cannot hold raises ModelDoesNotFit."""
+        no meter sees it: memory/device.py), measured by `resident_meter`. A load the budget
+        cannot hold raises ModelDoesNotFit."""
         load = DeviceLoad(self.runtime.budget)
         load.check_weights(self.config)
         with full_affinity():  # the session's native thread pool may use every CPU (cpu_affinity.py)
@@ -120,6 +121,7 @@ class GenerationService(ServiceAccounting):
             self.decoder.engine.close()
             raise ModelDoesNotFit(f"model {self.name!r}: loading its decoder took {took / MiB:.1f} MiB, more than the "
                                   f"{load.available_before / MiB:.1f} MiB the memory budget had for it")
+        self.resident_meter = meter.name
         return took
 
     async def start(self) -> None:
@@ -342,7 +344,7 @@ class GenerationService(ServiceAccounting):
     def statistics(self) -> dict:
         out = self.stats.triton(self.name) | {"queue_depth": len(self.queue), "instances": 1,
                                               "memory": {"resident_bytes": self.resident_bytes,
-                                                         "measured_by": None}}
+                                                         "measured_by": self.resident_meter or "estimate"}}
         kv = self.decoder.kv
         now = self._loop.snapshot()
         g, sizes = now.counters, now.decode_sizes

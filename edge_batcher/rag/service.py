@@ -132,6 +132,7 @@ class ServiceAccounting:
     (ServiceStats) and self.runtime (for its metrics)."""
 
     resident_bytes = 0  # budget bytes its own weights hold: none, unless it loads some (the generator)
+    resident_meter: str | None = None  # the meter that measured them (Servable)
     cuda_graphs = False  # a service runs no engine batches of its own
     name: str
     config: ModelConfig

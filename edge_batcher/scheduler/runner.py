@@ -141,6 +141,11 @@ class ModelRunner:
         self.fits = admission.fits if admission is not None else (lambda size, seq_len: True)
         self.resident_bytes = resident_bytes
 
+    @property
+    def resident_meter(self) -> str | None:
+        device = self.admission.device if self.admission is not None else None
+        return device.meter if device is not None else None
+
     def shrink_batch_size(self) -> int | None:
         """Serve only the sizes below the largest (the memory budget is overdrawn): the new
         largest size, or None when only the smallest is left."""

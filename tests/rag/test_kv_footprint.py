@@ -340,3 +340,35 @@ async def test_an_engine_model_waiting_for_memory_is_served_before_the_generator
         stop.set()
         await asyncio.gather(*clients, return_exceptions=True)
         await runtime.close()
+
+
+async def test_a_generator_s_measured_weights_count_in_the_plan_as_a_model_s(tiny_repo, caplog):
+    """Under the cpu probe the decoder's load is measured as the process's growth: the plan
+    counts it under the models (unloading takes it out), not in the daemon's own memory at
+    ready, where it stayed after an unload and hid as much growth from the watch."""
+    import logging
+
+    from edge_batcher.config import DaemonConfig, MemorySettings, load_model_config
+    from edge_batcher.memory_watch import MemoryWatch
+    from edge_batcher.rag.generate import GenerationService
+    from edge_batcher.runtime import Runtime
+
+    runtime = Runtime(DaemonConfig(memory=MemorySettings(probe="cpu", budget_mb=1024, headroom_mb=8)))
+    service = GenerationService(load_model_config(tiny_repo / "tinylm"), runtime)
+    watch = MemoryWatch(runtime.budget, lambda: [service])
+    watch.start()
+    await service.start()
+    try:
+        assert service.resident_meter == "process"
+        assert watch.residents() == {"process": service.resident_bytes}
+        assert service.statistics()["memory"]["measured_by"] == "process"
+        with caplog.at_level(logging.INFO, logger="edge_batcher.memory.plan"):
+            watch.settle()
+        ready = next(r.getMessage() for r in caplog.records if "memory plan at ready" in r.getMessage())
+        assert f"+ {service.resident_bytes / MiB:.0f} models +" in ready
+        planned = watch.planned()["process"]
+        unloaded = MemoryWatch(runtime.budget, lambda: [])
+        unloaded.plan = watch.plan  # the same plan once the generator is gone
+        assert unloaded.planned()["process"] == planned - service.resident_bytes
+    finally:
+        await service.close()
