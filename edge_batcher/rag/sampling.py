@@ -32,7 +32,11 @@ def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator)
     """The next token from one row of logits [vocab]."""
     if params.greedy:
         return int(np.argmax(logits))  # the first of equal maxima: deterministic
-    x = np.asarray(logits, dtype=np.float64) / params.temperature
+    x = np.asarray(logits, dtype=np.float64)
+    # The largest logit first subtracted: a tiny temperature (1e-310) then sends the others to
+    # -inf, not every logit to +-inf (whose difference is NaN, and the token drawn nonsense).
+    with np.errstate(over="ignore"):
+        x = (x - x.max()) / params.temperature
     candidates: np.ndarray = np.arange(x.shape[0])  # annotated: numpy 2.2 types it 1-d, its slices not
     if 0 < params.top_k < x.shape[0]:
         candidates = np.argpartition(-x, params.top_k - 1)[: params.top_k]
