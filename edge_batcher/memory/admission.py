@@ -47,7 +47,9 @@ class Admission:
     def fits(self, size: int, seq_len: int) -> bool:
         if self.device is not None and self.device.refuses(size, seq_len):
             return False  # measured at load: it ran out of memory, or the budget could not hold it
-        return self.batch_bytes(size, seq_len) <= self.budget.available()
+        nbytes = self.batch_bytes(size, seq_len)
+        # a generator that has waited long enough in the budget's line goes first (budget.py)
+        return nbytes <= self.budget.available() and (nbytes == 0 or self.budget.may_take(self.model))
 
     def fits_later(self, size: int, seq_len: int) -> bool:
         """Whether it would fit once every reservation now held (batches in flight, generators'

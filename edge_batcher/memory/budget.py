@@ -22,10 +22,12 @@ A probe says what the device has free; the budget turns that into what the sched
   (`sees_host_memory`: cpu, jetson) shows it; the fixed cap counts every reservation whole.
 
 Consumers that wait for memory others hold (an engine model whose smallest batch does not fit
-now, a generator whose next sequence does not) stand in a line: whoever waits longest takes
-memory first (`first_in_line`, `try_reserve(waiter=)`), so a generator that admits a sequence
-whenever one leaves cannot keep an engine model waiting until its requests expire (docs/memory.md,
-"Waiting for memory").
+now, a generator whose next sequence does not) stand in a line. A generator takes memory only
+when nobody has waited longer (`try_reserve(waiter=)`), so admitting a sequence whenever one
+leaves cannot keep an engine model waiting until its requests expire; an engine model's batch
+gives way only to someone who has waited PRIORITY_AFTER_S (`may_take`), so engine batches back
+to back cannot starve a generator either, and an ordinary wait stalls nobody (docs/memory.md,
+"The line").
 
 Reading the probe costs a file read or a driver call, so available() caches the snapshot and
 re-reads at most every refresh_interval_s; refresh() forces a read after known load changes.
@@ -46,6 +48,9 @@ MiB = 1 << 20
 # A place in the line not renewed for this long is gone: a model unloaded (or a loop stalled)
 # while it waited must not hold everyone else back. Waiters renew every ~20 ms.
 WAIT_LEASE_S = 2.0
+# A consumer that has waited this long goes before engine batches too (they hold memory for one
+# batch; a generator's wait for what they keep taking back to back would never end).
+PRIORITY_AFTER_S = 1.0
 
 
 class MemoryBudget:
@@ -193,19 +198,24 @@ class MemoryBudget:
         with self._lock:
             self._reserved += nbytes
 
-    def try_reserve(self, nbytes: int, waiter: str | None = None) -> bool:
+    def try_reserve(self, nbytes: int, waiter: str | None = None, keeps: int = 0) -> bool:
         """Check-and-reserve in one step: reserve nbytes only if they fit available().
 
         Two threads that each call available() and then reserve() could both admit against
         the same free memory; this does both under one lock. With `waiter`, also only when no
         other consumer has waited for memory longer; refused, the waiter keeps (or takes) its
-        place in the line; granted, it leaves it.
+        place in the line if nbytes would fit once the others' reservations came back (it holds
+        `keeps` of them itself: waiting for its own, it stands in nobody's way); granted, it
+        leaves the line.
         """
         _check_nbytes(nbytes)
         with self._lock:
             if nbytes > self._available() or (waiter is not None and not self._first(waiter)):
                 if waiter is not None:
-                    self._wait(waiter)
+                    if nbytes <= self._unreserved(self._current(), 0, self._reserved) - keeps:
+                        self._wait(waiter)
+                    else:
+                        self._line.pop(waiter, None)
                 return False
             if waiter is not None:
                 self._line.pop(waiter, None)
@@ -233,17 +243,26 @@ class MemoryBudget:
         with self._lock:
             return self._first(name)
 
+    def may_take(self, name: str) -> bool:
+        """Whether an engine model's batch may take memory now: nobody who has waited longer than
+        it has waited PRIORITY_AFTER_S (a shorter wait does not hold engine batches back)."""
+        if not self._line:
+            return True
+        with self._lock:
+            return self._first(name, PRIORITY_AFTER_S)
+
     def _wait(self, name: str) -> None:  # under self._lock
         now = self._clock()
         place = self._line.get(name)
         since = place[0] if place is not None and now - place[1] <= WAIT_LEASE_S else now
         self._line[name] = (since, now)
 
-    def _first(self, name: str) -> bool:  # under self._lock
+    def _first(self, name: str, waited_at_least: float = 0.0) -> bool:  # under self._lock
+        """No other live place is older than `name`'s and at least `waited_at_least` old."""
         now = self._clock()
         waiting = {n: since for n, (since, renewed) in self._line.items() if now - renewed <= WAIT_LEASE_S}
         mine = waiting.get(name, math.inf)
-        return not any(since < mine for n, since in waiting.items() if n != name)
+        return not any(since < mine and now - since >= waited_at_least for n, since in waiting.items() if n != name)
 
     def release(self, nbytes: int) -> None:
         """Give back bytes reserved for a batch that finished (or failed)."""

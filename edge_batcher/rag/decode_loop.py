@@ -252,7 +252,7 @@ class DecodeLoop:
             extra = self._need(running, filling + admitted + [seq], cache) - self._held
             # In the budget's line: while an engine model has waited longer for memory, nothing
             # new is admitted, and what the running sequences free reaches it first.
-            if extra > 0 and not self.budget.try_reserve(extra, waiter=self.name):
+            if extra > 0 and not self.budget.try_reserve(extra, waiter=self.name, keeps=self._held):
                 if not seq.held_back:
                     seq.held_back = True
                     with self._lock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from edge_batcher.errors import ConfigError
-from edge_batcher.memory.budget import WAIT_LEASE_S, MemoryBudget
+from edge_batcher.memory.budget import PRIORITY_AFTER_S, WAIT_LEASE_S, MemoryBudget
 from edge_batcher.memory.probe import FixedProbe
 
 
@@ -196,12 +196,13 @@ def test_consumers_waiting_for_memory_take_it_in_the_order_they_began_to_wait() 
     # without a waiter's name, try_reserve is the plain check
     b.wait_in_line("vision")
     assert b.try_reserve(100) and b.reserved == 300
-    # memory short: refused, and the waiter takes its place behind those already waiting
+    # memory short (450 available, 750 once the reservations are back): refused, and the waiter
+    # takes its place behind those already waiting
     clock.now = 3.0
-    assert not b.try_reserve(10_000, waiter="gen") and b.first_in_line("vision") and not b.first_in_line("gen")
+    assert not b.try_reserve(500, waiter="gen") and b.first_in_line("vision") and not b.first_in_line("gen")
     b.leave_line("vision")
     clock.now = 4.0
-    assert not b.try_reserve(10_000, waiter="gen")  # renewed: still since 3.0
+    assert not b.try_reserve(500, waiter="gen")  # renewed: still since 3.0
     b.wait_in_line("vision")
     assert not b.first_in_line("vision") and b.first_in_line("gen")
     b.leave_line("gen")
@@ -221,3 +222,37 @@ def test_a_place_in_the_line_not_renewed_for_the_lease_is_gone() -> None:
     clock.now += 1.0
     b.wait_in_line("unloaded")
     assert not b.first_in_line("unloaded") and b.first_in_line("gen")
+
+
+def test_an_engine_batch_gives_way_only_to_a_consumer_that_has_waited_a_while() -> None:
+    clock = Clock()
+    b = budget(FixedProbe(1000, total_bytes=2000), clock)  # 750 available
+    assert b.may_take("vibration")  # nobody waits
+    b.reserve(200)  # an engine batch in flight
+    assert not b.try_reserve(600, waiter="gen")  # would fit once it came back
+    clock.now = PRIORITY_AFTER_S / 2
+    assert b.may_take("vibration")  # a short wait holds no engine batch back
+    clock.now = PRIORITY_AFTER_S
+    assert not b.may_take("vibration") and b.may_take("gen")
+    b.wait_in_line("vibration")  # waiting now too, behind gen
+    assert not b.may_take("vibration")
+    b.leave_line("gen")
+    assert b.may_take("vibration")
+
+
+def test_a_generator_waiting_for_memory_it_holds_itself_stands_in_nobody_s_way() -> None:
+    clock = Clock()
+    b = budget(FixedProbe(10_000, total_bytes=20_000), clock, fixed_bytes=750)  # the cap decides
+    assert b.try_reserve(500, waiter="gen")
+    b.reserve(200)  # an engine batch in flight
+    # 300 more never fit beside its own 500, even with the engine's 200 back: gen waits for its
+    # own sequences to finish and takes no place in the line
+    assert not b.try_reserve(300, waiter="gen", keeps=500)
+    clock.now = 2 * PRIORITY_AFTER_S
+    assert b.may_take("vibration") and b.first_in_line("other")
+    # 200 more fits once the engine batch is back: then it does wait in the line
+    assert not b.try_reserve(200, waiter="gen", keeps=500)
+    clock.now = 3 * PRIORITY_AFTER_S
+    assert not b.may_take("vibration")
+    b.release(200)
+    assert b.try_reserve(200, waiter="gen", keeps=500) and b.may_take("vibration")

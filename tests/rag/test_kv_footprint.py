@@ -372,3 +372,59 @@ async def test_a_generator_s_measured_weights_count_in_the_plan_as_a_model_s(tin
         assert unloaded.planned()["process"] == planned - service.resident_bytes
     finally:
         await service.close()
+
+
+async def test_a_generator_is_not_starved_by_an_engine_model_s_batches_back_to_back(tiny_repo, tmp_path):
+    """The other way round: an engine model flooded with requests keeps a batch in flight at all
+    times, and the memory a sequence needs is free only between two of them, for microseconds;
+    the generator looked every 20 ms and never saw it (a scratch run: a sequence waited its whole
+    30 s deadline). Once it has waited in the budget's line for PRIORITY_AFTER_S, the engine
+    model's next batch waits for it instead."""
+    from edge_batcher.config import DaemonConfig, MemorySettings, ModelsSettings
+    from edge_batcher.memory.budget import PRIORITY_AFTER_S
+    from edge_batcher.runtime import Runtime
+    from edge_batcher.types import InferRequest
+    from tests.support.models import build_demo
+
+    repo = tmp_path / "engines"
+    build_demo(repo)
+    (repo / "tinylm").symlink_to(tiny_repo / "tinylm")
+    runtime = Runtime(DaemonConfig(
+        models=ModelsSettings(repository=str(repo), warmup=False, load=["vibration", "tinylm"]),
+        memory=MemorySettings(probe="fixed", budget_mb=1024, headroom_mb=0)))
+    await runtime.start()
+    budget, vibration, generator = runtime.budget, runtime.runner("vibration"), runtime.runner("tinylm")
+    prompt, options = "word " * 100, {"max_new_tokens": 200, **NO_STOP}
+    alone = asyncio.create_task(generator.generate(prompt, options))
+    sequence_bytes = 0
+    while not alone.done():  # what one such sequence reserves, alone
+        sequence_bytes = max(sequence_bytes, generator.statistics()["kv"]["reserved_bytes"])
+        await asyncio.sleep(0.001)
+    assert sequence_bytes > 0
+    # Batches of 2/4/8 need half, once and twice the sequence: with a batch of 8 in flight no
+    # other batch fits and neither does the sequence; with none, everything does.
+    admission = vibration.admission
+    admission.estimator.scale_calibration(sequence_bytes / 2 / admission.batch_bytes(2, 0))
+    largest = admission.batch_bytes(8, 0)
+    budget.fixed_bytes = budget.resident + largest + sequence_bytes - 1
+    stop = asyncio.Event()
+    answered = 0
+
+    async def flood() -> None:
+        nonlocal answered
+        while not stop.is_set():
+            await runtime.infer(InferRequest(model="vibration", inputs={"signal": np.zeros((1, 256), np.float32)}))
+            answered += 1
+
+    clients = [asyncio.create_task(flood()) for _ in range(24)]
+    try:
+        await asyncio.sleep(0.3)
+        before = answered
+        # answered, where it waited for its deadline (30 s) before: a second or so in the line
+        await asyncio.wait_for(generator.generate(prompt, options), timeout=10 + PRIORITY_AFTER_S)
+        await asyncio.sleep(0.2)
+        assert answered > before  # the engine model served on
+    finally:
+        stop.set()
+        await asyncio.gather(*clients, return_exceptions=True)
+        await runtime.close()
