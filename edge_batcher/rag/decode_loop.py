@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DeadlineExceeded, EdgeBatcherError, EngineError, Unavailable
+from ..memory.heap import malloc_trim
 from .decoder import Decoder, KvCache, held_shape, join, keep, limit
 from .kv import CacheFootprint
 from .sampling import choose
@@ -106,10 +107,15 @@ class DecodeLoop:
         # worker thread only:
         self.footprint: CacheFootprint | None = None
         self._held = 0  # bytes this loop has reserved in the budget
-        # Of them, the cache's buffers allocated now, which a probe of host memory already shows
-        # (budget.visible): only the in-place layout's, which are written whole when allocated.
+        # Of them, the cache's arrays allocated now, which a probe of host memory already shows
+        # (budget.visible): resident once allocated, the in-place buffers populated when mapped,
+        # Optimum's arrays written whole by ONNX Runtime.
         self._visible = 0
-        self._shows_cache = decoder.shared_kv and budget.sees_host_memory
+        # Optimum's layout: each step's new cache, and a prefill's activations on the CPU (no
+        # arena), come from glibc's heap, which keeps what is freed (memory/heap.py): trimmed
+        # after a prefill and when sequences leave. Set by start(), once the decoder loaded.
+        self._trim: Callable[[int], int] | None = None
+        self._trim_due = False
         self._limits = (0, 0)  # this round's admitted rows and their longest token bound
         self._answers: list[Callable[[], None]] = []  # callers to answer once the reservation is settled
 
@@ -120,7 +126,9 @@ class DecodeLoop:
         return self._thread is not None
 
     def start(self) -> None:
+        """After the decoder loaded."""
         self.footprint = self.decoder.footprint()
+        self._trim = None if self.decoder.shared_kv else malloc_trim()
         self._thread = threading.Thread(target=self._run, name=f"generate-{self.name}", daemon=True)
         self._thread.start()
 
@@ -290,6 +298,7 @@ class DecodeLoop:
         if fill.done < len(prompt):
             return cache
         filling.pop(0)
+        self._trim_due = True
         own = fill.cache
         with self._lock:
             c = self._counters
@@ -423,9 +432,10 @@ class DecodeLoop:
             log.warning("model %s: the KV cache (%.2f MiB now) may hold %.2f MiB, more than the %.2f MiB "
                         "reserved for it", self.name, held_now / MiB, target / MiB, self._held / MiB)
             self.budget.reserve(target - self._held)
-        self._show(min(held_now, target) if self._shows_cache else 0)
+        self._show(min(held_now, target) if self.budget.sees_host_memory else 0)
         if target < self._held:
             self.budget.release(self._held - target)
+            self._trim_due = True
         self._held = target
         with self._lock:
             self._kv_reserved = target
@@ -434,6 +444,9 @@ class DecodeLoop:
         answers, self._answers = self._answers, []
         for answer in answers:
             answer()
+        if self._trim_due and self._trim is not None:
+            self._trim(0)
+        self._trim_due = False
 
     def _show(self, visible: int) -> None:
         """Tell the budget how much of the reservation the cache has allocated (the probe shows

@@ -14,13 +14,12 @@ good.
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
 from ..errors import Unavailable
+from ..memory.heap import malloc_trim
 
 # Bodies from this size up trigger a malloc_trim once no large body is in progress any more.
 TRIM_AFTER_BYTES = 1024 * 1024
@@ -34,7 +33,7 @@ class BodyBudget:
         self.held = 0  # bytes charged to bodies in progress
         self.rejected_total = 0
         self.large_in_progress = 0  # bodies of TRIM_AFTER_BYTES or more being read or used
-        self.trim = _malloc_trim()
+        self.trim = malloc_trim()
         self.receive_slots = max(1, max_inflight_bytes // max_body_bytes)
         self.receiving = 0  # messages of unknown size being received
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
@@ -128,16 +127,3 @@ class Charge:
                 # the frames that still reference the decoded tensors.
                 loop = asyncio.get_running_loop()
                 loop.call_soon(loop.run_in_executor, None, b.trim, 0)
-
-
-def _malloc_trim():
-    """glibc's malloc_trim, or None where the C library is not glibc (musl, macOS)."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return None
-    trim.argtypes = [ctypes.c_size_t]
-    trim.restype = ctypes.c_int
-    return trim

@@ -428,3 +428,33 @@ async def test_a_generator_is_not_starved_by_an_engine_model_s_batches_back_to_b
         stop.set()
         await asyncio.gather(*clients, return_exceptions=True)
         await runtime.close()
+
+
+@pytest.mark.parametrize("layout", ["in_place", "optimum"])
+async def test_a_served_generator_s_cache_is_counted_once_under_a_host_probe(layout, shared_repo, tiny_repo):  # noqa: F811
+    """The cache's arrays, allocated in mappings of their own, are in the cpu probe's free figure
+    and in the reservation: the budget is told they are visible (counted once) while sequences
+    run, and nothing is left marked when they are done. Until 2026-11-29 the served generator
+    never did it (its decode loop read the layout before the decoder loaded: only loops built by
+    hand after a load did), and Optimum's layout not at all."""
+    from edge_batcher.config import DaemonConfig, MemorySettings, load_model_config
+    from edge_batcher.rag.generate import GenerationService
+    from edge_batcher.runtime import Runtime
+
+    model = (shared_repo if layout == "in_place" else tiny_repo) / "tinylm"
+    runtime = Runtime(DaemonConfig(memory=MemorySettings(probe="cpu", budget_mb=4096, headroom_mb=8)))
+    service = GenerationService(load_model_config(model), runtime)
+    await service.start()
+    try:
+        assert service.statistics()["kv"]["layout"] == layout
+        seen = 0
+        tasks = [asyncio.create_task(service.generate(p * 20, {"max_new_tokens": 120, **NO_STOP})) for p in PROMPTS]
+        while not all(t.done() for t in tasks):
+            seen = max(seen, runtime.budget.visible)
+            assert runtime.budget.visible <= runtime.budget.reserved
+            await asyncio.sleep(0.001)
+        await asyncio.gather(*tasks)
+        assert seen > 0
+        assert runtime.budget.visible == 0 and runtime.budget.reserved == 0
+    finally:
+        await service.close()
