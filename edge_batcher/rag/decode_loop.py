@@ -232,6 +232,7 @@ class DecodeLoop:
                 while self.waiting:
                     self.waiting.popleft().fail(stop)
             self._settle(None, [], [])
+            self.budget.leave_line(self.name)
 
     def _admit(self, running: list[Sequence], filling: list[Sequence], cache: KvCache | None) -> list[Sequence]:
         """Under self._cond: pop the waiting sequences that may join now (arrival order,
