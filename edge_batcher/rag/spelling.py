@@ -8,9 +8,11 @@ MiniLM, so "puck" or "hose" stay as they are), nor a word of the corpus, nor an 
 either ("greased", "studs"). It then becomes the most frequent corpus word one
 edit away (a letter deleted, inserted, replaced, or two swapped) that starts with the same
 letter (first letters are rarely mistyped; this keeps "volts" from "bolts"), if there is one.
-Words shorter than five letters are left alone (too many neighbours), and at most
-`MAX_CORRECTIONS` words of a question are looked at, so the work per question is bounded (~1
-ms at most, ~75 us for a question with one typo).
+Words shorter than five letters are left alone (too many neighbours), and so are words longer
+than any corpus word by more than one letter (no one edit reaches a corpus word; the edits of a
+word of n letters are ~54 n strings of n letters, so a 2,000-letter "word" in a question cost
+0.5 s and 230 MiB), and at most `MAX_CORRECTIONS` words of a question are looked at, so the
+work per question is bounded (~1 ms at most, ~75 us for a question with one typo).
 docs/rag.md, "Misspelt questions", has the figures.
 """
 
@@ -60,6 +62,7 @@ class Speller:
     def __init__(self, general: frozenset[str], corpus_texts: Iterable[str]):
         self.counts = Counter(w.lower() for text in corpus_texts for w in _WORD.findall(text))
         self._known = general | set(self.counts) | {b for w in self.counts for b in bases(w)}
+        self._longest = max(map(len, self.counts), default=0) + 1  # one insertion past the longest
 
     @classmethod
     def for_index(cls, general: frozenset[str], passages: Iterable[Passage]) -> Speller:
@@ -73,7 +76,7 @@ class Speller:
         def replace(match: re.Match) -> str:
             word = match.group(0)
             lowered = word.lower()
-            if len(lowered) < MIN_LENGTH or lowered in self._known or not budget[0]:
+            if not MIN_LENGTH <= len(lowered) <= self._longest or lowered in self._known or not budget[0]:
                 return word
             if any(base in self._known for base in bases(lowered)):
                 return word
