@@ -165,8 +165,8 @@ async def _stream(request: web.Request, model: str, runner, infer_request: Infer
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no"})
         response.enable_chunked_encoding()
-        await response.prepare(request)
         try:
+            await response.prepare(request)  # the client may be gone already: the headers fail too
             await _event(response, to_json(model, runner, first))
             async for chunk in iterator:
                 await _event(response, to_json(model, runner, chunk))
