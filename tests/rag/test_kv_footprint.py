@@ -240,22 +240,28 @@ async def test_many_clients_with_long_prompts_in_chunks_stay_within_the_reservat
         await service.close()
 
 
+async def watched_tinylm(tiny_repo, probe: str):
+    """The tiny decoder started under a 1 GiB budget read by `probe`, and a memory watch over it."""
+    from edge_batcher.config import DaemonConfig, MemorySettings, load_model_config
+    from edge_batcher.memory_watch import MemoryWatch
+    from edge_batcher.rag.generate import GenerationService
+    from edge_batcher.runtime import Runtime
+
+    runtime = Runtime(DaemonConfig(memory=MemorySettings(probe=probe, budget_mb=1024, headroom_mb=8)))
+    service = GenerationService(load_model_config(tiny_repo / "tinylm"), runtime)
+    watch = MemoryWatch(runtime.budget, lambda: [service])
+    watch.start()
+    await service.start()
+    return runtime, service, watch
+
+
 async def test_the_memory_watch_names_a_generator_that_ran_and_gives_back_growth_that_went(tiny_repo, caplog):
     """Growth the plan did not have while a generator ran is logged with the generator's name (it
     is no engine runner), and once the process's memory falls back it leaves the budget again."""
     import logging
     import mmap
 
-    from edge_batcher.config import DaemonConfig, MemorySettings, load_model_config
-    from edge_batcher.memory_watch import MemoryWatch
-    from edge_batcher.rag.generate import GenerationService
-    from edge_batcher.runtime import Runtime
-
-    runtime = Runtime(DaemonConfig(memory=MemorySettings(probe="fixed", budget_mb=1024, headroom_mb=8)))
-    service = GenerationService(load_model_config(tiny_repo / "tinylm"), runtime)
-    watch = MemoryWatch(runtime.budget, lambda: [service])
-    watch.start()
-    await service.start()
+    runtime, service, watch = await watched_tinylm(tiny_repo, "fixed")
     try:
         watch.settle()
         resident_at_ready = runtime.budget.resident
@@ -287,15 +293,11 @@ async def test_the_memory_watch_names_a_generator_that_ran_and_gives_back_growth
         await service.close()
 
 
-async def test_an_engine_model_waiting_for_memory_is_served_before_the_generator_admits_more(tiny_repo, tmp_path):
-    """A generator that always has sequences waiting admits one whenever one leaves: an engine
-    model whose batch needs more than the generator leaves free waited for the memory until its
-    requests expired (5 of 5 answered 504 after 3 s in a scratch run of this scenario). Now the
-    engine model stands in the budget's line, the generator admits nothing new meanwhile, and
-    what its running sequences free reaches the engine model."""
+async def vibration_beside_tinylm(tiny_repo, tmp_path):
+    """A started Runtime serving the demo vibration model and the tiny decoder under one fixed
+    1 GiB budget (no headroom)."""
     from edge_batcher.config import DaemonConfig, MemorySettings, ModelsSettings
     from edge_batcher.runtime import Runtime
-    from edge_batcher.types import InferRequest
     from tests.support.models import build_demo
 
     repo = tmp_path / "engines"
@@ -305,6 +307,18 @@ async def test_an_engine_model_waiting_for_memory_is_served_before_the_generator
         models=ModelsSettings(repository=str(repo), warmup=False, load=["vibration", "tinylm"]),
         memory=MemorySettings(probe="fixed", budget_mb=1024, headroom_mb=0)))
     await runtime.start()
+    return runtime
+
+
+async def test_an_engine_model_waiting_for_memory_is_served_before_the_generator_admits_more(tiny_repo, tmp_path):
+    """A generator that always has sequences waiting admits one whenever one leaves: an engine
+    model whose batch needs more than the generator leaves free waited for the memory until its
+    requests expired (5 of 5 answered 504 after 3 s in a scratch run of this scenario). Now the
+    engine model stands in the budget's line, the generator admits nothing new meanwhile, and
+    what its running sequences free reaches the engine model."""
+    from edge_batcher.types import InferRequest
+
+    runtime = await vibration_beside_tinylm(tiny_repo, tmp_path)
     budget, vibration, generator = runtime.budget, runtime.runner("vibration"), runtime.runner("tinylm")
     stop = asyncio.Event()
 
@@ -348,16 +362,9 @@ async def test_a_generator_s_measured_weights_count_in_the_plan_as_a_model_s(tin
     ready, where it stayed after an unload and hid as much growth from the watch."""
     import logging
 
-    from edge_batcher.config import DaemonConfig, MemorySettings, load_model_config
     from edge_batcher.memory_watch import MemoryWatch
-    from edge_batcher.rag.generate import GenerationService
-    from edge_batcher.runtime import Runtime
 
-    runtime = Runtime(DaemonConfig(memory=MemorySettings(probe="cpu", budget_mb=1024, headroom_mb=8)))
-    service = GenerationService(load_model_config(tiny_repo / "tinylm"), runtime)
-    watch = MemoryWatch(runtime.budget, lambda: [service])
-    watch.start()
-    await service.start()
+    runtime, service, watch = await watched_tinylm(tiny_repo, "cpu")
     try:
         assert service.resident_meter == "process"
         assert watch.residents() == {"process": service.resident_bytes}
@@ -380,19 +387,10 @@ async def test_a_generator_is_not_starved_by_an_engine_model_s_batches_back_to_b
     the generator looked every 20 ms and never saw it (a scratch run: a sequence waited its whole
     30 s deadline). Once it has waited in the budget's line for PRIORITY_AFTER_S, the engine
     model's next batch waits for it instead."""
-    from edge_batcher.config import DaemonConfig, MemorySettings, ModelsSettings
     from edge_batcher.memory.budget import PRIORITY_AFTER_S
-    from edge_batcher.runtime import Runtime
     from edge_batcher.types import InferRequest
-    from tests.support.models import build_demo
 
-    repo = tmp_path / "engines"
-    build_demo(repo)
-    (repo / "tinylm").symlink_to(tiny_repo / "tinylm")
-    runtime = Runtime(DaemonConfig(
-        models=ModelsSettings(repository=str(repo), warmup=False, load=["vibration", "tinylm"]),
-        memory=MemorySettings(probe="fixed", budget_mb=1024, headroom_mb=0)))
-    await runtime.start()
+    runtime = await vibration_beside_tinylm(tiny_repo, tmp_path)
     budget, vibration, generator = runtime.budget, runtime.runner("vibration"), runtime.runner("tinylm")
     prompt, options = "word " * 100, {"max_new_tokens": 200, **NO_STOP}
     alone = asyncio.create_task(generator.generate(prompt, options))
