@@ -167,7 +167,8 @@ class DecodeLoop:
             held = self._kv_reserved
         if bounds:  # it would be prefilled beside the batch or the prompts before it
             beside = max(beside, prompt_tokens)
-        need = self.footprint.batch_bytes(bounds + [prompt_tokens + max_new_tokens], beside, shape)
+        need = (self.footprint.batch_bytes(bounds + [prompt_tokens + max_new_tokens], beside, shape)
+                + self._logits_bytes(len(bounds) + 1, prompt_tokens))
         return max(0, need - held)
 
     def running(self) -> int:
@@ -414,8 +415,22 @@ class DecodeLoop:
         prompt prefilled beside the batch (with nothing running, the oldest prompt's cache becomes
         the batch)."""
         assert self.footprint is not None
-        return self.footprint.batch_bytes([s.tokens_bound for s in running + filling], _beside(running, filling),
-                                          held_shape(cache))
+        return (self.footprint.batch_bytes([s.tokens_bound for s in running + filling], _beside(running, filling),
+                                           held_shape(cache))
+                + self._logits_bytes(len(running) + len(filling), max((len(s.prompt_ids) for s in filling), default=0)))
+
+    def _logits_bytes(self, rows: int, longest_prompt: int) -> int:
+        """The logits of the largest run among these sequences' (float32 over the vocabulary, one
+        run at a time): a decode step's rows (every admitted sequence, once all are running), or
+        a prefill run's positions, every position of the
+        chunk for a model without `logits_from` (an Optimum export: 128 x 49,152 x 4 B = 24 MiB
+        for SmolLM2's chunk; Qwen2.5's vocabulary makes that 78 MiB), where the KV footprint
+        counts none of it."""
+        positions = 0
+        if longest_prompt:
+            chunk = min(self.prefill_chunk or longest_prompt, longest_prompt)
+            positions = 1 if self.decoder.has_logits_from else chunk
+        return 4 * self.decoder.vocab * max(rows, positions)
 
     def _settle(self, cache: KvCache | None, running: list[Sequence], filling: list[_Filling]) -> None:
         """End of a round: the reservation comes down to what the admitted sequences can still
