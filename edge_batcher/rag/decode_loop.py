@@ -168,7 +168,7 @@ class DecodeLoop:
         if bounds:  # it would be prefilled beside the batch or the prompts before it
             beside = max(beside, prompt_tokens)
         need = (self.footprint.batch_bytes(bounds + [prompt_tokens + max_new_tokens], beside, shape)
-                + self._logits_bytes(len(bounds) + 1, prompt_tokens))
+                + self.logits_bytes(len(bounds) + 1, prompt_tokens))
         return max(0, need - held)
 
     def running(self) -> int:
@@ -417,9 +417,9 @@ class DecodeLoop:
         assert self.footprint is not None
         return (self.footprint.batch_bytes([s.tokens_bound for s in running + filling], _beside(running, filling),
                                            held_shape(cache))
-                + self._logits_bytes(len(running) + len(filling), max((len(s.prompt_ids) for s in filling), default=0)))
+                + self.logits_bytes(len(running) + len(filling), max((len(s.prompt_ids) for s in filling), default=0)))
 
-    def _logits_bytes(self, rows: int, longest_prompt: int) -> int:
+    def logits_bytes(self, rows: int, longest_prompt: int) -> int:
         """The logits of the largest run among these sequences' (float32 over the vocabulary, one
         run at a time): a decode step's rows (every admitted sequence, once all are running), or
         a prefill run's positions, every position of the

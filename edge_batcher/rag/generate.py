@@ -194,7 +194,8 @@ class GenerationService(ServiceAccounting):
         self.check_fits_context(len(ids), params.max_new_tokens)
         kv = self.decoder.kv
         assert kv is not None
-        need = self.decoder.footprint().sequence_bytes(len(ids), params.max_new_tokens)
+        need = (self.decoder.footprint().sequence_bytes(len(ids), params.max_new_tokens)
+                + self._loop.logits_bytes(1, len(ids)))
         # A probe's free figure moves with whatever else holds memory for a moment (another batch's
         # allocations, an arena growing, other processes): refused as never fitting only against
         # the most the budget could give since the load; one that fits that is held back until
@@ -204,7 +205,7 @@ class GenerationService(ServiceAccounting):
             self._loop.count_rejected()
             raise DoesNotFit(
                 f"model {self.name!r}: {len(ids)} prompt + {params.max_new_tokens} new tokens need "
-                f"{need / MiB:.2f} MiB of KV cache alone ({kv.describe()}, {self._layout()}), more than the "
+                f"{need / MiB:.2f} MiB of KV cache and logits alone ({kv.describe()}, {self._layout()}), more than the "
                 f"memory budget can ever give ({capacity / MiB:.2f} MiB with nothing else running): lower "
                 "max_new_tokens or shorten the prompt")
         seq = Sequence(ids, params, need, deadline, asyncio.get_running_loop(), self.tokenizer)
