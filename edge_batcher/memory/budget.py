@@ -154,7 +154,10 @@ class MemoryBudget:
         sequence is refused as never fitting only when even that could not hold it). Never
         negative."""
         with self._lock:
-            return max(0, self._unreserved(self._current(), 0, self._reserved))
+            return max(0, self._capacity())
+
+    def _capacity(self) -> int:  # under self._lock
+        return self._unreserved(self._current(), 0, self._reserved)
 
     def available(self) -> int:
         """Bytes a new batch may use now: never negative. Re-reads the probe only when the
@@ -212,7 +215,7 @@ class MemoryBudget:
         with self._lock:
             if nbytes > self._available() or (waiter is not None and not self._first(waiter)):
                 if waiter is not None:
-                    if nbytes <= self._unreserved(self._current(), 0, self._reserved) - keeps:
+                    if nbytes <= self._capacity() - keeps:
                         self._wait(waiter)
                     else:
                         self._line.pop(waiter, None)

@@ -422,10 +422,9 @@ class DecodeLoop:
     def logits_bytes(self, rows: int, longest_prompt: int) -> int:
         """The logits of the largest run among these sequences' (float32 over the vocabulary, one
         run at a time): a decode step's rows (every admitted sequence, once all are running), or
-        a prefill run's positions, every position of the
-        chunk for a model without `logits_from` (an Optimum export: 128 x 49,152 x 4 B = 24 MiB
-        for SmolLM2's chunk; Qwen2.5's vocabulary makes that 78 MiB), where the KV footprint
-        counts none of it."""
+        a prefill run's positions, every position of the chunk for a model without `logits_from`
+        (an Optimum export: 128 x 49,152 x 4 B = 24 MiB for SmolLM2's chunk; Qwen2.5's vocabulary
+        makes that 78 MiB), where the KV footprint counts none of it."""
         positions = 0
         if longest_prompt:
             chunk = min(self.prefill_chunk or longest_prompt, longest_prompt)
