@@ -213,7 +213,10 @@ class DecodeLoop:
                 cache, running = self._drop(cache, running, lambda s: s.cancelled, cancelled=True)
                 if running:
                     assert cache is not None  # every running sequence joined the cache
-                    cache, running = self._step(cache, running)
+                    # the step's new cache replaces the old here, before finished rows are cut
+                    # out of it: the footprint holds two caches at once, not three
+                    cache, finished = self._step(cache, running)
+                    cache, running = self._drop_finished(cache, running, finished)
                 elif held_back:
                     with self._cond:
                         self._cond.wait(HELD_BACK_RECHECK_S)
@@ -324,7 +327,9 @@ class DecodeLoop:
         running.append(seq)
         return joined
 
-    def _step(self, cache: KvCache, running: list[Sequence]) -> tuple[KvCache | None, list[Sequence]]:
+    def _step(self, cache: KvCache, running: list[Sequence]) -> tuple[KvCache | None, set[int]]:
+        """One decode step of the batch: its new cache, and the ids of the sequences it finished
+        (all of them when the step failed: they have been answered)."""
         rows = len(running)
         t0 = time.perf_counter()
         try:
@@ -334,7 +339,7 @@ class DecodeLoop:
             log.error("model %s: decode step of %d sequences failed: %s", self.name, rows, exc)
             for seq in running:
                 self._fail(seq, exc)
-            return None, []
+            return None, {id(seq) for seq in running}
         ns = int((time.perf_counter() - t0) * 1e9)
         with self._lock:
             self._counters.decode_steps += 1
@@ -342,10 +347,11 @@ class DecodeLoop:
             entry = self._decode_sizes.setdefault(rows, [0, 0])
             entry[0] += 1
             entry[1] += ns
-        done = {id(seq) for row, seq in enumerate(running) if self._advance(seq, logits[row])}
-        if not done:
-            return cache, running
-        return self._drop(cache, running, lambda s: id(s) in done, cancelled=False)
+        return cache, {id(seq) for row, seq in enumerate(running) if self._advance(seq, logits[row])}
+
+    def _drop_finished(self, cache: KvCache | None, running: list[Sequence],
+                       finished: set[int]) -> tuple[KvCache | None, list[Sequence]]:
+        return self._drop(cache, running, lambda s: id(s) in finished, cancelled=False)
 
     def _drop(self, cache: KvCache | None, running: list[Sequence], leaves: Callable[[Sequence], bool],
               cancelled: bool) -> tuple[KvCache | None, list[Sequence]]:
