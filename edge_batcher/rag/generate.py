@@ -239,15 +239,17 @@ class GenerationService(ServiceAccounting):
 
     def fits_now(self, prompt_tokens: int, max_new_tokens: int) -> bool:
         """Would a sequence this long be admitted at once: nothing waits, a decode slot is free,
-        and what it would add to the batch's KV reservation fits in what the budget has free?
-        (The rag service asks before choosing between this generator and a peer.)"""
+        no other model has waited longer for memory (the budget's line: admission would hold it
+        back), and what it would add to the batch's KV reservation fits in what the budget has
+        free? (The rag service asks before choosing between this generator and a peer.)"""
         kv = self.decoder.kv
         if kv is None or self._draining or not self._loop.started:
             return False
         queued = self._loop.waiting_count()
         running = self._loop.running()
-        return (queued == 0 and running < self.settings.max_running
-                and self._loop.extra_bytes(prompt_tokens, max_new_tokens) <= self.runtime.budget.available())
+        budget = self.runtime.budget
+        return (queued == 0 and running < self.settings.max_running and budget.first_in_line(self.name)
+                and self._loop.extra_bytes(prompt_tokens, max_new_tokens) <= budget.available())
 
     def _layout(self) -> str:
         if self.decoder.shared_kv:

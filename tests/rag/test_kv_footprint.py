@@ -280,6 +280,22 @@ async def test_a_short_sequence_waits_while_the_batch_with_it_would_not_fit(shar
         await service.close()
 
 
+
+async def test_a_generator_does_not_say_it_fits_while_an_engine_model_waits_in_line(tiny_repo):
+    """The rag service asks `fits_now` before it chooses between the generator and a peer: with
+    another model waiting for memory longer, admission would hold the sequence back, so the
+    answer is no (the peer, if any, serves it) though the memory is free."""
+    service = await start_service(tiny_repo / "tinylm")
+    try:
+        budget = service.runtime.budget
+        assert service.fits_now(8, 8)
+        budget.wait_in_line("vibration")
+        assert not service.fits_now(8, 8)
+        budget.leave_line("vibration")
+        assert service.fits_now(8, 8)
+    finally:
+        await service.close()
+
 @pytest.mark.parametrize("seed", [0, 1])
 async def test_many_clients_with_long_prompts_in_chunks_stay_within_the_reservation(seed, shared_repo):  # noqa: F811
     """Twelve clients, each sending its next prompt (up to ~600 tokens, prefilled in chunks of
