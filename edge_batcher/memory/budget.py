@@ -107,6 +107,7 @@ class MemoryBudget:
         self._visible = 0  # of _reserved: allocated, and shown by the probe's free figure
         self.resident = 0  # weights of loaded models (see the module docstring)
         self._line: dict[str, tuple[float, float]] = {}  # consumer -> (waiting since, renewed at)
+        self._wakers: dict[str, Callable[[], None]] = {}  # consumer -> called when memory comes back
         self.snapshot: MemorySnapshot | None = None
 
     # -- reading ------------------------------------------------------------------------------
@@ -254,6 +255,17 @@ class MemoryBudget:
         with self._lock:
             return self._first(name, PRIORITY_AFTER_S)
 
+    def on_memory_back(self, name: str, wake: Callable[[], None] | None) -> None:
+        """Have `wake` called (on the releasing thread, outside the lock: it must only hand off)
+        whenever a reservation comes back while `name` stands in the line; None: no longer.
+        Waiters also look again on their own: memory freed outside the budget is announced by
+        nobody."""
+        with self._lock:
+            if wake is None:
+                self._wakers.pop(name, None)
+            else:
+                self._wakers[name] = wake
+
     def _wait(self, name: str) -> None:  # under self._lock
         now = self._clock()
         place = self._line.get(name)
@@ -277,6 +289,9 @@ class MemoryBudget:
                     "visible: a batch was released twice or never reserved, or its visible part is still marked"
                 )
             self._reserved -= nbytes
+            wakers = [self._wakers[n] for n in self._line if n in self._wakers] if self._line else []
+        for wake in wakers:
+            wake()
 
     @contextmanager
     def reservation(self, nbytes: int) -> Iterator[None]:

@@ -32,7 +32,8 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 # Held back with nothing of ours running: the memory we wait for belongs to other models'
-# batches, whose release the budget does not announce; look again this often.
+# batches. The budget announces their releases (on_memory_back); memory freed outside it (the
+# probe's free figure) is announced by nobody, so look again this often too.
 HELD_BACK_RECHECK_S = 0.02
 
 
@@ -130,6 +131,7 @@ class DecodeLoop:
         self.footprint = self.decoder.footprint()
         self._trim = None if self.decoder.shared_kv else malloc_trim()
         self._thread = threading.Thread(target=self._run, name=f"generate-{self.name}", daemon=True)
+        self.budget.on_memory_back(self.name, self.wake)  # held back: admit as soon as memory is back
         self._thread.start()
 
     def stop(self, timeout: float) -> None:
@@ -139,6 +141,7 @@ class DecodeLoop:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.budget.on_memory_back(self.name, None)
 
     def enqueue(self, seq: Sequence) -> None:
         with self._cond:

@@ -22,8 +22,9 @@ from .queues import BucketQueue, ModelQueue, QueuedRequest
 from .timing import ExecTimeModel
 
 FitsHook = Callable[[int, int], bool]  # (batch_size, seq_len) -> bool
-# Nothing fits while other models hold the memory: their release is not announced to this
-# model's runner, so it looks again this often (the requests' deadlines still bound the wait).
+# Nothing fits while other models hold the memory: the budget announces their releases to the
+# runner (on_memory_back), but not memory freed outside it (the probe's free figure), so it also
+# looks again this often (the requests' deadlines still bound the wait).
 MEMORY_RECHECK_S = 0.02
 
 

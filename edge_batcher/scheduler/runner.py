@@ -116,6 +116,7 @@ class ModelRunner:
         self._slots = InstanceSlots(len(engines))  # which instance takes the next batch (slots.py)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None  # when the policy wants to look again; None: no timer
+        self._memory_back_due = False  # a look-again after memory came back is on the loop's queue
         self._local_batches = 0  # batches with a worker (queued there or running)
         self._company = 1  # requests the last finished batch's round carried (policy.PlanState.company)
         self.batches_started = 0  # local batches handed to a worker, ever (the memory watch's "what ran")
@@ -194,6 +195,8 @@ class ModelRunner:
         if self._preparing is not None:
             self._preparing.serve(self._loop)
         self._slots.open()
+        if self.admission is not None:
+            self.admission.budget.on_memory_back(self.name, self._memory_back)
 
     async def drain(self, timeout: float) -> None:
         """Stop taking requests, run everything queued now, wait for batches in flight."""
@@ -215,6 +218,8 @@ class ModelRunner:
         self._draining = True
         self._closed = True
         self._wait_for_memory(False)
+        if self.admission is not None:
+            self.admission.budget.on_memory_back(self.name, None)
         if self._timer is not None:
             self._timer.cancel()
         for req in self.queue.take_all():
@@ -457,6 +462,21 @@ class ModelRunner:
             self.admission.budget.wait_in_line(self.name)
         else:
             self.admission.budget.leave_line(self.name)
+
+    def _memory_back(self) -> None:
+        """The budget, on whichever thread released: memory came back while this model stands
+        in its line. Plan again now rather than at the next recheck (MEMORY_RECHECK_S)."""
+        if self._memory_back_due or self._loop is None:
+            return
+        self._memory_back_due = True
+        try:
+            self._loop.call_soon_threadsafe(self._on_memory_back)
+        except RuntimeError:  # the event loop is closed: nothing left to plan
+            self._memory_back_due = False
+
+    def _on_memory_back(self) -> None:
+        self._memory_back_due = False
+        self._schedule()
 
     def _offload_view(self) -> policy.OffloadView:
         return self.offload.view(self.name) if self.offload is not None else policy.NO_OFFLOAD

@@ -256,3 +256,19 @@ def test_a_generator_waiting_for_memory_it_holds_itself_stands_in_nobody_s_way()
     assert not b.may_take("vibration")
     b.release(200)
     assert b.try_reserve(200, waiter="gen", keeps=500) and b.may_take("vibration")
+
+
+def test_a_release_is_announced_to_those_in_the_line_only() -> None:
+    b = budget(FixedProbe(1000, total_bytes=2000), Clock())
+    woken: list[str] = []
+    b.on_memory_back("vision", lambda: woken.append("vision"))
+    b.on_memory_back("gen", lambda: woken.append("gen"))
+    b.reserve(300)
+    b.release(100)
+    assert woken == []  # nobody waits: nothing to announce
+    b.wait_in_line("vision")
+    b.release(100)
+    assert woken == ["vision"]  # gen has a waker but does not wait
+    b.on_memory_back("vision", None)
+    b.release(100)
+    assert woken == ["vision"]  # unregistered (the model was unloaded)

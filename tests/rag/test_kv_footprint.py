@@ -391,13 +391,21 @@ async def vibration_beside_tinylm(tiny_repo, tmp_path):
     return runtime
 
 
-async def test_an_engine_model_waiting_for_memory_is_served_before_the_generator_admits_more(tiny_repo, tmp_path):
+@pytest.mark.parametrize("announced_only", [False, True])
+async def test_an_engine_model_waiting_for_memory_is_served_before_the_generator_admits_more(
+        announced_only, tiny_repo, tmp_path, monkeypatch):
     """A generator that always has sequences waiting admits one whenever one leaves: an engine
     model whose batch needs more than the generator leaves free waited for the memory until its
     requests expired (5 of 5 answered 504 after 3 s in a scratch run of this scenario). Now the
     engine model stands in the budget's line, the generator admits nothing new meanwhile, and
-    what its running sequences free reaches the engine model."""
+    what its running sequences free reaches the engine model. `announced_only`: the runner's own
+    look-again comes too late to matter, so only the budget's announcement of a release can
+    wake it (the requests expired with it before: their deadline is 3 s)."""
+    from edge_batcher.scheduler import policy
     from edge_batcher.types import InferRequest
+
+    if announced_only:
+        monkeypatch.setattr(policy, "MEMORY_RECHECK_S", 60.0)
 
     runtime = await vibration_beside_tinylm(tiny_repo, tmp_path)
     budget, vibration, generator = runtime.budget, runtime.runner("vibration"), runtime.runner("tinylm")
@@ -535,5 +543,27 @@ async def test_a_served_generator_s_cache_is_counted_once_under_a_host_probe(lay
         await asyncio.gather(*tasks)
         assert seen > 0
         assert runtime.budget.visible == 0 and runtime.budget.reserved == 0
+    finally:
+        await service.close()
+
+
+async def test_a_held_back_generator_admits_when_the_memory_others_held_comes_back(tiny_repo, monkeypatch):
+    """A sequence held back while other models' batches hold the memory is admitted when the
+    budget announces their release, not at the loop's next look (made later than the test here)."""
+    from edge_batcher.rag import decode_loop
+
+    monkeypatch.setattr(decode_loop, "HELD_BACK_RECHECK_S", 60.0)
+    service = await start_service(tiny_repo / "tinylm")
+    budget = service.runtime.budget
+    try:
+        others = budget.available() - 1024  # another model's batch in flight: no room for a cache
+        budget.reserve(others)
+        answer = asyncio.ensure_future(service.generate(PROMPTS[0], {"max_new_tokens": 8, **NO_STOP}))
+        while service.statistics()["held_back_for_memory"] == 0:
+            await asyncio.sleep(0.001)
+        assert not budget.first_in_line("vibration")  # it stands in the line for the memory
+        budget.release(others)  # the batch finished
+        result = await asyncio.wait_for(answer, timeout=10)
+        assert len(result.token_ids) == 8
     finally:
         await service.close()
