@@ -2,7 +2,9 @@
 """Malformed and hostile requests at every HTTP door of a running daemon, over its Unix socket:
 v2 infer (JSON and binary tensors), the generate extension (plain and streamed), system shared
 memory and the document index, with junk values in every field, truncated bodies and clients
-that leave mid-request. It fails on a 5xx other than 503/504, on a request that hangs, on a
+that leave mid-request; with --grpc-socket, the gRPC RPCs too (junk in every field of their
+requests, and bytes that are no message). It fails on a 5xx other than 503/504 (gRPC: INTERNAL
+or UNKNOWN), on a request that hangs, on a
 daemon no longer ready at the end, and (with --pid) on the daemon's memory growing more than
 --max-growth-mb over the run. Found the speller's quadratic work on one long "word" (64-135 MiB
 a question) and the stream whose client left before its headers (an ERROR with a traceback).
@@ -105,13 +107,105 @@ def requests_for(models: list[str], junk: Junk) -> tuple[str, str, bytes, dict]:
     return "GET", path, b"", {}
 
 
+def grpc_call_for(models: list[str], junk: Junk) -> tuple[str, bytes]:
+    """One gRPC call (method, serialized request) at a random RPC of the KServe v2 service: junk in
+    every field protobuf lets through, now and then a message that is not one at all. Model
+    loading and unloading are left out (an unload would empty the daemon the run fuzzes)."""
+    from edge_batcher.transports.grpc_v2 import grpc_service_pb2 as pb
+
+    r = junk.rng
+    model = r.choice(models + ["nosuch", "", "../x", "é" * 40])
+    version = r.choice(["", "1", "2", "x"])
+    method = r.choice(["ModelInfer"] * 6 + ["ModelMetadata", "ModelConfig", "ModelReady", "ModelStatistics",
+                                            "SystemSharedMemoryRegister", "SystemSharedMemoryStatus",
+                                            "SystemSharedMemoryUnregister", "CudaSharedMemoryRegister",
+                                            "CudaSharedMemoryStatus", "CudaSharedMemoryUnregister",
+                                            "ServerMetadata", "RepositoryIndex"])
+    if method == "ModelInfer":
+        message = pb.ModelInferRequest(model_name=model, model_version=version, id=_text(junk))
+        _grpc_parameters(message.parameters, junk)
+        for _ in range(r.choice([0, 1, 1, 1, 2, 3])):
+            tensor = message.inputs.add(name=r.choice(["text", "text_input", "question", "signal", "input_ids", ""]),
+                                        datatype=r.choice(["BYTES", "FP32", "INT64", "UINT8", "FP16", "BOOL", "X"]))
+            tensor.shape.extend(r.choice([[1], [2], [1, 256], [-1], [0], [1, 8], [2**62, 2**62], [1, 1, 1, 1, 1]]))
+            _grpc_parameters(tensor.parameters, junk)
+            if r.random() < 0.3:
+                contents = tensor.contents
+                kind = r.randrange(4)
+                if kind == 0:
+                    value = r.choice([0.5, float("nan"), float("inf"), -1e38])
+                    contents.fp32_contents.extend([value] * r.choice([1, 256, 300]))
+                elif kind == 1:
+                    contents.int64_contents.extend([r.choice([0, -1, 2**62])] * r.choice([1, 8, 256]))
+                elif kind == 2:
+                    contents.bytes_contents.extend([r.choice([b"", b"How do I replace the battery?", b"\xff\xfe",
+                                                              b"x" * 5000])] * r.choice([1, 2]))
+                else:
+                    contents.uint_contents.extend([r.randrange(2**32)] * r.choice([1, 3]))
+        for _ in range(r.choice([0, 0, 1, 2])):
+            output = message.outputs.add(name=r.choice(["class_probs", "embedding", "text_output", "", "nosuch"]))
+            _grpc_parameters(output.parameters, junk)
+        for _ in range(r.choice([0, 1, 1, 2])):
+            message.raw_input_contents.append(os.urandom(r.choice([0, 3, 4, 8, 1024, 1028])))
+    elif method in ("ModelMetadata", "ModelConfig", "ModelReady", "ModelStatistics"):
+        message = getattr(pb, f"{method}Request")(name=model, version=version)
+    elif method == "SystemSharedMemoryRegister":
+        message = pb.SystemSharedMemoryRegisterRequest(
+            name=r.choice(["r1", "", "a" * 300, "../x"]),
+            key=r.choice(["/nosuch", "", "/../x", "/dev/shm/x", _text(junk)]),
+            offset=r.choice([0, 1, 2**63 - 1, 4096]), byte_size=r.choice([0, 1, 2**63 - 1, 4096]))
+    elif method == "CudaSharedMemoryRegister":
+        message = pb.CudaSharedMemoryRegisterRequest(
+            name=r.choice(["r1", "", "a" * 300]), raw_handle=os.urandom(r.choice([0, 64, 65])),
+            device_id=r.choice([0, 1, -1, 2**62]), byte_size=r.choice([0, 1, 2**63 - 1]))
+    elif method.startswith(("SystemSharedMemory", "CudaSharedMemory")):
+        message = getattr(pb, f"{method}Request")(name=r.choice(["r1", "", "nosuch"]))
+    else:
+        message = getattr(pb, f"{method}Request")()
+    raw = message.SerializeToString()
+    if r.random() < 0.1:  # not a message of its type at all: cut, flipped or random bytes
+        raw = r.choice([raw[:r.randint(0, len(raw))], bytes(b ^ 0xFF for b in raw[:64]) + raw[64:],
+                        os.urandom(r.randint(1, 64))])
+    return method, raw
+
+
+def _text(junk: Junk) -> str:
+    value = junk.value()
+    return value if isinstance(value, str) else json.dumps(value)[:200]
+
+
+def _grpc_parameters(parameters, junk: Junk) -> None:
+    """Junk InferParameters under the names the daemon reads (and others)."""
+    r = junk.rng
+    for _ in range(r.randint(0, 3)):
+        p = parameters[r.choice(PARAMETERS)]
+        kind = r.randrange(5)
+        if kind == 0:
+            p.bool_param = r.random() < 0.5
+        elif kind == 1:
+            p.int64_param = r.choice([-1, 0, 1, 64, 2**62, -(2**63)])
+        elif kind == 2:
+            p.string_param = _text(junk)
+        elif kind == 3:
+            p.double_param = r.choice([0.0, -1.0, 0.5, float("nan"), float("inf"), 1e308])
+        else:
+            p.uint64_param = r.choice([0, 1, 2**64 - 1])
+
+
 def _json(value) -> bytes:
     return json.dumps(value, allow_nan=True).encode()
 
 
+# gRPC's answers for a client's mistake or a busy daemon; INTERNAL and UNKNOWN are the 500 of gRPC
+GRPC_FINE = {"OK", "INVALID_ARGUMENT", "NOT_FOUND", "UNAVAILABLE", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED",
+             "UNIMPLEMENTED", "FAILED_PRECONDITION", "ALREADY_EXISTS", "OUT_OF_RANGE", "PERMISSION_DENIED",
+             "UNAUTHENTICATED", "CANCELLED"}
+
+
 class Fuzzer:
-    def __init__(self, sock: str, models: list[str], seconds: float, seed: int):
+    def __init__(self, sock: str, models: list[str], seconds: float, seed: int, grpc_socket: str | None = None):
         self.sock, self.models, self.seconds, self.seed = sock, models, seconds, seed
+        self.grpc_socket = grpc_socket
         self.statuses: dict[str, int] = {}
         self.failures: list[str] = []
         self.lock = threading.Lock()
@@ -145,6 +239,28 @@ class Fuzzer:
             if status >= 500 and status not in (503, 504):
                 self.fail(f"{status} on {method} {path} {body[:200]!r}: {str(answer)[:300]}")
 
+    def grpc_client(self, n: int) -> None:
+        """gRPC calls with junk requests on one channel (grpcio), answered or refused by status."""
+        import grpc
+
+        junk = Junk(random.Random(self.seed * 1000 + 500 + n))
+        end = time.monotonic() + self.seconds
+        with grpc.insecure_channel(f"unix:{self.grpc_socket}") as channel:
+            while time.monotonic() < end:
+                method, raw = grpc_call_for(self.models, junk)
+                call = channel.unary_unary(f"/inference.GRPCInferenceService/{method}")
+                try:
+                    call(raw, timeout=60)
+                    code = "OK"
+                except grpc.RpcError as exc:
+                    code, details = exc.code().name, exc.details()
+                    if code == "DEADLINE_EXCEEDED" and "Deadline Exceeded" == details:  # ours, not the daemon's
+                        self.fail(f"gRPC {method}: no answer in 60 s: {raw[:200]!r}")
+                        continue
+                    if code not in GRPC_FINE:
+                        self.fail(f"gRPC {code} on {method} {raw[:200]!r}: {details[:300]}")
+                self.count(f"grpc {code}")
+
     def leave_early(self, method: str, path: str, body: bytes, rng: random.Random) -> None:
         """Send all or part of a request, then close without reading (a client gone)."""
         head = (f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -165,10 +281,11 @@ def rss_of(pid: int) -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run(sock: str, seconds: float, clients: int, seed: int, pid: int | None, max_growth_mb: float) -> dict:
+def run(sock: str, seconds: float, clients: int, seed: int, pid: int | None, max_growth_mb: float,
+        grpc_socket: str | None = None) -> dict:
     status, stats = http_request(sock, "GET", "/v2/models/stats")
     models = [m["name"] for m in stats["model_stats"]] if status == 200 else []
-    fuzzer = Fuzzer(sock, models, seconds, seed)
+    fuzzer = Fuzzer(sock, models, seconds, seed, grpc_socket)
     start = rss_of(pid) if pid else 0
     peak = [start]
     done = threading.Event()
@@ -181,6 +298,8 @@ def run(sock: str, seconds: float, clients: int, seed: int, pid: int | None, max
     if pid:
         sampler.start()
     threads = [threading.Thread(target=fuzzer.client, args=(n,)) for n in range(clients)]
+    if grpc_socket:
+        threads += [threading.Thread(target=fuzzer.grpc_client, args=(n,)) for n in range(max(1, clients // 2))]
     for t in threads:
         t.start()
     for t in threads:
@@ -203,8 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pid", type=int, default=None, help="the daemon's process, to watch its memory")
     parser.add_argument("--max-growth-mb", type=float, default=64.0)
+    parser.add_argument("--grpc-socket", default=None,
+                        help="the daemon's gRPC Unix socket ([server] grpc = [\"unix:PATH\"]): fuzz the gRPC RPCs too, "
+                             "from half as many clients more")
     args = parser.parse_args(argv)
-    result = run(args.socket, args.seconds, args.clients, args.seed, args.pid, args.max_growth_mb)
+    result = run(args.socket, args.seconds, args.clients, args.seed, args.pid, args.max_growth_mb, args.grpc_socket)
     print(json.dumps(result, indent=1))
     return 1 if result["failures"] else 0
 
