@@ -255,16 +255,19 @@ class MemoryBudget:
         with self._lock:
             return self._first(name, PRIORITY_AFTER_S)
 
-    def on_memory_back(self, name: str, wake: Callable[[], None] | None) -> None:
+    def on_memory_back(self, name: str, wake: Callable[[], None]) -> None:
         """Have `wake` called (on the releasing thread, outside the lock: it must only hand off)
-        whenever a reservation comes back while `name` stands in the line; None: no longer.
-        Waiters also look again on their own: memory freed outside the budget is announced by
-        nobody."""
+        whenever a reservation comes back while `name` stands in the line. Waiters also look
+        again on their own: memory freed outside the budget is announced by nobody."""
         with self._lock:
-            if wake is None:
-                self._wakers.pop(name, None)
-            else:
-                self._wakers[name] = wake
+            self._wakers[name] = wake
+
+    def forget_waker(self, name: str, wake: Callable[[], None]) -> None:
+        """Undo on_memory_back(name, wake), unless a later consumer of that name (the model loaded
+        again) registered its own since."""
+        with self._lock:
+            if self._wakers.get(name) == wake:
+                del self._wakers[name]
 
     def _wait(self, name: str) -> None:  # under self._lock
         now = self._clock()

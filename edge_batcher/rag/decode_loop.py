@@ -141,7 +141,7 @@ class DecodeLoop:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
-        self.budget.on_memory_back(self.name, None)
+        self.budget.forget_waker(self.name, self.wake)
 
     def enqueue(self, seq: Sequence) -> None:
         with self._cond:

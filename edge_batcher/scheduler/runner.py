@@ -219,7 +219,7 @@ class ModelRunner:
         self._closed = True
         self._wait_for_memory(False)
         if self.admission is not None:
-            self.admission.budget.on_memory_back(self.name, None)
+            self.admission.budget.forget_waker(self.name, self._memory_back)
         if self._timer is not None:
             self._timer.cancel()
         for req in self.queue.take_all():

@@ -269,6 +269,13 @@ def test_a_release_is_announced_to_those_in_the_line_only() -> None:
     b.wait_in_line("vision")
     b.release(100)
     assert woken == ["vision"]  # gen has a waker but does not wait
-    b.on_memory_back("vision", None)
-    b.release(100)
-    assert woken == ["vision"]  # unregistered (the model was unloaded)
+    def reloaded() -> None:
+        woken.append("vision again")
+
+    b.on_memory_back("vision", reloaded)  # the model loaded again before the old one closed
+    b.forget_waker("vision", woken.clear)  # not the one registered now: kept
+    b.release(50)
+    assert woken == ["vision", "vision again"]
+    b.forget_waker("vision", reloaded)
+    b.release(50)
+    assert woken == ["vision", "vision again"]  # unregistered (the model was unloaded)
