@@ -102,6 +102,10 @@ class Counter(_Metric):
     def get(self, **labels: str) -> float:
         return self.values.get(self._key(labels), 0.0)
 
+    def set_total(self, value: float, **labels: str) -> None:
+        """A total counted elsewhere (and only ever growing there), copied in at scrape time."""
+        self.values[self._key(labels)] = float(value)
+
     def render(self) -> list[str]:
         return self.header() + [
             f"{self.name}{_labels(self.label_names, k)} {_number(v)}" for k, v in sorted(self.values.items())
@@ -251,6 +255,13 @@ class Metrics:
             "started, plus the resident memory of the models measured in it, plus batches in flight; by meter "
             "(the device probe's name, or \"process\": this process's resident memory).", ("meter",))
         self.process_resident_bytes = Gauge("process_resident_bytes", "Resident memory of the daemon process.")
+        self.memory_waiting = Gauge(
+            "memory_waiting", "1 while the model waits in the memory budget's line for memory other models "
+            "hold, else 0.", ("model",))
+        self.memory_waits_total = Counter(
+            "memory_waits_total", "Times the model began waiting for memory other models hold.", ("model",))
+        self.memory_wait_seconds_total = Counter(
+            "memory_wait_seconds_total", "Seconds the model waited for memory other models hold.", ("model",))
         self.device_memory_bytes = Gauge(
             "device_memory_bytes", "Device memory as the memory probe last read it.", ("kind",)
         )

@@ -193,6 +193,10 @@ class Runtime:
         for meter, value in self.memory_watch.planned().items():
             m.memory_planned_bytes.set(value, meter=meter)
         m.process_resident_bytes.set(psutil.Process().memory_info().rss)
+        for name, (waiting, waits, seconds) in self.budget.line_report().items():
+            m.memory_waiting.set(1 if waiting else 0, model=name)
+            m.memory_waits_total.set_total(waits, model=name)
+            m.memory_wait_seconds_total.set_total(seconds, model=name)
         snapshot = self.budget.snapshot
         if snapshot is not None:
             m.device_memory_bytes.set(snapshot.total_bytes, kind="total")

@@ -108,6 +108,8 @@ class MemoryBudget:
         self.resident = 0  # weights of loaded models (see the module docstring)
         self._line: dict[str, tuple[float, float]] = {}  # consumer -> (waiting since, renewed at)
         self._wakers: dict[str, Callable[[], None]] = {}  # consumer -> called when memory comes back
+        self._waits: dict[str, int] = {}  # consumer -> places it took in the line, ever
+        self._waited_s: dict[str, float] = {}  # consumer -> seconds in the line, places ended
         self.snapshot: MemorySnapshot | None = None
 
     # -- reading ------------------------------------------------------------------------------
@@ -219,10 +221,10 @@ class MemoryBudget:
                     if nbytes <= self._capacity() - keeps:
                         self._wait(waiter)
                     else:
-                        self._line.pop(waiter, None)
+                        self._leave(waiter)
                 return False
             if waiter is not None:
-                self._line.pop(waiter, None)
+                self._leave(waiter)
             self._reserved += nbytes
             return True
 
@@ -237,7 +239,7 @@ class MemoryBudget:
         """`name` no longer waits (it got its memory, or has nothing left to run)."""
         if name in self._line:
             with self._lock:
-                self._line.pop(name, None)
+                self._leave(name)
 
     def first_in_line(self, name: str) -> bool:
         """Whether `name` may take memory now: no other consumer has waited longer (one not
@@ -269,11 +271,37 @@ class MemoryBudget:
             if self._wakers.get(name) == wake:
                 del self._wakers[name]
 
+    def line_report(self) -> dict[str, tuple[bool, int, float]]:
+        """Per consumer that ever waited: (in the line now, waits begun, seconds waited). A wait
+        counts until its last renewal while it lasts, until it ended once it has (monotonic:
+        these feed Prometheus counters)."""
+        with self._lock:
+            now = self._clock()
+            report = {}
+            for name, count in self._waits.items():
+                place = self._line.get(name)
+                live = place is not None and now - place[1] <= WAIT_LEASE_S
+                current = place[1] - place[0] if place is not None else 0.0
+                report[name] = (live, count, self._waited_s.get(name, 0.0) + current)
+            return report
+
     def _wait(self, name: str) -> None:  # under self._lock
         now = self._clock()
         place = self._line.get(name)
-        since = place[0] if place is not None and now - place[1] <= WAIT_LEASE_S else now
-        self._line[name] = (since, now)
+        if place is not None and now - place[1] <= WAIT_LEASE_S:
+            self._line[name] = (place[0], now)
+            return
+        if place is not None:  # lapsed: it waited until its last renewal
+            self._waited_s[name] = self._waited_s.get(name, 0.0) + place[1] - place[0]
+        self._waits[name] = self._waits.get(name, 0) + 1
+        self._line[name] = (now, now)
+
+    def _leave(self, name: str) -> None:  # under self._lock
+        place = self._line.pop(name, None)
+        if place is not None:
+            now = self._clock()
+            end = now if now - place[1] <= WAIT_LEASE_S else place[1]
+            self._waited_s[name] = self._waited_s.get(name, 0.0) + end - place[0]
 
     def _first(self, name: str, waited_at_least: float = 0.0) -> bool:  # under self._lock
         """No other live place is older than `name`'s and at least `waited_at_least` old."""

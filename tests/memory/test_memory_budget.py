@@ -279,3 +279,26 @@ def test_a_release_is_announced_to_those_in_the_line_only() -> None:
     b.forget_waker("vision", reloaded)
     b.release(50)
     assert woken == ["vision", "vision again"]  # unregistered (the model was unloaded)
+
+
+def test_the_line_report_counts_waits_and_the_seconds_waited() -> None:
+    clock = Clock()
+    b = budget(FixedProbe(1000, total_bytes=2000), clock)
+    assert b.line_report() == {}  # nobody ever waited
+    b.wait_in_line("vision")
+    clock.now = 0.5
+    b.wait_in_line("vision")  # renewed: the same wait
+    assert b.line_report() == {"vision": (True, 1, 0.5)}
+    clock.now = 1.0
+    b.leave_line("vision")
+    assert b.line_report() == {"vision": (False, 1, 1.0)}
+    clock.now = 2.0
+    b.wait_in_line("vision")
+    clock.now = 2.25
+    b.wait_in_line("vision")
+    clock.now = 2.25 + WAIT_LEASE_S + 1  # it stopped renewing: the wait ended at its last renewal
+    assert b.line_report() == {"vision": (False, 2, 1.25)}
+    b.wait_in_line("vision")  # a new wait
+    assert b.line_report()["vision"][:2] == (True, 3)
+    assert not b.try_reserve(10_000, waiter="gen")  # more than could ever fit: never in the line
+    assert "gen" not in b.line_report()

@@ -6,6 +6,7 @@ admission used before falls far below what the contiguous cache holds."""
 from __future__ import annotations
 
 import asyncio
+import re
 import weakref
 
 import numpy as np
@@ -439,6 +440,11 @@ async def test_an_engine_model_waiting_for_memory_is_served_before_the_generator
             assert out.outputs["class_probs"].shape == (1, 4)
         assert generator.statistics()["held_back_for_memory"] > held_back_before  # it gave way
         assert budget.first_in_line("tinylm")  # served, the engine model left the line
+        text = runtime.metrics.render()  # what an operator sees of it
+        assert 'edge_batcher_memory_waiting{model="vibration"} 0' in text
+        waits = re.search(r'edge_batcher_memory_waits_total\{model="vibration"\} (\S+)', text)
+        waited = re.search(r'edge_batcher_memory_wait_seconds_total\{model="vibration"\} (\S+)', text)
+        assert waits and float(waits.group(1)) >= 1 and waited and float(waited.group(1)) > 0, text
     finally:
         stop.set()
         await asyncio.gather(*clients, return_exceptions=True)
