@@ -118,3 +118,54 @@ def test_a_full_generator_answers_429_before_the_body(start_daemon, tiny_repo, t
         waiting.close()
     log = daemon.log_text()
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+
+
+def _read_stream(s) -> list[dict]:
+    """A generate_stream response read to its end: its events (the connection may then close)."""
+    raw = b""
+    s.settimeout(60)
+    while b'"final": true' not in raw and b'"final":true' not in raw:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        raw += chunk
+    return [json.loads(line[len(b"data: "):]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+
+
+def test_sigterm_lets_every_stream_and_waiting_sequence_finish(start_daemon, tiny_repo, tmp_path):
+    """Graceful drain with generation under way: two streams generating and a third waiting for
+    a decode slot when SIGTERM comes. Each gets all its tokens and its final event, and the
+    daemon then exits 0 (within [server] drain_timeout_s)."""
+    import signal
+
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo / "tinylm", repo / "tinylm")
+    toml = repo / "tinylm" / "model.toml"
+    toml.write_text(toml.read_text().replace("max_running = 8", "max_running = 2")
+                    .replace("max_new_tokens_limit = 256", "max_new_tokens_limit = 1000"))
+    daemon = start_daemon(repo=repo)
+    body = json.dumps({"text_input": "Bearing", "parameters": {"max_new_tokens": 600, "ignore_stop": True}}).encode()
+    streams = [connect(daemon.socket) for _ in range(3)]
+    try:
+        for s in streams[:2]:
+            s.sendall(head(PATHS[1], len(body)) + body)
+            first = b""
+            while b"data: " not in first:  # generating
+                first += s.recv(65536)
+        streams[2].sendall(head(PATHS[1], len(body)) + body)
+        deadline = time.monotonic() + 30
+        while rawhttp.request(daemon.socket, "GET", "/v2/models/tinylm/stats")[1]["model_stats"][0]["queue_depth"] < 1:
+            assert time.monotonic() < deadline, "the third request never waited"
+            time.sleep(0.005)
+        daemon.proc.send_signal(signal.SIGTERM)
+        events = [_read_stream(s) for s in streams]
+    finally:
+        for s in streams:
+            s.close()
+    for i, stream in enumerate(events):
+        final = stream[-1]
+        assert final.get("final") is True and final.get("finish_reason") == "length", (i, final)
+        assert final.get("completion_tokens") == 600, (i, final)
+    assert daemon.proc.wait(timeout=60) == 0
+    log = daemon.log_text()
+    assert "draining" in log and "Traceback" not in log and " ERROR " not in log, log[-3000:]
