@@ -5,6 +5,7 @@ client gone mid-body, and a full generator answered 429 before its body is read.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import time
 
@@ -169,3 +170,32 @@ def test_sigterm_lets_every_stream_and_waiting_sequence_finish(start_daemon, tin
     assert daemon.proc.wait(timeout=60) == 0
     log = daemon.log_text()
     assert "draining" in log and "Traceback" not in log and " ERROR " not in log, log[-3000:]
+
+
+def test_a_generator_reloaded_mid_stream_finishes_the_stream_on_its_old_version(start_daemon, tiny_repo, tmp_path):
+    """Day two: the generator's model.toml changes and it is loaded again through the repository
+    API while a stream runs. The stream gets every token from the old version; the next request
+    is served by the new one (its new default max_new_tokens)."""
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo / "tinylm", repo / "tinylm")
+    toml = repo / "tinylm" / "model.toml"
+    toml.write_text(toml.read_text().replace("max_new_tokens_limit = 256", "max_new_tokens_limit = 1000"))
+    daemon = start_daemon(repo=repo)
+    body = json.dumps({"text_input": "Bearing", "parameters": {"max_new_tokens": 600, "ignore_stop": True}}).encode()
+    with connect(daemon.socket) as stream:
+        stream.sendall(head(PATHS[1], len(body)) + body)
+        first = b""
+        while b"data: " not in first:  # generating
+            first += stream.recv(65536)
+        text = toml.read_text()
+        toml.write_text(re.sub(r"(?m)^max_new_tokens = \d+", "max_new_tokens = 3", text))
+        status, answer = rawhttp.request(daemon.socket, "POST", "/v2/repository/models/tinylm/load", b"{}")
+        assert status == 200, answer
+        events = _read_stream(stream)
+    final = events[-1]
+    assert final.get("final") is True and final.get("completion_tokens") == 600, final
+    status, answer = rawhttp.request(daemon.socket, "POST", PATHS[0], json.dumps(
+        {"text_input": "Bearing", "parameters": {"ignore_stop": True}}))
+    assert status == 200 and answer.get("completion_tokens") == 3, answer  # the new version's default
+    log = daemon.log_text()
+    assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
