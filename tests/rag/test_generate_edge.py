@@ -199,3 +199,31 @@ def test_a_generator_reloaded_mid_stream_finishes_the_stream_on_its_old_version(
     assert status == 200 and answer.get("completion_tokens") == 3, answer  # the new version's default
     log = daemon.log_text()
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+
+
+def test_a_stream_whose_client_leaves_mid_way_stops_generating(start_daemon, tiny_repo, tmp_path):
+    """A client that closes its generate_stream connection after a few tokens: its sequence is
+    cancelled, its decode slot and KV memory come back, instead of generating its 1000 tokens
+    for nobody."""
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo / "tinylm", repo / "tinylm")
+    toml = repo / "tinylm" / "model.toml"
+    toml.write_text(toml.read_text().replace("max_new_tokens_limit = 256", "max_new_tokens_limit = 1000"))
+    daemon = start_daemon(repo=repo)
+    body = json.dumps({"text_input": "Bearing", "parameters": {"max_new_tokens": 1000, "ignore_stop": True}}).encode()
+    with connect(daemon.socket) as stream:
+        stream.sendall(head(PATHS[1], len(body)) + body)
+        first = b""
+        while first.count(b"data: ") < 3:  # generating
+            first += stream.recv(65536)
+
+    def stats() -> dict:
+        return rawhttp.request(daemon.socket, "GET", "/v2/models/tinylm/stats")[1]["model_stats"][0]
+
+    deadline = time.monotonic() + 10
+    while stats()["running"] != 0:
+        assert time.monotonic() < deadline, stats()
+        time.sleep(0.01)
+    now = stats()
+    assert now["cancelled"] == 1 and now["kv"]["reserved_bytes"] == 0, now
+    assert now["tokens_generated"] < 1000, now
