@@ -17,6 +17,7 @@ import numpy as np
 import psutil
 import pytest
 
+from tests.support import rawhttp
 from tests.support.daemon import DaemonProcess, allow_descriptors, require_listen_queue
 from tests.support.faulty_engine import HELD, RELEASE_ENV
 from tests.support.ports import free_port
@@ -284,3 +285,39 @@ def test_a_message_that_stalls_midway_is_answered_within_body_timeout(grpc_daemo
     assert took < 5, f"answered after {took:.1f} s"
     assert g.call("ModelInfer", infer_request("vibration", np.ones((1, 256), np.float32)))[0] == grpc.StatusCode.OK
     log_is_quiet(g.daemon)
+
+
+def test_sigterm_answers_grpc_calls_in_flight_and_queued_before_exit(grpc_daemon):
+    """Graceful drain over gRPC: calls whose batch runs (held in the engine) and calls queued
+    behind them when SIGTERM comes are all answered OK once the engine goes on, and the daemon
+    exits 0; a call made after SIGTERM is refused, not left hanging."""
+    g = grpc_daemon()
+    held = infer_request("faulty", np.full((1, 256), HELD, np.float32))  # waits for the release file
+    with grpc.insecure_channel(g.tcp) as channel:
+        infer = channel.unary_unary(SERVICE + "ModelInfer")
+        calls = [infer.future(held, metadata=AUTH, timeout=60) for _ in range(30)]
+        deadline = time.monotonic() + 30
+        while _queue_depth(g) < 4:
+            assert time.monotonic() < deadline, "calls never queued behind the held batches"
+            time.sleep(0.05)
+        g.daemon.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # draining now: listening stopped, the held batches still run
+        late = g.call("ModelInfer", held, timeout=5)
+        g.release.touch()
+        answers = Counter()
+        for c in calls:
+            try:
+                c.result()
+                answers["OK"] += 1
+            except grpc.RpcError as exc:
+                answers[(exc.code(), exc.details())] += 1
+    assert answers == {"OK": 30}, answers
+    assert late[0] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), late
+    assert g.daemon.proc.wait(timeout=60) == 0
+    log_is_quiet(g.daemon)
+
+
+
+def _queue_depth(g: GrpcDaemon) -> int:
+    status, stats = rawhttp.request(g.daemon.socket, "GET", "/v2/models/faulty/stats")
+    return stats["model_stats"][0]["queue_depth"] if status == 200 else 0
