@@ -16,9 +16,12 @@ On disk, in the index directory::
                                   "sentences.npz": ..., "headings.npy": ...}}
 
 Writing is atomic per file (written next to the target, fsynced, os.replace) and meta.json is
-replaced last. A reader checks the hashes in meta.json against the data files, so one that
-lands between the replacements sees a mismatch and keeps the index it has (and retries at the
-next query); it never serves embeddings of one build with passages of another.
+replaced last. A reader checks the hashes in meta.json against the data files, so it never
+serves embeddings of one build with passages of another. Before the replacements each data file
+is also hard-linked as `NAME.prev` (removed once the new meta.json is in place): a reader that
+lands between them, or a daemon started after a crash or power loss there, finds the files the
+old meta.json vouches for under that name and serves the previous build whole, instead of
+finding the index torn for good.
 
 The RAG service notices a rebuilt index by the (inode, size, mtime) of meta.json, one stat()
 per query, and reloads it off the event loop.
@@ -34,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -54,6 +58,8 @@ LEXICAL = "lexical.json"
 SENTENCES = "sentences.npz"
 HEADINGS = "headings.npy"
 META = "meta.json"
+DATA_FILES = (EMBEDDINGS, PASSAGES, LEXICAL, SENTENCES, HEADINGS)
+PREVIOUS = ".prev"  # the previous build's file while a write replaces them (see the module docstring)
 
 
 def default_index_dir(environ: dict[str, str] | None = None) -> Path:
@@ -334,23 +340,23 @@ def load_index(directory: Path) -> Index | None:
     hashes = meta.get("sha256", {})
     lexical = None
     try:
+        files: dict[str, Path] = {}
         for name in (EMBEDDINGS, PASSAGES, LEXICAL, SENTENCES, HEADINGS):
             if name in (LEXICAL, SENTENCES, HEADINGS) and name not in hashes:
                 continue  # written before that file existed: computed below, or done without
-            if _sha256(directory / name) != hashes.get(name):
-                raise Unavailable(f"index {directory}: {name} does not match {META} (a rebuild in progress?)")
-        embeddings = np.load(directory / EMBEDDINGS, allow_pickle=False)
-        with open(directory / PASSAGES, encoding="utf-8") as fh:
+            files[name] = _vouched_for(directory, name, hashes.get(name))
+        embeddings = np.load(files[EMBEDDINGS], allow_pickle=False)
+        with open(files[PASSAGES], encoding="utf-8") as fh:
             passages = [Passage(**json.loads(line)) for line in fh if line.strip()]
-        if LEXICAL in hashes:
-            stored = json.loads((directory / LEXICAL).read_text(encoding="utf-8"))
+        if LEXICAL in files:
+            stored = json.loads(files[LEXICAL].read_text(encoding="utf-8"))
             if stored.get("analyzer") == ANALYZER:  # else: re-analysed by Index with today's analyzer
                 lexical = Bm25.from_json(stored)
         sentences = None
-        if SENTENCES in hashes:
-            with np.load(directory / SENTENCES, allow_pickle=False) as stored:
+        if SENTENCES in files:
+            with np.load(files[SENTENCES], allow_pickle=False) as stored:
                 sentences = SentenceVectors(stored["vectors"].astype(np.float32), stored["passage"].astype(np.int64))
-        headings = np.load(directory / HEADINGS, allow_pickle=False) if HEADINGS in hashes else None
+        headings = np.load(files[HEADINGS], allow_pickle=False) if HEADINGS in files else None
     except FileNotFoundError as exc:
         raise Unavailable(f"index {directory}: {exc.filename} is missing; rebuild the index") from None
     except (ValueError, KeyError, TypeError) as exc:
@@ -362,6 +368,22 @@ def load_index(directory: Path) -> Index | None:
         return Index(passages, embeddings, meta, lexical, sentences, headings)
     except ValueError as exc:
         raise Unavailable(f"index {directory}: {exc}") from None
+
+
+def _vouched_for(directory: Path, name: str, digest: str | None) -> Path:
+    """The file `name` whose content meta.json vouches for: the current one, or the previous
+    build's (`NAME.prev`) while a write is between its replacements or was cut off there."""
+    path = directory / name
+    previous = directory / (name + PREVIOUS)
+    try:
+        if _sha256(path) == digest:
+            return path
+    except FileNotFoundError:
+        if not previous.exists():
+            raise
+    if previous.exists() and _sha256(previous) == digest:
+        return previous
+    raise Unavailable(f"index {directory}: {name} does not match {META} (a rebuild in progress?)")
 
 
 def write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray, *, embedding_model: str,
@@ -405,9 +427,13 @@ def write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray
             "sha256": {name: _sha256(path) for name, path in staged.items()},
         }
         staged[META] = _stage(directory, META, lambda fh: fh.write(json.dumps(meta, indent=2).encode()))
+        _keep_previous(directory, previous.get("sha256", {}))
         for name in (EMBEDDINGS, PASSAGES, LEXICAL, SENTENCES, HEADINGS, META):  # meta last: it vouches for the others
             if name in staged:
                 os.replace(staged.pop(name), directory / name)
+        _fsync_dir(directory)  # the new meta.json is in place for good before the old build goes
+        for name in DATA_FILES:
+            (directory / (name + PREVIOUS)).unlink(missing_ok=True)
         for name, given in ((SENTENCES, sentences), (HEADINGS, headings)):
             if given is None:
                 (directory / name).unlink(missing_ok=True)  # stale: the new meta.json does not vouch for it
@@ -416,6 +442,28 @@ def write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray
             path.unlink(missing_ok=True)
     _fsync_dir(directory)
     return meta
+
+
+def _keep_previous(directory: Path, hashes: dict) -> None:
+    """Make each NAME.prev the file the current meta.json (`hashes`) vouches for, hard-linked,
+    so that it stays findable until the new meta.json is in place. After a write cut off between
+    its replacements that is the .prev left then, not the current file (a newer build's)."""
+    for name in DATA_FILES:
+        current, previous = directory / name, directory / (name + PREVIOUS)
+        digest = hashes.get(name)
+        if previous.exists() and digest is not None and _sha256(previous) == digest:
+            continue  # already the one vouched for
+        if not current.exists():
+            previous.unlink(missing_ok=True)
+            continue
+        link = directory / f".{name}{PREVIOUS}.{os.getpid()}"
+        link.unlink(missing_ok=True)
+        try:
+            os.link(current, link)
+        except OSError:  # a file system without hard links: a copy does the same, slower
+            shutil.copyfile(current, link)
+        os.replace(link, previous)
+    _fsync_dir(directory)
 
 
 def _stage(directory: Path, name: str, write) -> Path:

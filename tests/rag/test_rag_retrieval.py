@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -137,3 +138,43 @@ def test_index_cli_add_replace_list_remove(tmp_path, minilm_dir, capsys):
     assert "no such file" in capsys.readouterr().err
     assert index_cli.main(["add", str(notes), "--embedding-model", "other", *common]) == 2
     assert "built with embedding model 'minilm'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("replaced_before_the_cut", [0, 1, 2, 3])  # 3: all but meta.json
+def test_a_write_cut_off_between_its_replacements_leaves_the_previous_build_whole(tmp_path, monkeypatch,
+                                                                                 replaced_before_the_cut):
+    """A crash or power loss while `index add` swaps the files in: some data files are the new
+    build's, meta.json still the old one's. The index was then refused for good (a mismatch, "a
+    rebuild in progress?") until rebuilt by hand; now the old build is served whole from the files
+    kept as NAME.prev, and the next write completes normally and leaves no .prev behind."""
+    import os
+
+    from edge_batcher.rag import index as index_module
+
+    rng = np.random.default_rng(1)
+    passages = [Passage(f"d#{i}", f"T{i}", f"text {i}") for i in range(6)]
+    vectors = rng.normal(size=(6, 8)).astype(np.float32)
+    old = write_index(tmp_path, passages[:3], vectors[:3], embedding_model="m")
+    replace, done = os.replace, []
+
+    def cut_off(src, dst):
+        if Path(dst).parent == tmp_path and not Path(dst).name.endswith(".prev"):
+            if len(done) == replaced_before_the_cut:
+                raise SystemExit("power lost")  # the process dies here: nothing after runs
+            done.append(dst)
+        replace(src, dst)
+
+    monkeypatch.setattr(index_module.os, "replace", cut_off)
+    with pytest.raises(SystemExit):
+        write_index(tmp_path, passages, vectors, embedding_model="m")
+    monkeypatch.setattr(index_module.os, "replace", replace)
+    for stray in tmp_path.glob(".*"):  # the staged files a dead process leaves (mkstemp names)
+        stray.unlink()
+    index = load_index(tmp_path)
+    assert index.meta["version"] == old["version"] and [p.id for p in index.passages] == ["d#0", "d#1", "d#2"]
+    assert index.search(vectors[1:2], 1)[0][0].passage.id == "d#1"
+
+    again = write_index(tmp_path, passages[:5], vectors[:5], embedding_model="m")
+    index = load_index(tmp_path)
+    assert again["version"] == old["version"] + 1 and len(index.passages) == 5
+    assert not list(tmp_path.glob("*.prev"))
