@@ -407,6 +407,16 @@ def _build(request: BuildRequest, trt: Any, cuda: Any, caps: TensorRTCapabilitie
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with `data` whole: on disk before the rename, so that power lost on a
+    device right after a build leaves the old file or the new one, never an empty plan."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_bytes(data)
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
     os.replace(tmp, path)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
