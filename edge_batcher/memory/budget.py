@@ -26,8 +26,9 @@ now, a generator whose next sequence does not) stand in a line. A generator take
 when nobody has waited longer (`try_reserve(waiter=)`), so admitting a sequence whenever one
 leaves cannot keep an engine model waiting until its requests expire; an engine model's batch
 gives way only to someone who has waited PRIORITY_AFTER_S (`may_take`), so engine batches back
-to back cannot starve a generator either, and an ordinary wait stalls nobody (docs/memory.md,
-"The line").
+to back cannot starve a generator either, and an ordinary wait stalls nobody. A release wakes
+those in the line (`on_memory_back`), and the waits are counted for the metrics (`line_report`)
+(docs/memory.md, "The line").
 
 Reading the probe costs a file read or a driver call, so available() caches the snapshot and
 re-reads at most every refresh_interval_s; refresh() forces a read after known load changes.
