@@ -55,3 +55,30 @@ def test_streaming_a_model_that_does_not_stream_is_a_clear_error(start_daemon, b
     finally:
         client.close()
     assert reply.status == "400" and "does not stream" in reply.json()["error"]
+
+
+def test_sigterm_during_an_mqtt_stream_publishes_it_to_its_final_message(start_daemon, broker):
+    """Graceful drain on MQTT with generation under way: a question streaming its answer over
+    MQTT when SIGTERM comes gets every chunk, the last one final, before the daemon exits 0."""
+    import signal
+
+    prefix = "edge-batcher/drain-test"
+    daemon = start_daemon(f'[models]\nload = ["minilm", "tinylm", "raggen"]\n[mqtt]\nenabled = true\n'
+                          f'host = "127.0.0.1"\nport = {broker.port}\ntopic_prefix = "{prefix}"\n')
+    wait_mqtt(daemon)
+    client = TestClient(broker.port)
+    try:
+        client.subscribe(client.response_topic)
+        client.publish(f"{prefix}/infer/raggen", question("How long does the battery last?", stream=True,
+                                                          max_new_tokens=200, ignore_stop=True),
+                       correlation=b"stream")
+        chunks = client.collect(1, timeout=30)  # streaming now
+        daemon.proc.send_signal(signal.SIGTERM)
+        while not chunks[-1].json()["parameters"]["triton_final_response"]:
+            chunks += client.collect(1, timeout=30)
+    finally:
+        client.close()
+    assert all(c.status == "200" for c in chunks), [c.status for c in chunks]
+    tokens = sum(1 for c in chunks if c.json()["outputs"][0]["name"] == "answer")
+    assert tokens >= 100, tokens  # the stream ran on after SIGTERM (about a token a message)
+    assert daemon.proc.wait(timeout=60) == 0
