@@ -216,18 +216,19 @@ class MemoryBudget:
         leaves the line.
         """
         _check_nbytes(nbytes)
+        wakers: list[Callable[[], None]] = []
         with self._lock:
-            if nbytes > self._available() or (waiter is not None and not self._first(waiter)):
-                if waiter is not None:
-                    if nbytes <= self._capacity() - keeps:
-                        self._wait(waiter)
-                    else:
-                        self._leave(waiter)
-                return False
+            granted = nbytes <= self._available() and (waiter is None or self._first(waiter))
+            if granted:
+                self._reserved += nbytes
             if waiter is not None:
-                self._leave(waiter)
-            self._reserved += nbytes
-            return True
+                if not granted and nbytes <= self._capacity() - keeps:
+                    self._wait(waiter)
+                else:
+                    wakers = self._leave(waiter)
+        for wake in wakers:
+            wake()
+        return granted
 
     # -- the line of consumers waiting for memory ---------------------------------------------
 
@@ -240,7 +241,9 @@ class MemoryBudget:
         """`name` no longer waits (it got its memory, or has nothing left to run)."""
         if name in self._line:
             with self._lock:
-                self._leave(name)
+                wakers = self._leave(name)
+            for wake in wakers:
+                wake()
 
     def first_in_line(self, name: str) -> bool:
         """Whether `name` may take memory now: no other consumer has waited longer (one not
@@ -259,9 +262,10 @@ class MemoryBudget:
             return self._first(name, PRIORITY_AFTER_S)
 
     def on_memory_back(self, name: str, wake: Callable[[], None]) -> None:
-        """Have `wake` called (on the releasing thread, outside the lock: it must only hand off)
-        whenever a reservation comes back while `name` stands in the line. Waiters also look
-        again on their own: memory freed outside the budget is announced by nobody."""
+        """Have `wake` called (on the calling thread, outside the lock: it must only hand off)
+        whenever, while `name` stands in the line, a reservation comes back or someone ahead of
+        it leaves the line. Waiters also look again on their own: memory freed outside the
+        budget is announced by nobody."""
         with self._lock:
             self._wakers[name] = wake
 
@@ -297,12 +301,19 @@ class MemoryBudget:
         self._waits[name] = self._waits.get(name, 0) + 1
         self._line[name] = (now, now)
 
-    def _leave(self, name: str) -> None:  # under self._lock
+    def _leave(self, name: str) -> list[Callable[[], None]]:  # under self._lock
+        """Take `name`'s place out of the line; the wakers of those still in it, to be called
+        once the lock is released (whoever was behind it may be first now)."""
         place = self._line.pop(name, None)
-        if place is not None:
-            now = self._clock()
-            end = now if now - place[1] <= WAIT_LEASE_S else place[1]
-            self._waited_s[name] = self._waited_s.get(name, 0.0) + end - place[0]
+        if place is None:
+            return []
+        now = self._clock()
+        end = now if now - place[1] <= WAIT_LEASE_S else place[1]
+        self._waited_s[name] = self._waited_s.get(name, 0.0) + end - place[0]
+        return self._wakers_in_line()
+
+    def _wakers_in_line(self) -> list[Callable[[], None]]:  # under self._lock
+        return [self._wakers[n] for n in self._line if n in self._wakers]
 
     def _first(self, name: str, waited_at_least: float = 0.0) -> bool:  # under self._lock
         """No other live place is older than `name`'s and at least `waited_at_least` old."""
@@ -321,7 +332,7 @@ class MemoryBudget:
                     "visible: a batch was released twice or never reserved, or its visible part is still marked"
                 )
             self._reserved -= nbytes
-            wakers = [self._wakers[n] for n in self._line if n in self._wakers] if self._line else []
+            wakers = self._wakers_in_line() if self._line else []
         for wake in wakers:
             wake()
 

@@ -131,7 +131,7 @@ class DecodeLoop:
         self.footprint = self.decoder.footprint()
         self._trim = None if self.decoder.shared_kv else malloc_trim()
         self._thread = threading.Thread(target=self._run, name=f"generate-{self.name}", daemon=True)
-        self.budget.on_memory_back(self.name, self.wake)  # held back: admit as soon as memory is back
+        self.budget.on_memory_back(self.name, self._memory_back)  # held back: admit once memory is back
         self._thread.start()
 
     def stop(self, timeout: float) -> None:
@@ -141,7 +141,7 @@ class DecodeLoop:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
-        self.budget.forget_waker(self.name, self.wake)
+        self.budget.forget_waker(self.name, self._memory_back)
 
     def enqueue(self, seq: Sequence) -> None:
         with self._cond:
@@ -152,6 +152,17 @@ class DecodeLoop:
         """A sequence was cancelled: let the worker drop it before its next step."""
         with self._cond:
             self._cond.notify()
+
+    def _memory_back(self) -> None:
+        """The budget: memory came back, or someone ahead in its line left it. Called on any
+        thread, maybe one that holds another loop's condition while it admits (two generators in
+        the line): never block on ours for it. If the worker holds it now, it is awake already,
+        and its recheck (HELD_BACK_RECHECK_S) covers a wait it was about to begin."""
+        if self._cond.acquire(blocking=False):
+            try:
+                self._cond.notify()
+            finally:
+                self._cond.release()
 
     def count_rejected(self) -> None:
         with self._lock:

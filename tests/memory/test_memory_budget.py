@@ -302,3 +302,20 @@ def test_the_line_report_counts_waits_and_the_seconds_waited() -> None:
     assert b.line_report()["vision"][:2] == (True, 3)
     assert not b.try_reserve(10_000, waiter="gen")  # more than could ever fit: never in the line
     assert "gen" not in b.line_report()
+
+
+def test_leaving_the_line_wakes_those_still_in_it() -> None:
+    """Whoever was behind may be first now: a consumer held back only by the line's order need
+    not wait for its next look to find out."""
+    b = budget(FixedProbe(1000, total_bytes=2000), Clock())  # 750 available
+    woken: list[str] = []
+    b.on_memory_back("gen", lambda: woken.append("gen"))
+    b.wait_in_line("vision")
+    assert not b.try_reserve(100, waiter="gen")  # it fits, but vision has waited longer
+    assert woken == []
+    assert b.try_reserve(200, waiter="vision")  # vision gets its memory and leaves the line
+    assert woken == ["gen"] and b.try_reserve(100, waiter="gen")
+    b.wait_in_line("vision")
+    b.wait_in_line("gen")
+    b.leave_line("vision")  # nothing left to run
+    assert woken == ["gen", "gen"]

@@ -573,3 +573,35 @@ async def test_a_held_back_generator_admits_when_the_memory_others_held_comes_ba
         assert len(result.token_ids) == 8
     finally:
         await service.close()
+
+
+async def test_two_generators_taking_turns_in_the_line_never_stall(tiny_repo, tmp_path):
+    """Two generators under one budget that holds three sequences of either: each stands in the
+    line for what the other holds, and wakes the other when it leaves the line, maybe while it
+    holds its own loop's lock (why a decode loop's waker never blocks on its lock: a timing this
+    test does not force). Everyone is answered; nothing hangs."""
+    from edge_batcher.config import DaemonConfig, MemorySettings, ModelsSettings
+    from edge_batcher.runtime import Runtime
+
+    repo = tmp_path / "engines"
+    repo.mkdir()
+    for name in ("gen_a", "gen_b"):
+        (repo / name).symlink_to(tiny_repo / "tinylm")
+    runtime = Runtime(DaemonConfig(
+        models=ModelsSettings(repository=str(repo), warmup=False, load=["gen_a", "gen_b"]),
+        memory=MemorySettings(probe="fixed", budget_mb=1024, headroom_mb=0)))
+    await runtime.start()
+    budget = runtime.budget
+    a, b = runtime.runner("gen_a"), runtime.runner("gen_b")
+    options = {"max_new_tokens": 30, **NO_STOP}
+    try:
+        one = a._loop.extra_bytes(a.count_tokens("word " * 100), 30)
+        budget.fixed_bytes = budget.resident + 3 * one  # three sequences at most, of either
+        results = await asyncio.wait_for(asyncio.gather(*(
+            (a if i % 2 else b).generate("word " * 100, options) for i in range(24))), timeout=120)
+        assert all(len(r.token_ids) == 30 for r in results)
+        held_back = a.statistics()["held_back_for_memory"] + b.statistics()["held_back_for_memory"]
+        assert held_back > 0  # they did wait for each other
+        assert budget.reserved == 0
+    finally:
+        await runtime.close()
