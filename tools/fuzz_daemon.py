@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Malformed and hostile requests at every HTTP door of a running daemon, over its Unix socket:
 v2 infer (JSON and binary tensors), the generate extension (plain and streamed), system shared
-memory and the document index, with junk values in every field, truncated bodies and clients
+memory, the document index and the repository extension, with junk values in every field, truncated bodies and clients
 that leave mid-request; with --grpc-socket, the gRPC RPCs too (junk in every field of their
 requests, and bytes that are no message). It fails on a 5xx other than 503/504 (gRPC: INTERNAL
 or UNKNOWN), on a request that hangs, on a
@@ -69,7 +69,7 @@ def requests_for(models: list[str], junk: Junk) -> tuple[str, str, bytes, dict]:
     """One request (method, path, body, headers) at a random door."""
     r = junk.rng
     model = r.choice(models + ["nosuch"])
-    door = r.randrange(7)
+    door = r.randrange(8)
     if door == 0:  # v2 infer, JSON
         tensor = {"name": r.choice(["text", "text_input", "question", "signal", "input_ids"]),
                   "datatype": r.choice(["BYTES", "FP32", "INT64", "UINT8"]),
@@ -103,14 +103,22 @@ def requests_for(models: list[str], junk: Junk) -> tuple[str, str, bytes, dict]:
         body = {"documents": [{"id": junk.value(), "text": junk.value(), "title": junk.value()}
                               for _ in range(r.randint(0, 2))], "ids": junk.value()}
         return "POST", r.choice([f"/v2/models/{model}/index", f"/v2/models/{model}/index/remove"]), _json(body), {}
-    path = r.choice(["/v2/systemsharedmemory/status", f"/v2/models/{model}/index", f"/v2/models/{model}/config"])
-    return "GET", path, b"", {}
+    if door == 6:  # the repository extension, on names the repository lacks (unloading a real
+        # model would leave the rest of the run without it)
+        name = r.choice(["nosuch", "", "../x", "a" * 300, "%2e%2e", "vibration/../x"])
+        body = r.choice([b"", b"{}", _json({"parameters": junk.parameters()}), _json(junk.value())])
+        return "POST", f"/v2/repository/models/{name}/{r.choice(['load', 'unload'])}", body, {}
+    path = r.choice(["/v2/systemsharedmemory/status", f"/v2/models/{model}/index", f"/v2/models/{model}/config",
+                     "/v2/repository/index"])
+    method = r.choice(["GET", "GET", "POST"]) if path == "/v2/repository/index" else "GET"
+    return method, path, _json(junk.parameters()) if method == "POST" else b"", {}
 
 
 def grpc_call_for(models: list[str], junk: Junk) -> tuple[str, bytes]:
     """One gRPC call (method, serialized request) at a random RPC of the KServe v2 service: junk in
     every field protobuf lets through, now and then a message that is not one at all. Model
-    loading and unloading are left out (an unload would empty the daemon the run fuzzes)."""
+    loading and unloading only name models the repository lacks (an unload of a real one would
+    empty the daemon the run fuzzes)."""
     from edge_batcher.transports.grpc_v2 import grpc_service_pb2 as pb
 
     r = junk.rng
@@ -120,7 +128,8 @@ def grpc_call_for(models: list[str], junk: Junk) -> tuple[str, bytes]:
                                             "SystemSharedMemoryRegister", "SystemSharedMemoryStatus",
                                             "SystemSharedMemoryUnregister", "CudaSharedMemoryRegister",
                                             "CudaSharedMemoryStatus", "CudaSharedMemoryUnregister",
-                                            "ServerMetadata", "RepositoryIndex"])
+                                            "ServerMetadata", "RepositoryIndex", "RepositoryModelLoad",
+                                            "RepositoryModelUnload"])
     if method == "ModelInfer":
         message = pb.ModelInferRequest(model_name=model, model_version=version, id=_text(junk))
         _grpc_parameters(message.parameters, junk)
@@ -158,6 +167,10 @@ def grpc_call_for(models: list[str], junk: Junk) -> tuple[str, bytes]:
         message = pb.CudaSharedMemoryRegisterRequest(
             name=r.choice(["r1", "", "a" * 300]), raw_handle=os.urandom(r.choice([0, 64, 65])),
             device_id=r.choice([0, 1, -1, 2**62]), byte_size=r.choice([0, 1, 2**63 - 1]))
+    elif method in ("RepositoryModelLoad", "RepositoryModelUnload"):  # names the repository lacks
+        message = getattr(pb, f"{method}Request")(model_name=r.choice(["nosuch", "", "../x", "a" * 300]))
+        for _ in range(r.randint(0, 2)):
+            message.parameters[r.choice(PARAMETERS + ["unload_dependents", "config"])].bool_param = r.random() < 0.5
     elif method.startswith(("SystemSharedMemory", "CudaSharedMemory")):
         message = getattr(pb, f"{method}Request")(name=r.choice(["r1", "", "nosuch"]))
     else:
