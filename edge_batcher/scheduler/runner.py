@@ -464,8 +464,9 @@ class ModelRunner:
             self.admission.budget.leave_line(self.name)
 
     def _memory_back(self) -> None:
-        """The budget, on whichever thread released: memory came back while this model stands
-        in its line. Plan again now rather than at the next recheck (MEMORY_RECHECK_S)."""
+        """The budget, on whichever thread: memory came back, or someone ahead left the line,
+        while this model stands in it. Plan again now rather than at the next recheck
+        (MEMORY_RECHECK_S)."""
         if self._memory_back_due or self._loop is None:
             return
         self._memory_back_due = True
