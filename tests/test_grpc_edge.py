@@ -89,6 +89,18 @@ def infer_request(model: str, x: np.ndarray) -> bytes:
     return pb.ModelInferRequest(model_name=model, inputs=[tensor], raw_input_contents=[x.tobytes()]).SerializeToString()
 
 
+def outcomes(calls) -> Counter:
+    """How the calls (grpc futures) ended: "OK", or (status code, details), counted."""
+    answers: Counter = Counter()
+    for c in calls:
+        try:
+            c.result()
+            answers["OK"] += 1
+        except grpc.RpcError as exc:
+            answers[(exc.code(), exc.details())] += 1
+    return answers
+
+
 def big_request() -> bytes:
     """15 MiB of tensor data: more rows than the model batches, so it is read, decoded and refused (400)."""
     return infer_request("vibration", np.zeros((15 * MiB // 1024, 256), np.float32))
@@ -257,13 +269,7 @@ def test_calls_beyond_the_limit_are_resource_exhausted_naming_the_limit(grpc_dae
         while sum(c.done() for c in calls) < n - limit and time.monotonic() < deadline:
             time.sleep(0.1)
         g.release.touch()
-        answers: Counter = Counter()
-        for c in calls:
-            try:
-                c.result()
-                answers["OK"] += 1
-            except grpc.RpcError as exc:
-                answers[(exc.code(), exc.details())] += 1
+        answers = outcomes(calls)
     finally:
         for ch in channels:
             ch.close()
@@ -304,13 +310,7 @@ def test_sigterm_answers_grpc_calls_in_flight_and_queued_before_exit(grpc_daemon
         time.sleep(0.5)  # draining now: listening stopped, the held batches still run
         late = g.call("ModelInfer", held, timeout=5)
         g.release.touch()
-        answers = Counter()
-        for c in calls:
-            try:
-                c.result()
-                answers["OK"] += 1
-            except grpc.RpcError as exc:
-                answers[(exc.code(), exc.details())] += 1
+        answers = outcomes(calls)
     assert answers == {"OK": 30}, answers
     assert late[0] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED), late
     assert g.daemon.proc.wait(timeout=60) == 0

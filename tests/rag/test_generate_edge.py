@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import time
+from pathlib import Path
 
 from tests.support import rawhttp
 from tests.support.rawhttp import connect, read_response
@@ -121,6 +122,32 @@ def test_a_full_generator_answers_429_before_the_body(start_daemon, tiny_repo, t
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
 
 
+def _long_tinylm(tiny_repo, tmp_path, **replace: str) -> Path:
+    """A repository with the tiny decoder allowed 1000 new tokens (a stream that lasts a while),
+    its model.toml's other lines as `replace` says ({"max_running = 8": "max_running = 2"})."""
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo / "tinylm", repo / "tinylm")
+    toml = repo / "tinylm" / "model.toml"
+    text = toml.read_text().replace("max_new_tokens_limit = 256", "max_new_tokens_limit = 1000")
+    for old, new in replace.items():
+        text = text.replace(old, new)
+    toml.write_text(text)
+    return repo
+
+
+def _start_stream(daemon, max_new_tokens: int, events: int = 1):
+    """A generate_stream request of the tiny decoder that ignores its stop tokens, once its first
+    `events` events have come (it is generating): the socket to read the rest from."""
+    body = json.dumps({"text_input": "Bearing",
+                       "parameters": {"max_new_tokens": max_new_tokens, "ignore_stop": True}}).encode()
+    s = connect(daemon.socket)
+    s.sendall(head(PATHS[1], len(body)) + body)
+    first = b""
+    while first.count(b"data: ") < events:
+        first += s.recv(65536)
+    return s
+
+
 def _read_stream(s) -> list[dict]:
     """A generate_stream response read to its end: its events (the connection may then close)."""
     raw = b""
@@ -139,21 +166,12 @@ def test_sigterm_lets_every_stream_and_waiting_sequence_finish(start_daemon, tin
     daemon then exits 0 (within [server] drain_timeout_s)."""
     import signal
 
-    repo = tmp_path / "repo"
-    shutil.copytree(tiny_repo / "tinylm", repo / "tinylm")
-    toml = repo / "tinylm" / "model.toml"
-    toml.write_text(toml.read_text().replace("max_running = 8", "max_running = 2")
-                    .replace("max_new_tokens_limit = 256", "max_new_tokens_limit = 1000"))
-    daemon = start_daemon(repo=repo)
-    body = json.dumps({"text_input": "Bearing", "parameters": {"max_new_tokens": 600, "ignore_stop": True}}).encode()
-    streams = [connect(daemon.socket) for _ in range(3)]
+    daemon = start_daemon(repo=_long_tinylm(tiny_repo, tmp_path, **{"max_running = 8": "max_running = 2"}))
+    streams = [_start_stream(daemon, 600) for _ in range(2)]
     try:
-        for s in streams[:2]:
-            s.sendall(head(PATHS[1], len(body)) + body)
-            first = b""
-            while b"data: " not in first:  # generating
-                first += s.recv(65536)
-        streams[2].sendall(head(PATHS[1], len(body)) + body)
+        body = json.dumps({"text_input": "Bearing", "parameters": {"max_new_tokens": 600, "ignore_stop": True}})
+        streams.append(connect(daemon.socket))
+        streams[2].sendall(head(PATHS[1], len(body)) + body.encode())
         deadline = time.monotonic() + 30
         while rawhttp.request(daemon.socket, "GET", "/v2/models/tinylm/stats")[1]["model_stats"][0]["queue_depth"] < 1:
             assert time.monotonic() < deadline, "the third request never waited"
@@ -176,17 +194,10 @@ def test_a_generator_reloaded_mid_stream_finishes_the_stream_on_its_old_version(
     """Day two: the generator's model.toml changes and it is loaded again through the repository
     API while a stream runs. The stream gets every token from the old version; the next request
     is served by the new one (its new default max_new_tokens)."""
-    repo = tmp_path / "repo"
-    shutil.copytree(tiny_repo / "tinylm", repo / "tinylm")
+    repo = _long_tinylm(tiny_repo, tmp_path)
     toml = repo / "tinylm" / "model.toml"
-    toml.write_text(toml.read_text().replace("max_new_tokens_limit = 256", "max_new_tokens_limit = 1000"))
     daemon = start_daemon(repo=repo)
-    body = json.dumps({"text_input": "Bearing", "parameters": {"max_new_tokens": 600, "ignore_stop": True}}).encode()
-    with connect(daemon.socket) as stream:
-        stream.sendall(head(PATHS[1], len(body)) + body)
-        first = b""
-        while b"data: " not in first:  # generating
-            first += stream.recv(65536)
+    with _start_stream(daemon, 600) as stream:
         text = toml.read_text()
         toml.write_text(re.sub(r"(?m)^max_new_tokens = \d+", "max_new_tokens = 3", text))
         status, answer = rawhttp.request(daemon.socket, "POST", "/v2/repository/models/tinylm/load", b"{}")
@@ -205,17 +216,8 @@ def test_a_stream_whose_client_leaves_mid_way_stops_generating(start_daemon, tin
     """A client that closes its generate_stream connection after a few tokens: its sequence is
     cancelled, its decode slot and KV memory come back, instead of generating its 1000 tokens
     for nobody."""
-    repo = tmp_path / "repo"
-    shutil.copytree(tiny_repo / "tinylm", repo / "tinylm")
-    toml = repo / "tinylm" / "model.toml"
-    toml.write_text(toml.read_text().replace("max_new_tokens_limit = 256", "max_new_tokens_limit = 1000"))
-    daemon = start_daemon(repo=repo)
-    body = json.dumps({"text_input": "Bearing", "parameters": {"max_new_tokens": 1000, "ignore_stop": True}}).encode()
-    with connect(daemon.socket) as stream:
-        stream.sendall(head(PATHS[1], len(body)) + body)
-        first = b""
-        while first.count(b"data: ") < 3:  # generating
-            first += stream.recv(65536)
+    daemon = start_daemon(repo=_long_tinylm(tiny_repo, tmp_path))
+    _start_stream(daemon, 1000, events=3).close()  # three tokens in, the client leaves
 
     def stats() -> dict:
         return rawhttp.request(daemon.socket, "GET", "/v2/models/tinylm/stats")[1]["model_stats"][0]
