@@ -95,6 +95,7 @@ class DecodeLoop:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._stop_why = "was unloaded"  # what the sequences left at stop() are told
         self._lock = threading.Lock()  # guards the counters and figures below
         self._counters = GenerationCounters()
         self._running = 0
@@ -134,9 +135,12 @@ class DecodeLoop:
         self.budget.on_memory_back(self.name, self._memory_back)  # held back: admit once memory is back
         self._thread.start()
 
-    def stop(self, timeout: float) -> None:
-        """Ask the worker to stop and wait for it (blocking: run it off the event loop)."""
+    def stop(self, timeout: float, why: str = "was unloaded") -> None:
+        """Ask the worker to stop and wait for it (blocking: run it off the event loop). The
+        sequences it still has fail with Unavailable: "model NAME {why}"."""
         with self._cond:
+            if not self._stopping:
+                self._stop_why = why
             self._stopping = True
             self._cond.notify_all()
         if self._thread is not None:
@@ -243,7 +247,7 @@ class DecodeLoop:
                 self._fail(seq, error)
             running, filling = [], []
         finally:
-            stop = Unavailable(f"model {self.name!r} was unloaded")
+            stop = Unavailable(f"model {self.name!r} {self._stop_why}")
             for seq in running + [f.seq for f in filling]:
                 self._fail(seq, stop)
             with self._cond:

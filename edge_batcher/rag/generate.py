@@ -147,10 +147,19 @@ class GenerationService(ServiceAccounting):
                  kv.bytes_per_token * self.settings.max_context / MiB, budget.available() / MiB)
 
     async def drain(self, timeout: float) -> None:
+        """Let what is queued and running finish, up to `timeout`; what is left then is stopped
+        and answered Unavailable (a stream gets it as its last event) before the transports
+        close, instead of being cut off with them."""
         self._draining = True
         deadline = time.monotonic() + timeout
         while (len(self._in_flight) or self._loop.waiting or self._loop.running()) and time.monotonic() < deadline:
             await asyncio.sleep(0.01)  # once, at shutdown: sequences finish on the worker thread
+        if self._loop.waiting or self._loop.running():
+            log.warning("model %s: %d sequence(s) still generating and %d waiting after %.1f s of drain: "
+                        "stopping them", self.name, self._loop.running(), self._loop.waiting_count(), timeout)
+            why = (f"was stopped: its drain time ({timeout:g} s, [server] drain_timeout_s) ran out before the "
+                   "sequence finished (the daemon is stopping, or the model is unloaded or reloaded)")
+            await asyncio.get_running_loop().run_in_executor(None, self._loop.stop, 10.0, why)
 
     async def close(self) -> None:
         self._draining = True

@@ -229,3 +229,24 @@ def test_a_stream_whose_client_leaves_mid_way_stops_generating(start_daemon, tin
     now = stats()
     assert now["cancelled"] == 1 and now["kv"]["reserved_bytes"] == 0, now
     assert now["tokens_generated"] < 1000, now
+
+
+def test_a_stream_still_running_when_the_drain_time_runs_out_ends_with_an_error_event(start_daemon, tiny_repo,
+                                                                                       tmp_path):
+    """SIGTERM with `drain_timeout_s` shorter than a stream: the stream ran on past the drain
+    into the HTTP server's 5 s shutdown, which cut one longer still without a last event. Now the
+    generator stops what is left when the drain time runs out (as engine models answer what is
+    left queued), and the stream's last event says so."""
+    import signal
+
+    daemon = start_daemon("[server]\ndrain_timeout_s = 0.05\n", repo=_long_tinylm(tiny_repo, tmp_path))
+    with _start_stream(daemon, 1000) as stream:
+        daemon.proc.send_signal(signal.SIGTERM)
+        events = _read_stream(stream)
+    last = events[-1]
+    assert last.get("final") is True and last.get("status") == 503, last
+    assert "drain_timeout_s" in last["error"], last
+    assert sum(1 for e in events if e.get("text_output") is not None) < 1000
+    assert daemon.proc.wait(timeout=60) == 0
+    log = daemon.log_text()
+    assert "still generating" in log and "Traceback" not in log and " ERROR " not in log, log[-3000:]
