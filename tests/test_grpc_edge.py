@@ -317,7 +317,6 @@ def test_sigterm_answers_grpc_calls_in_flight_and_queued_before_exit(grpc_daemon
     log_is_quiet(g.daemon)
 
 
-
 def _queue_depth(g: GrpcDaemon) -> int:
     status, stats = rawhttp.request(g.daemon.socket, "GET", "/v2/models/faulty/stats")
     return stats["model_stats"][0]["queue_depth"] if status == 200 else 0

@@ -140,7 +140,6 @@ def test_optimum_s_layout_runs_without_the_cpu_arena_the_in_place_one_with_it(ti
             decoder.close()
 
 
-
 class _LiveCache:
     """Every KV array of Optimum's layout alive at once (a step's outputs, a join's and a cut's
     copies, tracked until freed), checked against the loop's reservation after each allocation:
@@ -189,7 +188,7 @@ async def test_finished_rows_are_cut_from_the_new_cache_after_the_old_one_is_fre
     footprint), and when sequences finish the rest are copied out of the new one. That copy came
     while the loop still held the old cache, three caches at once: SmolLM2 with 8 sequences
     peaked 773 MiB above its start against 644 reserved (tools/measure_kv_footprint.py;
-    544-575 MiB since)."""
+    531-575 MiB since)."""
     live = _LiveCache(monkeypatch)
     service = await start_service(tiny_repo / "tinylm")
     live.loop = service._loop
@@ -279,7 +278,6 @@ async def test_a_short_sequence_waits_while_the_batch_with_it_would_not_fit(shar
         assert service.fits_now(short_tokens - 20, 20)
     finally:
         await service.close()
-
 
 
 async def test_a_generator_does_not_say_it_fits_while_an_engine_model_waits_in_line(tiny_repo):
