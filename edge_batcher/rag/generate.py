@@ -145,6 +145,11 @@ class GenerationService(ServiceAccounting):
         log.info("model %s: decoder with %s; a full-context sequence (%d tokens) needs %.1f MiB of KV; "
                  "budget available %.1f MiB", self.name, kv.describe(), self.settings.max_context,
                  kv.bytes_per_token * self.settings.max_context / MiB, budget.available() / MiB)
+        if self.settings.prefill_chunk_tokens == 0:
+            log.warning("model %s: prefill_chunk_tokens = 0: prompts are prefilled whole; a long prompt's own "
+                        "activations, which no memory plan counts, grow faster than its length (attention's with "
+                        "its square: a 700-token prompt of SmolLM2-135M peaked 0.8-1.2 GB, docs/rag.md); chunks "
+                        "of 128 bound them", self.name)
 
     async def drain(self, timeout: float) -> None:
         """Let what is queued and running finish, up to `timeout`; what is left then is stopped

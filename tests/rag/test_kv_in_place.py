@@ -293,6 +293,24 @@ def test_a_negative_prefill_chunk_is_refused_with_its_key(shared_repo, tmp_path)
         GenerationService(load_model_config(model), Runtime(DaemonConfig()))
 
 
+async def test_whole_prompt_prefill_is_served_with_a_warning_naming_its_memory(shared_repo, tmp_path, caplog):
+    """prefill_chunk_tokens = 0 is allowed, but a whole prompt's activations are in no memory
+    plan (0.8-1.2 GB measured for a 700-token SmolLM2 prompt): the load says so."""
+    import logging
+
+    from tests.rag.test_rag_generation import start_service
+
+    with caplog.at_level(logging.WARNING, logger="edge_batcher.rag.generate"):
+        service = await start_service(_with_prefill_chunk(shared_repo, tmp_path, 0))
+    try:
+        assert any("prefill_chunk_tokens = 0" in r.getMessage() and "no memory plan" in r.getMessage()
+                   for r in caplog.records), caplog.text
+        result = await service.generate("Bearing faults ring", {"max_new_tokens": 4, "ignore_stop": True})
+        assert len(result.token_ids) == 4
+    finally:
+        await service.close()
+
+
 async def test_a_sequence_cancelled_while_its_prompt_is_prefilled_frees_everything(shared_repo, tmp_path):
     model = _with_prefill_chunk(shared_repo, tmp_path, 1)
     service = await start_service(model)
