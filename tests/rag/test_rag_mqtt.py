@@ -12,18 +12,32 @@ def question(text: str, **parameters) -> bytes:
                        "inputs": [{"name": "question", "shape": [1], "datatype": "BYTES", "data": [text]}]}).encode()
 
 
-def test_generated_answer_streams_as_mqtt_messages_with_one_correlation(start_daemon, broker):
-    prefix = "edge-batcher/stream-test"
-    daemon = start_daemon(f'[models]\nload = ["minilm", "tinylm", "raggen"]\n[mqtt]\nenabled = true\n'
-                          f'host = "127.0.0.1"\nport = {broker.port}\ntopic_prefix = "{prefix}"\n')
-    wait_mqtt(daemon)  # ready means serving; MQTT subscribes on its own time (a request before is not seen)
+PREFIX = "edge-batcher/stream-test"
+
+
+def serving_over_mqtt(start_daemon, broker, models: list[str]):
+    """A daemon serving `models` over MQTT (subscribed: ready means serving, and MQTT subscribes
+    on its own time, so a request sent before is not seen), and a test client listening on its
+    response topic: (daemon, client); the caller closes the client."""
+    daemon = start_daemon(f'[models]\nload = {json.dumps(models)}\n[mqtt]\nenabled = true\n'
+                          f'host = "127.0.0.1"\nport = {broker.port}\ntopic_prefix = "{PREFIX}"\n')
+    wait_mqtt(daemon)
     client = TestClient(broker.port)
     try:
         client.subscribe(client.response_topic)
-        client.publish(f"{prefix}/infer/raggen", question("How long does the battery last?", max_new_tokens=6),
+    except BaseException:
+        client.close()
+        raise
+    return daemon, client
+
+
+def test_generated_answer_streams_as_mqtt_messages_with_one_correlation(start_daemon, broker):
+    _, client = serving_over_mqtt(start_daemon, broker, ["minilm", "tinylm", "raggen"])
+    try:
+        client.publish(f"{PREFIX}/infer/raggen", question("How long does the battery last?", max_new_tokens=6),
                        correlation=b"whole")
         (whole,) = client.collect(1, timeout=30)
-        client.publish(f"{prefix}/infer/raggen", question("How long does the battery last?", stream=True,
+        client.publish(f"{PREFIX}/infer/raggen", question("How long does the battery last?", stream=True,
                                                           max_new_tokens=6), correlation=b"stream")
         chunks = []
         while not chunks or not chunks[-1].json()["parameters"]["triton_final_response"]:
@@ -41,16 +55,11 @@ def test_generated_answer_streams_as_mqtt_messages_with_one_correlation(start_da
 
 
 def test_streaming_a_model_that_does_not_stream_is_a_clear_error(start_daemon, broker):
-    prefix = "edge-batcher/stream-test"
-    daemon = start_daemon(f'[models]\nload = ["minilm"]\n[mqtt]\nenabled = true\nhost = "127.0.0.1"\n'
-                          f'port = {broker.port}\ntopic_prefix = "{prefix}"\n')
-    wait_mqtt(daemon)
-    client = TestClient(broker.port)
+    _, client = serving_over_mqtt(start_daemon, broker, ["minilm"])
     try:
-        client.subscribe(client.response_topic)
         payload = json.dumps({"parameters": {"stream": True},
                               "inputs": [{"name": "text", "shape": [1], "datatype": "BYTES", "data": ["hi"]}]})
-        client.publish(f"{prefix}/infer/minilm", payload, correlation=b"c")
+        client.publish(f"{PREFIX}/infer/minilm", payload, correlation=b"c")
         (reply,) = client.collect(1, timeout=30)
     finally:
         client.close()
@@ -62,14 +71,9 @@ def test_sigterm_during_an_mqtt_stream_publishes_it_to_its_final_message(start_d
     MQTT when SIGTERM comes gets every chunk, the last one final, before the daemon exits 0."""
     import signal
 
-    prefix = "edge-batcher/drain-test"
-    daemon = start_daemon(f'[models]\nload = ["minilm", "tinylm", "raggen"]\n[mqtt]\nenabled = true\n'
-                          f'host = "127.0.0.1"\nport = {broker.port}\ntopic_prefix = "{prefix}"\n')
-    wait_mqtt(daemon)
-    client = TestClient(broker.port)
+    daemon, client = serving_over_mqtt(start_daemon, broker, ["minilm", "tinylm", "raggen"])
     try:
-        client.subscribe(client.response_topic)
-        client.publish(f"{prefix}/infer/raggen", question("How long does the battery last?", stream=True,
+        client.publish(f"{PREFIX}/infer/raggen", question("How long does the battery last?", stream=True,
                                                           max_new_tokens=200, ignore_stop=True),
                        correlation=b"stream")
         chunks = client.collect(1, timeout=30)  # streaming now
