@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from ..config import ModelConfig
+from ..durable import fsync_dir
 from ..errors import ConfigError
 from ..progress import Progress
 from ..types import TensorSpec
@@ -415,8 +416,4 @@ def _write_atomic(path: Path, data: bytes) -> None:
         fh.flush()
         os.fsync(fh.fileno())
     os.replace(tmp, path)
-    directory = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    fsync_dir(path.parent)

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..durable import fsync_dir
 from ..errors import Unavailable
 from .fusion import Fusion, fused_scores
 from .lexical import ANALYZER, Bm25
@@ -431,7 +432,7 @@ def write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray
         for name in (EMBEDDINGS, PASSAGES, LEXICAL, SENTENCES, HEADINGS, META):  # meta last: it vouches for the others
             if name in staged:
                 os.replace(staged.pop(name), directory / name)
-        _fsync_dir(directory)  # the new meta.json is in place for good before the old build goes
+        fsync_dir(directory)  # the new meta.json is in place for good before the old build goes
         for name in DATA_FILES:
             (directory / (name + PREVIOUS)).unlink(missing_ok=True)
         for name, given in ((SENTENCES, sentences), (HEADINGS, headings)):
@@ -440,7 +441,7 @@ def write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray
     finally:
         for path in staged.values():
             path.unlink(missing_ok=True)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return meta
 
 
@@ -463,7 +464,7 @@ def _keep_previous(directory: Path, hashes: dict) -> None:
         except OSError:  # a file system without hard links: a copy does the same, slower
             shutil.copyfile(current, link)
         os.replace(link, previous)
-    _fsync_dir(directory)
+    fsync_dir(directory)
 
 
 def _stage(directory: Path, name: str, write) -> Path:
@@ -487,16 +488,6 @@ def _current_umask() -> int:
 
 _UMASK = _current_umask()  # read once, at import: before any thread could create files meanwhile
 
-
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class IndexWatcher:
