@@ -27,6 +27,57 @@ def generate(daemon, **parameters) -> tuple[int, dict]:
     return rawhttp.request(daemon.socket, "POST", PATHS[0], body)
 
 
+def _long_tinylm(tiny_repo, tmp_path, **replace: str) -> Path:
+    """A repository with the tiny decoder allowed 1000 new tokens (a stream that lasts a while),
+    its model.toml's other lines as `replace` says ({"max_running = 8": "max_running = 2"})."""
+    repo = tmp_path / "repo"
+    shutil.copytree(tiny_repo / "tinylm", repo / "tinylm")
+    toml = repo / "tinylm" / "model.toml"
+    text = toml.read_text().replace("max_new_tokens_limit = 256", "max_new_tokens_limit = 1000")
+    for old, new in replace.items():
+        text = text.replace(old, new)
+    toml.write_text(text)
+    return repo
+
+
+def _send_stream(s, max_new_tokens: int) -> None:
+    """A generate_stream request of the tiny decoder that ignores its stop tokens, sent on `s`."""
+    body = json.dumps({"text_input": "Bearing",
+                       "parameters": {"max_new_tokens": max_new_tokens, "ignore_stop": True}}).encode()
+    s.sendall(head(PATHS[1], len(body)) + body)
+
+
+def _start_stream(daemon, max_new_tokens: int, events: int = 1):
+    """_send_stream's request on a new connection, once its first `events` events have come (it
+    is generating): the socket to read the rest from."""
+    s = connect(daemon.socket)
+    _send_stream(s, max_new_tokens)
+    first = b""
+    while first.count(b"data: ") < events:
+        first += s.recv(65536)
+    return s
+
+
+def _wait_until_queued(daemon, why_not: str) -> None:
+    """Until the tiny decoder has a request waiting (within 30 s)."""
+    deadline = time.monotonic() + 30
+    while rawhttp.request(daemon.socket, "GET", "/v2/models/tinylm/stats")[1]["model_stats"][0]["queue_depth"] < 1:
+        assert time.monotonic() < deadline, why_not
+        time.sleep(0.005)
+
+
+def _read_stream(s) -> list[dict]:
+    """A generate_stream response read to its end: its events (the connection may then close)."""
+    raw = b""
+    s.settimeout(60)
+    while b'"final": true' not in raw and b'"final":true' not in raw:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        raw += chunk
+    return [json.loads(line[len(b"data: "):]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
+
+
 def test_generate_bodies_meet_the_body_budget_and_timeout_before_they_are_read(start_daemon, tiny_repo):
     daemon = start_daemon(f"[server]\nmax_body_bytes = {MiB}\nmax_inflight_body_bytes = {2 * MiB}\n"
                           "body_timeout_s = 2\n", repo=tiny_repo)
@@ -89,27 +140,15 @@ def test_stream_clients_gone_before_the_first_chunk_are_info_lines(start_daemon,
 def test_a_full_generator_answers_429_before_the_body(start_daemon, tiny_repo, tmp_path):
     # One sequence generating, one waiting for it (queue_capacity 1): the generator is full, and a
     # request that has sent only its header is answered 429 at once instead of waiting for its body.
-    repo = tmp_path / "repo"
-    shutil.copytree(tiny_repo / "tinylm", repo / "tinylm")
-    toml = repo / "tinylm" / "model.toml"
-    toml.write_text(toml.read_text().replace("queue_capacity = 64", "queue_capacity = 1")
-                    .replace("max_running = 8", "max_running = 1").replace("max_new_tokens_limit = 256",
-                                                                           "max_new_tokens_limit = 1000"))
-    daemon = start_daemon(repo=repo)
-    long = json.dumps({"text_input": "Bearing", "parameters": {"max_new_tokens": 1000, "ignore_stop": True}}).encode()
-    running, waiting = connect(daemon.socket), connect(daemon.socket)
+    daemon = start_daemon(repo=_long_tinylm(tiny_repo, tmp_path, **{"queue_capacity = 64": "queue_capacity = 1",
+                                                                     "max_running = 8": "max_running = 1"}))
+    running = _start_stream(daemon, 1000)  # its first event: it is generating
+    waiting = connect(daemon.socket)
     try:
-        running.sendall(head(PATHS[1], len(long)) + long)
-        first = b""
-        while b"data: " not in first:  # its first event: it is generating
-            first += running.recv(65536)
-        waiting.sendall(head(PATHS[1], len(long)) + long)
+        _send_stream(waiting, 1000)
         # Once it waits (its prompt read and tokenized off the loop), and while the first still
         # generates (its 1000 tokens take seconds; a client reading nothing does not slow them):
-        deadline = time.monotonic() + 30
-        while rawhttp.request(daemon.socket, "GET", "/v2/models/tinylm/stats")[1]["model_stats"][0]["queue_depth"] < 1:
-            assert time.monotonic() < deadline, "the second request never waited"
-            time.sleep(0.005)
+        _wait_until_queued(daemon, "the second request never waited")
         with connect(daemon.socket) as s:
             s.settimeout(5)
             s.sendall(head(PATHS[0], 1000))  # the header only: a body that would take its time
@@ -122,44 +161,6 @@ def test_a_full_generator_answers_429_before_the_body(start_daemon, tiny_repo, t
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
 
 
-def _long_tinylm(tiny_repo, tmp_path, **replace: str) -> Path:
-    """A repository with the tiny decoder allowed 1000 new tokens (a stream that lasts a while),
-    its model.toml's other lines as `replace` says ({"max_running = 8": "max_running = 2"})."""
-    repo = tmp_path / "repo"
-    shutil.copytree(tiny_repo / "tinylm", repo / "tinylm")
-    toml = repo / "tinylm" / "model.toml"
-    text = toml.read_text().replace("max_new_tokens_limit = 256", "max_new_tokens_limit = 1000")
-    for old, new in replace.items():
-        text = text.replace(old, new)
-    toml.write_text(text)
-    return repo
-
-
-def _start_stream(daemon, max_new_tokens: int, events: int = 1):
-    """A generate_stream request of the tiny decoder that ignores its stop tokens, once its first
-    `events` events have come (it is generating): the socket to read the rest from."""
-    body = json.dumps({"text_input": "Bearing",
-                       "parameters": {"max_new_tokens": max_new_tokens, "ignore_stop": True}}).encode()
-    s = connect(daemon.socket)
-    s.sendall(head(PATHS[1], len(body)) + body)
-    first = b""
-    while first.count(b"data: ") < events:
-        first += s.recv(65536)
-    return s
-
-
-def _read_stream(s) -> list[dict]:
-    """A generate_stream response read to its end: its events (the connection may then close)."""
-    raw = b""
-    s.settimeout(60)
-    while b'"final": true' not in raw and b'"final":true' not in raw:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        raw += chunk
-    return [json.loads(line[len(b"data: "):]) for line in raw.split(b"\n") if line.startswith(b"data: ")]
-
-
 def test_sigterm_lets_every_stream_and_waiting_sequence_finish(start_daemon, tiny_repo, tmp_path):
     """Graceful drain with generation under way: two streams generating and a third waiting for
     a decode slot when SIGTERM comes. Each gets all its tokens and its final event, and the
@@ -169,13 +170,9 @@ def test_sigterm_lets_every_stream_and_waiting_sequence_finish(start_daemon, tin
     daemon = start_daemon(repo=_long_tinylm(tiny_repo, tmp_path, **{"max_running = 8": "max_running = 2"}))
     streams = [_start_stream(daemon, 600) for _ in range(2)]
     try:
-        body = json.dumps({"text_input": "Bearing", "parameters": {"max_new_tokens": 600, "ignore_stop": True}})
         streams.append(connect(daemon.socket))
-        streams[2].sendall(head(PATHS[1], len(body)) + body.encode())
-        deadline = time.monotonic() + 30
-        while rawhttp.request(daemon.socket, "GET", "/v2/models/tinylm/stats")[1]["model_stats"][0]["queue_depth"] < 1:
-            assert time.monotonic() < deadline, "the third request never waited"
-            time.sleep(0.005)
+        _send_stream(streams[2], 600)
+        _wait_until_queued(daemon, "the third request never waited")
         daemon.proc.send_signal(signal.SIGTERM)
         events = [_read_stream(s) for s in streams]
     finally:
