@@ -90,6 +90,7 @@ class DecodeLoop:
         self.budget = budget
         self.max_running = max_running
         self.prefill_chunk = prefill_chunk  # prompt tokens per prefill run between decode steps; 0: whole
+        self.prefill_scratch = 0  # bytes a prefill run holds beyond its cache and logits (start())
         self.waiting: deque[Sequence] = deque()
         self.broken: str | None = None  # why the worker thread died, if it did
         self._cond = threading.Condition()
@@ -127,8 +128,10 @@ class DecodeLoop:
     def started(self) -> bool:
         return self._thread is not None
 
-    def start(self) -> None:
-        """After the decoder loaded."""
+    def start(self, prefill_scratch: int = 0) -> None:
+        """After the decoder loaded. `prefill_scratch`: what a prefill run holds beyond its cache
+        and logits, as measured at load (prefill_memory.py)."""
+        self.prefill_scratch = prefill_scratch
         self.footprint = self.decoder.footprint()
         self._trim = None if self.decoder.shared_kv else malloc_trim()
         self._thread = threading.Thread(target=self._run, name=f"generate-{self.name}", daemon=True)
@@ -186,7 +189,7 @@ class DecodeLoop:
         if bounds:  # it would be prefilled beside the batch or the prompts before it
             beside = max(beside, prompt_tokens)
         need = (self.footprint.batch_bytes(bounds + [prompt_tokens + max_new_tokens], beside, shape)
-                + self.logits_bytes(len(bounds) + 1, prompt_tokens))
+                + self.run_bytes(len(bounds) + 1, prompt_tokens))
         return max(0, need - held)
 
     def running(self) -> int:
@@ -441,19 +444,22 @@ class DecodeLoop:
         assert self.footprint is not None
         return (self.footprint.batch_bytes([s.tokens_bound for s in running + filling], _beside(running, filling),
                                            held_shape(cache))
-                + self.logits_bytes(len(running) + len(filling), max((len(s.prompt_ids) for s in filling), default=0)))
+                + self.run_bytes(len(running) + len(filling), max((len(s.prompt_ids) for s in filling), default=0)))
 
-    def logits_bytes(self, rows: int, longest_prompt: int) -> int:
-        """The logits of the largest run among these sequences' (float32 over the vocabulary, one
-        run at a time): a decode step's rows (every admitted sequence, once all are running), or
-        a prefill run's positions, every position of the chunk for a model without `logits_from`
-        (an Optimum export: 128 x 49,152 x 4 B = 24 MiB for SmolLM2's chunk; Qwen2.5's vocabulary
-        makes that 78 MiB), where the KV footprint counts none of it."""
-        positions = 0
+    def run_bytes(self, rows: int, longest_prompt: int) -> int:
+        """What the largest run among these sequences' holds beyond the KV cache (one run at a
+        time), which the KV footprint counts none of: its logits (float32 over the vocabulary: a
+        decode step's rows, every admitted sequence once all are running, or a prefill run's
+        positions, every position of the chunk for a model without `logits_from`: an Optimum
+        export's 128 x 49,152 x 4 B = 24 MiB for SmolLM2's chunk, 78 MiB with Qwen2.5's
+        vocabulary), and while a prompt is prefilled, the prefill run's intermediates as
+        measured at load."""
+        positions = scratch = 0
         if longest_prompt:
             chunk = min(self.prefill_chunk or longest_prompt, longest_prompt)
             positions = 1 if self.decoder.has_logits_from else chunk
-        return 4 * self.decoder.vocab * max(rows, positions)
+            scratch = self.prefill_scratch
+        return 4 * self.decoder.vocab * max(rows, positions) + scratch
 
     def _settle(self, cache: KvCache | None, running: list[Sequence], filling: list[_Filling]) -> None:
         """End of a round: the reservation comes down to what the admitted sequences can still

@@ -18,14 +18,25 @@ from typing import cast
 
 from ..config import ModelConfig, backend_settings
 from ..cpu_affinity import full_affinity
-from ..errors import ConfigError, DeadlineExceeded, DoesNotFit, EngineError, InvalidInput, Overloaded, Unavailable
-from ..memory.device import DeviceLoad, ModelDoesNotFit
+from ..errors import (
+    ConfigError,
+    DeadlineExceeded,
+    DoesNotFit,
+    EngineError,
+    InvalidInput,
+    OutOfMemory,
+    Overloaded,
+    Unavailable,
+)
+from ..memory.device import UNIFIED_PROBES, DeviceLoad, ModelDoesNotFit, runs_on_device
+from ..memory.heap import malloc_trim
 from ..types import InferRequest, InferResponse, TensorSpec
 from . import kv as kvmath
 from .deadline import LocalEstimate
 from .deadline import estimate as estimate_local
 from .decode_loop import DecodeLoop
 from .decoder import Decoder
+from .prefill_memory import prefill_scratch
 from .sampling import parse_params
 from .sequence import GenerationResult, Sequence
 from .service import InFlight, ServiceAccounting, ServiceStats, bytes_array, text_rows, token_responses
@@ -47,6 +58,7 @@ class GeneratorSettings:
     max_new_tokens_limit: int = 1024
     max_running: int = 8
     prefill_chunk_tokens: int = 128  # a prompt is prefilled this many tokens at a time between decode steps; 0: whole
+    prefill_memory_mb: float = -1.0  # what a prefill run holds beyond its cache and logits; -1: measured at load
     max_rows: int = 8  # texts per v2 infer request (each becomes a sequence)
     stop_tokens: list[str] = field(default_factory=list)
     prompt_template: str = "{prompt}"
@@ -74,6 +86,7 @@ class GenerationService(ServiceAccounting):
         self.queue = self._loop.waiting  # the transports' view: sequences waiting for admission
         self._draining = False
         self.resident_bytes = 0
+        self.prefill_scratch = 0  # bytes a prefill run holds beyond its cache and logits (measured at load)
         self._capacity_at_load = 0  # budget.capacity() once the decoder is loaded (submit)
         self.stats = ServiceStats()
         self._in_flight = InFlight()
@@ -87,6 +100,9 @@ class GenerationService(ServiceAccounting):
         if s.prefill_chunk_tokens < 0:
             raise ConfigError(f"{where} prefill_chunk_tokens: expected 0 (whole prompts) or a positive integer, "
                               f"got {s.prefill_chunk_tokens}")
+        if s.prefill_memory_mb < 0 and s.prefill_memory_mb != -1:
+            raise ConfigError(f"{where} prefill_memory_mb: expected -1 (measured at load) or MiB >= 0, "
+                              f"got {s.prefill_memory_mb}")
         if s.max_new_tokens > s.max_new_tokens_limit:
             raise ConfigError(f"{where} max_new_tokens {s.max_new_tokens} is above "
                               f"max_new_tokens_limit {s.max_new_tokens_limit}")
@@ -113,6 +129,13 @@ class GenerationService(ServiceAccounting):
         load.check_weights(self.config)
         with full_affinity():  # the session's native thread pool may use every CPU (cpu_affinity.py)
             self.decoder.load()
+            try:  # before the load's growth is read: what the runs leave (an arena's growth) is the load's
+                self.prefill_scratch = self._measure_prefill(load.available_before)
+            except EngineError as exc:
+                self.decoder.engine.close()
+                what = (f"model {self.name!r}: a prefill run of {self.settings.prefill_chunk_tokens} tokens at the end "
+                        f"of the context ([generator] max_context {self.settings.max_context}) failed at load: {exc}")
+                raise (ModelDoesNotFit(what) if isinstance(exc, OutOfMemory) else EngineError(what)) from exc
         meter = load.meter(self.decoder.engine)
         if meter is None:
             return self.decoder.weights_bytes
@@ -123,6 +146,21 @@ class GenerationService(ServiceAccounting):
                                   f"{load.available_before / MiB:.1f} MiB the memory budget had for it")
         self.resident_meter = meter.name
         return took
+
+    def _measure_prefill(self, available: int) -> int:
+        """What a prefill run holds beyond its cache and logits (prefill_memory.py), reserved
+        while prompts are prefilled: as set ([generator] prefill_memory_mb), or measured; 0 for
+        a decoder on a discrete GPU, whose intermediates stay in its arena (counted in the load)
+        and whose host memory no budget plans."""
+        if self.settings.prefill_memory_mb >= 0:
+            return int(self.settings.prefill_memory_mb * MiB)
+        scratch = prefill_scratch(self.decoder, self.settings.prefill_chunk_tokens, available, self.name,
+                                  malloc_trim())
+        if runs_on_device(self.decoder.engine) and self.runtime.budget.probe.name not in UNIFIED_PROBES:
+            log.info("model %s: on %s a prefill run's intermediates stay in the device's arena, counted in the load: "
+                     "nothing reserved per run", self.name, self.decoder.engine.providers[0])
+            return 0
+        return scratch
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -141,15 +179,16 @@ class GenerationService(ServiceAccounting):
         budget.refresh()
         self._capacity_at_load = budget.capacity()
         self.runtime.metrics.collectors.append(self._collect_metrics)
-        self._loop.start()
-        log.info("model %s: decoder with %s; a full-context sequence (%d tokens) needs %.1f MiB of KV; "
-                 "budget available %.1f MiB", self.name, kv.describe(), self.settings.max_context,
-                 kv.bytes_per_token * self.settings.max_context / MiB, budget.available() / MiB)
+        self._loop.start(self.prefill_scratch)
+        log.info("model %s: decoder with %s; a full-context sequence (%d tokens) needs %.1f MiB of KV; a prefill "
+                 "run %.1f MiB beyond its cache and logits; budget available %.1f MiB", self.name, kv.describe(),
+                 self.settings.max_context, kv.bytes_per_token * self.settings.max_context / MiB,
+                 self.prefill_scratch / MiB, budget.available() / MiB)
         if self.settings.prefill_chunk_tokens == 0:
             log.warning("model %s: prefill_chunk_tokens = 0: prompts are prefilled whole; a long prompt's own "
                         "activations, which no memory plan counts, grow faster than its length (attention's with "
                         "its square: a 700-token prompt of SmolLM2-135M peaked 0.8-1.2 GB, docs/rag.md); chunks "
-                        "of 128 bound them", self.name)
+                        "of 128 bound them, and a chunk's are measured at load and reserved", self.name)
 
     async def drain(self, timeout: float) -> None:
         """Let what is queued and running finish, up to `timeout`; what is left then is stopped
@@ -209,7 +248,7 @@ class GenerationService(ServiceAccounting):
         kv = self.decoder.kv
         assert kv is not None
         need = (self.decoder.footprint().sequence_bytes(len(ids), params.max_new_tokens)
-                + self._loop.logits_bytes(1, len(ids)))
+                + self._loop.run_bytes(1, len(ids)))
         # A probe's free figure moves with whatever else holds memory for a moment (another batch's
         # allocations, an arena growing, other processes): refused as never fitting only against
         # the most the budget could give since the load; one that fits that is held back until
@@ -219,7 +258,8 @@ class GenerationService(ServiceAccounting):
             self._loop.count_rejected()
             raise DoesNotFit(
                 f"model {self.name!r}: {len(ids)} prompt + {params.max_new_tokens} new tokens need "
-                f"{need / MiB:.2f} MiB of KV cache and logits alone ({kv.describe()}, {self._layout()}), more than the "
+                f"{need / MiB:.2f} MiB of KV cache, logits and prefill run alone ({kv.describe()}, {self._layout()}; a "
+                f"prefill run's own {self.prefill_scratch / MiB:.2f} MiB measured at load), more than the "
                 f"memory budget can ever give ({capacity / MiB:.2f} MiB with nothing else running): lower "
                 "max_new_tokens or shorten the prompt")
         seq = Sequence(ids, params, need, deadline, asyncio.get_running_loop(), self.tokenizer)

@@ -373,16 +373,27 @@ async def test_the_memory_watch_names_a_generator_that_ran_and_gives_back_growth
         await service.close()
 
 
+def tinylm_reserving_no_prefill_memory(tiny_repo, where):
+    """The tiny decoder with `prefill_memory_mb = 0`: its reservation is the KV cache and logits
+    alone, which the tests' budgets are calculated from (a measured prefill run's 6-12 MiB
+    would dwarf tinylm's KV cache, half a MiB at its whole context)."""
+    where.mkdir()
+    for name in ("model.onnx", "tokenizer.json"):
+        (where / name).symlink_to(tiny_repo / "tinylm" / name)
+    toml = (tiny_repo / "tinylm" / "model.toml").read_text()
+    (where / "model.toml").write_text(toml.replace("[generator]\n", "[generator]\nprefill_memory_mb = 0\n"))
+
+
 async def vibration_beside_tinylm(tiny_repo, tmp_path):
-    """A started Runtime serving the demo vibration model and the tiny decoder under one fixed
-    1 GiB budget (no headroom)."""
+    """A started Runtime serving the demo vibration model and the tiny decoder (reserving no
+    prefill memory) under one fixed 1 GiB budget (no headroom)."""
     from edge_batcher.config import DaemonConfig, MemorySettings, ModelsSettings
     from edge_batcher.runtime import Runtime
     from tests.support.models import build_demo
 
     repo = tmp_path / "engines"
     build_demo(repo)
-    (repo / "tinylm").symlink_to(tiny_repo / "tinylm")
+    tinylm_reserving_no_prefill_memory(tiny_repo, repo / "tinylm")
     runtime = Runtime(DaemonConfig(
         models=ModelsSettings(repository=str(repo), warmup=False, load=["vibration", "tinylm"]),
         memory=MemorySettings(probe="fixed", budget_mb=1024, headroom_mb=0)))
@@ -584,7 +595,7 @@ async def test_two_generators_taking_turns_in_the_line_never_stall(tiny_repo, tm
     repo = tmp_path / "engines"
     repo.mkdir()
     for name in ("gen_a", "gen_b"):
-        (repo / name).symlink_to(tiny_repo / "tinylm")
+        tinylm_reserving_no_prefill_memory(tiny_repo, repo / name)
     runtime = Runtime(DaemonConfig(
         models=ModelsSettings(repository=str(repo), warmup=False, load=["gen_a", "gen_b"]),
         memory=MemorySettings(probe="fixed", budget_mb=1024, headroom_mb=0)))

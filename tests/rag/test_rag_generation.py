@@ -23,11 +23,16 @@ PROMPTS = ["How do I replace the battery?", "Bearing faults ring", "The MQTT top
 NO_STOP = {"ignore_stop": True}
 
 
-async def start_service(model_dir, budget_bytes: int = 256 * MiB):
+async def start_service(model_dir, budget_bytes: int = 256 * MiB, prefill_memory_mb: float = 0.0):
+    """The generator under a fixed budget. A prefill run's own memory is reserved as 0 by
+    default (the tests' budgets are the KV arithmetic: tests/rag/test_prefill_memory.py
+    measures it, with -1)."""
     from edge_batcher.rag.generate import GenerationService
 
     runtime = Runtime(DaemonConfig(memory=MemorySettings(probe="fixed", budget_mb=budget_bytes / MiB)))
-    service = GenerationService(load_model_config(model_dir), runtime)
+    config = load_model_config(model_dir)
+    config.generator = {**config.generator, "prefill_memory_mb": prefill_memory_mb}
+    service = GenerationService(config, runtime)
     await service.start()
     return service
 

@@ -1,0 +1,138 @@
+"""A prefill run's own memory (its intermediates beyond the KV cache and the logits): measured
+at a generator's load on the real tiny decoder in both layouts (in place, the CPU arena holds
+it), and reserved while prompts are prefilled (rag/prefill_memory.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from edge_batcher.config import load_model_config
+from edge_batcher.memory.heap import malloc_trim
+from edge_batcher.rag import decoder as decoder_module
+from edge_batcher.rag.decoder import Decoder
+from edge_batcher.rag.prefill_memory import RUNS, measurable_past, measure_prefill, prefill_scratch
+from tests.rag.test_kv_in_place import shared_repo  # noqa: F401  (the in-place tinylm, built once)
+from tests.rag.test_rag_generation import NO_STOP, PROMPTS, start_service
+
+MiB = 1 << 20
+
+
+def _decoder(repo, max_context: int = 1024) -> Decoder:
+    decoder = Decoder(load_model_config(repo / "tinylm"), max_context=max_context)
+    decoder.load()
+    return decoder
+
+
+def test_a_chunk_at_the_end_of_the_context_is_measured_after_a_first_run(tiny_repo):
+    """Optimum's layout runs without the CPU arena: a run's intermediates come from the heap and
+    go back to it, the peak above what the run still holds at its end."""
+    decoder = _decoder(tiny_repo)
+    try:
+        measured = measure_prefill(decoder, 128, 1024 - 128, malloc_trim())
+        assert (measured.tokens, measured.past) == (128, 896)
+        assert len(measured.peaks) == RUNS and measured.scratch == max(measured.peaks)
+        # attention over 1024 positions for 128 queries alone is 4 heads x 128 x 1024 x 4 B = 2 MiB a layer
+        assert measured.scratch >= 1 * MiB, measured.describe()
+        assert measured.scratch < 256 * MiB, measured.describe()  # a tiny model: not the heap's whole history
+    finally:
+        decoder.close()
+
+
+def test_in_place_a_run_s_intermediates_stay_in_the_arena(shared_repo):  # noqa: F811
+    """The in-place layout keeps the CPU arena: what a run needs, the arena took at the first
+    run and holds (counted in the load), so nothing is transient to reserve."""
+    decoder = _decoder(shared_repo)
+    try:
+        measured = measure_prefill(decoder, 128, 1024 - 128, malloc_trim())
+        assert measured.scratch < 1 * MiB and measured.first < 1 * MiB, measured.describe()
+    finally:
+        decoder.close()
+
+
+def test_the_measured_past_shrinks_to_what_the_budget_has(tiny_repo):
+    decoder = _decoder(tiny_repo)
+    try:
+        per_token = decoder.kv.bytes_per_token  # 512 bytes for tinylm
+        assert measurable_past(decoder, 128, 1 << 40) == 1024 - 128
+        # the filled cache and the chunk's new one (Optimum's layout: two) within half the budget
+        assert measurable_past(decoder, 128, 2 * 2 * per_token * 500) == 500 - 128
+        assert measurable_past(decoder, 128, 0) == 0
+        assert prefill_scratch(decoder, 0, 1 << 40, "tinylm") == 0  # whole prompts: not measured
+    finally:
+        decoder.close()
+
+
+async def test_a_prefill_run_s_memory_is_reserved_while_prompts_are_prefilled(tiny_repo, monkeypatch, caplog):
+    """Every prefill run finds the measured figure reserved on top of its cache and logits;
+    decode steps with no prompt being filled do not hold it, and all of it is back at the end."""
+    seen: list[tuple[int, int, int]] = []  # (reserved by the loop, the prompt's cache, scratch) at each prefill
+    extend = decoder_module.Decoder.extend
+    loops = []
+
+    def extending(decoder, cache, tokens, room=0, all_logits=False):
+        loop = loops[0]
+        seen.append((loop._held, cache.nbytes if cache is not None else 0, loop.prefill_scratch))
+        return extend(decoder, cache, tokens, room=room, all_logits=all_logits)
+
+    caplog.set_level(logging.INFO, logger="edge_batcher.rag.prefill_memory")
+    service = await start_service(tiny_repo / "tinylm", prefill_memory_mb=-1)
+    try:
+        loops.append(service._loop)
+        scratch = service.prefill_scratch
+        assert scratch > 0 and scratch == service._loop.prefill_scratch
+        assert "a prefill run of 128 tokens after ~896 held" in caplog.text
+        monkeypatch.setattr(decoder_module.Decoder, "extend", extending)
+        steps_held = []
+        step = decoder_module.Decoder.step
+
+        def stepping(decoder, cache, tokens):
+            steps_held.append((service._loop._held, cache.nbytes))
+            return step(decoder, cache, tokens)
+
+        monkeypatch.setattr(decoder_module.Decoder, "step", stepping)
+        results = await asyncio.gather(*(service.generate(p * 30, {"max_new_tokens": 30 + i, **NO_STOP})
+                                         for i, p in enumerate(PROMPTS)))
+        assert all(len(r.token_ids) == 30 + i for i, r in enumerate(results))
+        assert len(seen) >= len(PROMPTS) * 2  # prompts of 2+ chunks each
+        for held, cache, measured in seen:
+            assert held >= measured + cache, (held, measured, cache)
+        # once every prompt is in, the steps run with the caches and logits reserved, not the prefill's
+        assert min(held for held, _ in steps_held) < scratch
+        assert service.runtime.budget.reserved == 0
+    finally:
+        await service.close()
+
+
+async def test_a_sequence_whose_prefill_could_never_fit_is_refused_naming_it(tiny_repo):
+    service = await start_service(tiny_repo / "tinylm", budget_bytes=64 * MiB, prefill_memory_mb=-1)
+    try:
+        service._capacity_at_load = 0
+        budget = service.runtime.budget
+        budget.fixed_bytes = budget.resident + service.prefill_scratch // 2
+        from edge_batcher.errors import DoesNotFit
+
+        with pytest.raises(DoesNotFit, match="prefill run's own .* MiB measured at load"):
+            await service.generate(PROMPTS[0], {"max_new_tokens": 4, **NO_STOP})
+    finally:
+        await service.close()
+
+
+async def test_a_set_prefill_memory_is_reserved_as_set_and_not_measured(tiny_repo, caplog):
+    caplog.set_level(logging.INFO, logger="edge_batcher.rag.prefill_memory")
+    service = await start_service(tiny_repo / "tinylm", prefill_memory_mb=5)
+    try:
+        assert service.prefill_scratch == 5 * MiB == service._loop.prefill_scratch
+        assert "a prefill run of" not in caplog.text
+        assert service._loop.run_bytes(1, 200) - service._loop.run_bytes(1, 0) == 5 * MiB
+    finally:
+        await service.close()
+
+
+async def test_a_negative_prefill_memory_other_than_minus_one_is_refused(tiny_repo):
+    from edge_batcher.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"prefill_memory_mb: expected -1 \(measured at load\) or MiB >= 0"):
+        await start_service(tiny_repo / "tinylm", prefill_memory_mb=-2)
