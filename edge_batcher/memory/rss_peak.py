@@ -42,6 +42,11 @@ class Peak:
         return max(0, self.peak - self.after)
 
 
+def resident() -> int:
+    """This process's resident bytes now."""
+    return _read()["VmRSS"]
+
+
 @contextmanager
 def measure(settle: Callable[[], None] | None = None) -> Iterator[Peak]:
     """Measure the resident peak of the block's work. `settle` (e.g. trimming the C heap) runs

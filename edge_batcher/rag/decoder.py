@@ -233,19 +233,6 @@ class Decoder:
         return [np.zeros((rows, self.kv.kv_heads, 0, self.kv.head_dim), dtype=self.dtype)
                 for _ in self._past_names]
 
-    def filled_cache(self, tokens: int, room: int) -> KvCache:
-        """A one-row cache holding `tokens` tokens (zeros, every page written, as a real one's
-        are) with room for `room` in all: a prompt's cache before its last chunk, for measuring
-        that chunk's run (prefill_memory.py)."""
-        assert self.kv is not None
-        if self.shared_kv:
-            slots = self._new_slots(1, room)  # mapped populated
-            slots.lengths = np.array([tokens], dtype=np.int64)
-            return slots
-        past = [np.full((1, self.kv.kv_heads, tokens, self.kv.head_dim), 0, dtype=self.dtype)
-                for _ in self._past_names]
-        return BatchCache(past, np.ones((1, tokens), dtype=np.int64), np.array([tokens], dtype=np.int64))
-
     def prefill(self, prompt: list[int], all_logits: bool = False) -> tuple[np.ndarray, KvCache]:
         """Run one prompt alone (batch 1, no padding, no past): its cache, and the logits of its
         last position [1, vocab] (which choose the first new token), or with `all_logits` (or a

@@ -13,7 +13,7 @@ from edge_batcher.config import load_model_config
 from edge_batcher.memory.heap import malloc_trim
 from edge_batcher.rag import decoder as decoder_module
 from edge_batcher.rag.decoder import Decoder
-from edge_batcher.rag.prefill_memory import RUNS, measurable_past, measure_prefill, prefill_scratch
+from edge_batcher.rag.prefill_memory import measurable_context, measure_prefill, prefill_scratch
 from tests.rag.test_kv_in_place import shared_repo  # noqa: F401  (the in-place tinylm, built once)
 from tests.rag.test_rag_generation import NO_STOP, PROMPTS, start_service
 
@@ -26,14 +26,13 @@ def _decoder(repo, max_context: int = 1024) -> Decoder:
     return decoder
 
 
-def test_a_chunk_at_the_end_of_the_context_is_measured_after_a_first_run(tiny_repo):
+def test_a_prompt_as_long_as_the_context_is_measured_in_chunks_twice(tiny_repo):
     """Optimum's layout runs without the CPU arena: a run's intermediates come from the heap and
-    go back to it, the peak above what the run still holds at its end."""
+    go back to it; what a run held beyond its caches and logits is a few MiB for tinylm."""
     decoder = _decoder(tiny_repo)
     try:
-        measured = measure_prefill(decoder, 128, 1024 - 128, malloc_trim())
-        assert (measured.tokens, measured.past) == (128, 896)
-        assert len(measured.peaks) == RUNS and measured.scratch == max(measured.peaks)
+        measured = measure_prefill(decoder, 128, 1024, malloc_trim())
+        assert (measured.tokens, measured.context) == (128, 1024)
         # attention over 1024 positions for 128 queries alone is 4 heads x 128 x 1024 x 4 B = 2 MiB a layer
         assert measured.scratch >= 1 * MiB, measured.describe()
         assert measured.scratch < 256 * MiB, measured.describe()  # a tiny model: not the heap's whole history
@@ -43,23 +42,23 @@ def test_a_chunk_at_the_end_of_the_context_is_measured_after_a_first_run(tiny_re
 
 def test_in_place_a_run_s_intermediates_stay_in_the_arena(shared_repo):  # noqa: F811
     """The in-place layout keeps the CPU arena: what a run needs, the arena took at the first
-    run and holds (counted in the load), so nothing is transient to reserve."""
+    prompt and holds (counted in the load), so little is left to reserve."""
     decoder = _decoder(shared_repo)
     try:
-        measured = measure_prefill(decoder, 128, 1024 - 128, malloc_trim())
-        assert measured.scratch < 1 * MiB and measured.first < 1 * MiB, measured.describe()
+        measured = measure_prefill(decoder, 128, 1024, malloc_trim())
+        assert measured.scratch < 1 * MiB, measured.describe()
     finally:
         decoder.close()
 
 
-def test_the_measured_past_shrinks_to_what_the_budget_has(tiny_repo):
+def test_the_measured_prompt_shrinks_to_what_the_budget_has(tiny_repo):
     decoder = _decoder(tiny_repo)
     try:
         per_token = decoder.kv.bytes_per_token  # 512 bytes for tinylm
-        assert measurable_past(decoder, 128, 1 << 40) == 1024 - 128
-        # the filled cache and the chunk's new one (Optimum's layout: two) within half the budget
-        assert measurable_past(decoder, 128, 2 * 2 * per_token * 500) == 500 - 128
-        assert measurable_past(decoder, 128, 0) == 0
+        assert measurable_context(decoder, 1 << 40) == 1024
+        # its cache and the run's new one (Optimum's layout: two) within half the budget
+        assert measurable_context(decoder, 2 * 2 * per_token * 500) == 500
+        assert measurable_context(decoder, 0) == 0
         assert prefill_scratch(decoder, 0, 1 << 40, "tinylm") == 0  # whole prompts: not measured
     finally:
         decoder.close()
@@ -83,7 +82,7 @@ async def test_a_prefill_run_s_memory_is_reserved_while_prompts_are_prefilled(ti
         loops.append(service._loop)
         scratch = service.prefill_scratch
         assert scratch > 0 and scratch == service._loop.prefill_scratch
-        assert "a prefill run of 128 tokens after ~896 held" in caplog.text
+        assert "a prefill run of 128 tokens (a 1024-token prompt) held" in caplog.text
         monkeypatch.setattr(decoder_module.Decoder, "extend", extending)
         steps_held = []
         step = decoder_module.Decoder.step
