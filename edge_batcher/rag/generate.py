@@ -129,14 +129,16 @@ class GenerationService(ServiceAccounting):
         load.check_weights(self.config)
         with full_affinity():  # the session's native thread pool may use every CPU (cpu_affinity.py)
             self.decoder.load()
+            meter = load.meter(self.decoder.engine)
+            loaded = load.load_bytes(meter) if meter is not None else self.decoder.weights_bytes
             try:  # before the load's growth is read: what the runs leave (an arena's growth) is the load's
-                self.prefill_scratch = self._measure_prefill(load.available_before)
+                self.prefill_scratch = self._measure_prefill(max(0, load.available_before - loaded))
             except EngineError as exc:
                 self.decoder.engine.close()
-                what = (f"model {self.name!r}: a prefill run of {self.settings.prefill_chunk_tokens} tokens at the end "
-                        f"of the context ([generator] max_context {self.settings.max_context}) failed at load: {exc}")
+                what = (f"model {self.name!r}: prefilling a prompt of up to max_context {self.settings.max_context} "
+                        f"tokens in chunks of {self.settings.prefill_chunk_tokens} at load, to measure a run's memory, "
+                        f"failed ([generator] prefill_memory_mb = N sets it without measuring): {exc}")
                 raise (ModelDoesNotFit(what) if isinstance(exc, OutOfMemory) else EngineError(what)) from exc
-        meter = load.meter(self.decoder.engine)
         if meter is None:
             return self.decoder.weights_bytes
         took = load.load_bytes(meter)

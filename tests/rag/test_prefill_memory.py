@@ -135,3 +135,19 @@ async def test_a_negative_prefill_memory_other_than_minus_one_is_refused(tiny_re
 
     with pytest.raises(ConfigError, match=r"prefill_memory_mb: expected -1 \(measured at load\) or MiB >= 0"):
         await start_service(tiny_repo / "tinylm", prefill_memory_mb=-2)
+
+
+async def test_a_context_longer_than_the_model_s_positions_fails_the_load_saying_how_to_skip(tiny_repo):
+    """tinylm has 1024 positions: a prompt of 2048 fails its run, now at load rather than when a
+    long prompt first comes."""
+    from edge_batcher.config import DaemonConfig, MemorySettings
+    from edge_batcher.errors import EngineError
+    from edge_batcher.rag.generate import GenerationService
+    from edge_batcher.runtime import Runtime
+
+    config = load_model_config(tiny_repo / "tinylm")
+    config.generator = {**config.generator, "max_context": 2048}
+    service = GenerationService(config, Runtime(DaemonConfig(memory=MemorySettings(probe="fixed", budget_mb=256))))
+    with pytest.raises(EngineError, match=r"prefilling a prompt of up to max_context 2048 .*prefill_memory_mb = N"):
+        await service.start()
+    assert service.decoder.engine.session is None  # the session is not kept
