@@ -415,6 +415,7 @@ class GenerationService(ServiceAccounting):
                 "layout": "in_place" if self.decoder.shared_kv else "optimum",
                 "reserved_bytes": now.kv_reserved,
                 "cache_bytes": now.kv_in_use,
+                "prefill_run_bytes": self.prefill_scratch,
                 "budget_available_bytes": self.runtime.budget.available()},
         )
         out.update({k: v for k, v in g.items() if not k.endswith("_ns")})

@@ -82,6 +82,7 @@ async def test_a_prefill_run_s_memory_is_reserved_while_prompts_are_prefilled(ti
         loops.append(service._loop)
         scratch = service.prefill_scratch
         assert scratch > 0 and scratch == service._loop.prefill_scratch
+        assert service.statistics()["kv"]["prefill_run_bytes"] == scratch  # what an operator sees
         assert "a prefill run of 128 tokens (a 1024-token prompt) held" in caplog.text
         monkeypatch.setattr(decoder_module.Decoder, "extend", extending)
         steps_held = []
