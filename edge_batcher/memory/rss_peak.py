@@ -11,7 +11,7 @@ other's, hence the lock. Used at a generator's load (rag/prefill_memory.py).
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -36,11 +36,6 @@ class Peak:
     peak: int = 0  # the most resident at any moment of it
     after: int = 0  # resident bytes when it ended
 
-    @property
-    def transient(self) -> int:
-        """The peak above what the work still holds at its end (what it allocated and freed)."""
-        return max(0, self.peak - self.after)
-
 
 def resident() -> int:
     """This process's resident bytes now."""
@@ -48,19 +43,13 @@ def resident() -> int:
 
 
 @contextmanager
-def measure(settle: Callable[[], None] | None = None) -> Iterator[Peak]:
-    """Measure the resident peak of the block's work. `settle` (e.g. trimming the C heap) runs
-    before it, so that memory freed earlier is not counted as its start, and after it, so that
-    `after` is what the work still holds, not what it freed and the heap kept. Raises OSError
-    where the mark cannot be reset (not Linux, /proc not mounted)."""
+def measure() -> Iterator[Peak]:
+    """Measure the resident peak of the block's work. Raises OSError where the mark cannot be
+    reset (not Linux, /proc not mounted)."""
     with _lock:
-        if settle is not None:
-            settle()
         with open(_CLEAR_REFS, "w") as fh:
             fh.write("5")
-        result = Peak(before=_read()["VmRSS"])
+        result = Peak(before=resident())
         yield result
-        peak = _read()["VmHWM"]
-        if settle is not None:
-            settle()
-        result.peak, result.after = max(peak, result.before), _read()["VmRSS"]
+        end = _read()
+        result.peak, result.after = max(end["VmHWM"], result.before), end["VmRSS"]

@@ -4,7 +4,7 @@ The decode loop reserves the batch's KV cache and the logits of its largest run 
 decode_loop.py). A prefill run's own intermediates (attention over the chunk and its past, the
 MLP's activations, ONNX Runtime's copies, and with no arena what glibc's heap keeps between
 them) come on top while it runs, and depend on the allocator as much as on the graph (SmolLM2 in
-Optimum's layout: 17-150 MiB for a chunk of 128, by the heap's history), so they are measured
+Optimum's layout: 17-300 MiB for one run of 128 tokens, by the heap's history), so they are measured
 the way the loop runs them: a prompt as long as the context (or as the budget has room for)
 prefilled in chunks of `prefill_chunk_tokens`, the heap trimmed before the prompt and not
 between its chunks; each run's resident peak above where the prompt began, less the caches and
