@@ -152,3 +152,24 @@ async def test_a_context_longer_than_the_model_s_positions_fails_the_load_saying
     with pytest.raises(EngineError, match=r"prefilling a prompt of up to max_context 2048 .*prefill_memory_mb = N"):
         await service.start()
     assert service.decoder.engine.session is None  # the session is not kept
+
+
+@pytest.mark.parametrize("probe", ["cuda", "jetson"])
+def test_a_decoder_on_a_gpu_reserves_no_prefill_memory_unless_memory_is_unified(probe, tiny_repo, monkeypatch):
+    """On a discrete GPU the runs' intermediates stay in the device's arena, which the load's
+    measurement counts: nothing per run. On a Jetson the host's peak is the device's memory too.
+    (No GPU here: the decoder runs on the CPU, reported as on the device.)"""
+    from types import SimpleNamespace
+
+    from edge_batcher.rag import generate
+
+    service = generate.GenerationService.__new__(generate.GenerationService)
+    service.name, service.decoder = "tinylm", _decoder(tiny_repo)
+    service.settings = generate.GeneratorSettings(max_context=1024)
+    service.runtime = SimpleNamespace(budget=SimpleNamespace(probe=SimpleNamespace(name=probe)))
+    monkeypatch.setattr(generate, "runs_on_device", lambda engine: True)
+    try:
+        scratch = service._measure_prefill(1 << 40)
+        assert (scratch == 0) if probe == "cuda" else (scratch >= 1 * MiB)
+    finally:
+        service.decoder.close()
