@@ -157,7 +157,7 @@ class GenerationService(ServiceAccounting):
         if self.settings.prefill_memory_mb >= 0:
             return int(self.settings.prefill_memory_mb * MiB)
         scratch = prefill_scratch(self.decoder, self.settings.prefill_chunk_tokens, available, self.name,
-                                  malloc_trim())
+                                  malloc_trim(), self.runtime.budget.reservation)
         if runs_on_device(self.decoder.engine) and self.runtime.budget.probe.name not in UNIFIED_PROBES:
             log.info("model %s: on %s a prefill run's intermediates stay in the device's arena, counted in the load: "
                      "nothing reserved per run", self.name, self.decoder.engine.providers[0])

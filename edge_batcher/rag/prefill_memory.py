@@ -21,6 +21,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 from ..memory import rss_peak
@@ -84,11 +85,22 @@ def measure_prefill(decoder: Decoder, tokens: int, context: int,
     return PrefillMemory(tokens, context, scratch=largest[1], first=largest[0])
 
 
+def measuring_bytes(decoder: Decoder, tokens: int, context: int) -> int:
+    """What the measuring prompt's caches and logits hold at most: reserved in the budget while
+    it runs, so that models serving beside a reload do not take that memory meanwhile."""
+    assert decoder.kv is not None
+    copies = 1 if decoder.shared_kv else 2
+    positions = 1 if decoder.has_logits_from else tokens
+    return copies * context * decoder.kv.bytes_per_token + 4 * decoder.vocab * positions
+
+
 def prefill_scratch(decoder: Decoder, chunk: int, available: int, name: str,
-                    settle: Callable[[int], int] | None = None) -> int:
+                    settle: Callable[[int], int] | None = None,
+                    reservation: Callable[[int], AbstractContextManager[None]] | None = None) -> int:
     """The bytes to reserve for a prefill run's intermediates (0 for whole prompts, not
     measured: at the whole context they would be the largest allocation of all), measured and
-    logged. Where the peak cannot be read, 0 and a warning."""
+    logged, the measuring prompt's caches and logits held in `reservation` (the budget's) while
+    it runs. Where the peak cannot be read, 0 and a warning."""
     if not chunk:
         return 0
     tokens = min(chunk, decoder.max_context)
@@ -98,8 +110,10 @@ def prefill_scratch(decoder: Decoder, chunk: int, available: int, name: str,
                     "intermediates are in no plan (set [generator] prefill_memory_mb)", name, available / MiB)
         return 0
     t0 = time.perf_counter()
+    held = reservation(measuring_bytes(decoder, tokens, context)) if reservation is not None else nullcontext()
     try:
-        measured = measure_prefill(decoder, tokens, context, settle)
+        with held:
+            measured = measure_prefill(decoder, tokens, context, settle)
     except OSError as exc:
         log.warning("model %s: cannot measure a prefill run's memory (%s): its intermediates are in no plan "
                     "(set [generator] prefill_memory_mb)", name, exc)

@@ -159,6 +159,7 @@ def test_a_decoder_on_a_gpu_reserves_no_prefill_memory_unless_memory_is_unified(
     """On a discrete GPU the runs' intermediates stay in the device's arena, which the load's
     measurement counts: nothing per run. On a Jetson the host's peak is the device's memory too.
     (No GPU here: the decoder runs on the CPU, reported as on the device.)"""
+    from contextlib import nullcontext
     from types import SimpleNamespace
 
     from edge_batcher.rag import generate
@@ -166,10 +167,39 @@ def test_a_decoder_on_a_gpu_reserves_no_prefill_memory_unless_memory_is_unified(
     service = generate.GenerationService.__new__(generate.GenerationService)
     service.name, service.decoder = "tinylm", _decoder(tiny_repo)
     service.settings = generate.GeneratorSettings(max_context=1024)
-    service.runtime = SimpleNamespace(budget=SimpleNamespace(probe=SimpleNamespace(name=probe)))
+    service.runtime = SimpleNamespace(budget=SimpleNamespace(probe=SimpleNamespace(name=probe),
+                                                             reservation=lambda nbytes: nullcontext()))
     monkeypatch.setattr(generate, "runs_on_device", lambda engine: True)
     try:
         scratch = service._measure_prefill(1 << 40)
         assert (scratch == 0) if probe == "cuda" else (scratch >= 1 * MiB)
     finally:
         service.decoder.close()
+
+
+async def test_the_measuring_prompt_s_caches_are_reserved_while_it_runs(tiny_repo, monkeypatch):
+    """A reload measures beside models that serve: the memory the measuring prompt's caches and
+    logits take is reserved in the budget meanwhile, and given back after."""
+    from edge_batcher.config import DaemonConfig, MemorySettings
+    from edge_batcher.rag import prefill_memory
+    from edge_batcher.rag.generate import GenerationService
+    from edge_batcher.runtime import Runtime
+
+    runtime = Runtime(DaemonConfig(memory=MemorySettings(probe="fixed", budget_mb=256)))
+    reserved = []
+    measure = prefill_memory.measure_prefill
+
+    def measuring(decoder, tokens, context, settle=None):
+        reserved.append((runtime.budget.reserved, prefill_memory.measuring_bytes(decoder, tokens, context)))
+        return measure(decoder, tokens, context, settle)
+
+    monkeypatch.setattr(prefill_memory, "measure_prefill", measuring)
+    service = GenerationService(load_model_config(tiny_repo / "tinylm"), runtime)
+    await service.start()
+    try:
+        [(held, caches)] = reserved
+        # Optimum's layout: the prompt's cache and the run's new one, 1024 tokens x 512 bytes each
+        assert held == caches >= 2 * 1024 * 512
+        assert runtime.budget.reserved == 0
+    finally:
+        await service.close()
