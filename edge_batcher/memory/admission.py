@@ -29,6 +29,7 @@ class Admission:
                  estimator: OnnxFootprintEstimator | None = None, device: DeviceProfile | None = None):
         self.model = model
         self.budget = budget
+        self.line_key = budget.consumer(model)  # this model's runner's place in the budget's line
         self._footprint = footprint
         self.estimator = estimator  # has a settable .calibration when the estimate is an ONNX one
         self.device = device  # measured at load on a device; None: the estimate is the cost
@@ -49,7 +50,7 @@ class Admission:
             return False  # measured at load: it ran out of memory, or the budget could not hold it
         nbytes = self.batch_bytes(size, seq_len)
         # a generator that has waited long enough in the budget's line goes first (budget.py)
-        return nbytes <= self.budget.available() and (nbytes == 0 or self.budget.may_take(self.model))
+        return nbytes <= self.budget.available() and (nbytes == 0 or self.budget.may_take(self.line_key))
 
     def fits_later(self, size: int, seq_len: int) -> bool:
         """Whether it would fit once every reservation now held (batches in flight, generators'

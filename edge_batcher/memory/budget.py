@@ -52,6 +52,7 @@ WAIT_LEASE_S = 2.0
 # A consumer that has waited this long goes before engine batches too (they hold memory for one
 # batch; a generator's wait for what they keep taking back to back would never end).
 PRIORITY_AFTER_S = 1.0
+_KEY_SEPARATOR = "\x00"  # in consumer(): never in a model's name (a directory's)
 
 
 class MemoryBudget:
@@ -107,6 +108,7 @@ class MemoryBudget:
         self._reserved = 0
         self._visible = 0  # of _reserved: allocated, and shown by the probe's free figure
         self.resident = 0  # weights of loaded models (see the module docstring)
+        self._consumers = 0  # line keys handed out (consumer())
         self._line: dict[str, tuple[float, float]] = {}  # consumer -> (waiting since, renewed at)
         self._wakers: dict[str, Callable[[], None]] = {}  # consumer -> called when memory comes back
         self._waits: dict[str, int] = {}  # consumer -> places it took in the line, ever
@@ -232,6 +234,14 @@ class MemoryBudget:
 
     # -- the line of consumers waiting for memory ---------------------------------------------
 
+    def consumer(self, model: str) -> str:
+        """A key of its own in the line for one consumer of `model`'s (a runner, a decode loop):
+        while a model is reloaded its old and new versions both consume, and one leaving the
+        line must not take the other's place. line_report() counts by model."""
+        with self._lock:
+            self._consumers += 1
+            return f"{model}{_KEY_SEPARATOR}{self._consumers}"
+
     def wait_in_line(self, name: str) -> None:
         """`name` waits for memory others hold: take a place in the line, or renew it."""
         with self._lock:
@@ -277,17 +287,19 @@ class MemoryBudget:
                 del self._wakers[name]
 
     def line_report(self) -> dict[str, tuple[bool, int, float]]:
-        """Per consumer that ever waited: (in the line now, waits begun, seconds waited). A wait
-        counts until its last renewal while it lasts, until it ended once it has (monotonic:
-        these feed Prometheus counters)."""
+        """Per model whose consumers ever waited: (one in the line now, waits begun, seconds
+        waited), summed over its consumers. A wait counts until its last renewal while it lasts,
+        until it ended once it has (monotonic: these feed Prometheus counters)."""
         with self._lock:
             now = self._clock()
-            report = {}
-            for name, count in self._waits.items():
-                place = self._line.get(name)
+            report: dict[str, tuple[bool, int, float]] = {}
+            for key, count in self._waits.items():
+                place = self._line.get(key)
                 live = place is not None and now - place[1] <= WAIT_LEASE_S
                 current = place[1] - place[0] if place is not None else 0.0
-                report[name] = (live, count, self._waited_s.get(name, 0.0) + current)
+                model = key.partition(_KEY_SEPARATOR)[0]
+                was = report.get(model, (False, 0, 0.0))
+                report[model] = (was[0] or live, was[1] + count, was[2] + self._waited_s.get(key, 0.0) + current)
             return report
 
     def _wait(self, name: str) -> None:  # under self._lock

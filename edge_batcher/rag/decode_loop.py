@@ -88,6 +88,7 @@ class DecodeLoop:
         self.name = name
         self.decoder = decoder
         self.budget = budget
+        self.line_key = budget.consumer(name)  # this loop's place in the budget's line
         self.max_running = max_running
         self.prefill_chunk = prefill_chunk  # prompt tokens per prefill run between decode steps; 0: whole
         self.prefill_scratch = 0  # bytes a prefill run holds beyond its cache and logits (start())
@@ -135,7 +136,7 @@ class DecodeLoop:
         self.footprint = self.decoder.footprint()
         self._trim = None if self.decoder.shared_kv else malloc_trim()
         self._thread = threading.Thread(target=self._run, name=f"generate-{self.name}", daemon=True)
-        self.budget.on_memory_back(self.name, self._memory_back)  # held back: admit once memory is back
+        self.budget.on_memory_back(self.line_key, self._memory_back)  # held back: admit once memory is back
         self._thread.start()
 
     def stop(self, timeout: float, why: str = "was unloaded") -> None:
@@ -148,7 +149,7 @@ class DecodeLoop:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join(timeout)
-        self.budget.forget_waker(self.name, self._memory_back)
+        self.budget.forget_waker(self.line_key, self._memory_back)
 
     def enqueue(self, seq: Sequence) -> None:
         with self._cond:
@@ -257,7 +258,7 @@ class DecodeLoop:
                 while self.waiting:
                     self.waiting.popleft().fail(stop)
             self._settle(None, [], [])
-            self.budget.leave_line(self.name)
+            self.budget.leave_line(self.line_key)
 
     def _admit(self, running: list[Sequence], filling: list[Sequence], cache: KvCache | None) -> list[Sequence]:
         """Under self._cond: pop the waiting sequences that may join now (arrival order,
@@ -286,7 +287,7 @@ class DecodeLoop:
             extra = self._need(running, filling + admitted + [seq], cache) - self._held
             # In the budget's line: while an engine model has waited longer for memory, nothing
             # new is admitted, and what the running sequences free reaches it first.
-            if extra > 0 and not self.budget.try_reserve(extra, waiter=self.name, keeps=self._held):
+            if extra > 0 and not self.budget.try_reserve(extra, waiter=self.line_key, keeps=self._held):
                 if not seq.held_back:
                     seq.held_back = True
                     with self._lock:
@@ -297,7 +298,7 @@ class DecodeLoop:
             self.waiting.popleft()
             admitted.append(seq)
         if not held_back:
-            self.budget.leave_line(self.name)
+            self.budget.leave_line(self.line_key)
         return admitted
 
     def _prefill(self, filling: list[_Filling], running: list[Sequence], cache: KvCache | None) -> KvCache | None:

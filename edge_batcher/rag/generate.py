@@ -304,7 +304,7 @@ class GenerationService(ServiceAccounting):
         queued = self._loop.waiting_count()
         running = self._loop.running()
         budget = self.runtime.budget
-        return (queued == 0 and running < self.settings.max_running and budget.first_in_line(self.name)
+        return (queued == 0 and running < self.settings.max_running and budget.first_in_line(self._loop.line_key)
                 and self._loop.extra_bytes(prompt_tokens, max_new_tokens) <= budget.available())
 
     def _layout(self) -> str:

@@ -196,7 +196,7 @@ class ModelRunner:
             self._preparing.serve(self._loop)
         self._slots.open()
         if self.admission is not None:
-            self.admission.budget.on_memory_back(self.name, self._memory_back)
+            self.admission.budget.on_memory_back(self.admission.line_key, self._memory_back)
 
     async def drain(self, timeout: float) -> None:
         """Stop taking requests, run everything queued now, wait for batches in flight."""
@@ -219,7 +219,7 @@ class ModelRunner:
         self._closed = True
         self._wait_for_memory(False)
         if self.admission is not None:
-            self.admission.budget.forget_waker(self.name, self._memory_back)
+            self.admission.budget.forget_waker(self.admission.line_key, self._memory_back)
         if self._timer is not None:
             self._timer.cancel()
         for req in self.queue.take_all():
@@ -459,9 +459,9 @@ class ModelRunner:
         if self.admission is None:
             return
         if waiting:
-            self.admission.budget.wait_in_line(self.name)
+            self.admission.budget.wait_in_line(self.admission.line_key)
         else:
-            self.admission.budget.leave_line(self.name)
+            self.admission.budget.leave_line(self.admission.line_key)
 
     def _memory_back(self) -> None:
         """The budget, on whichever thread: memory came back, or someone ahead left the line,

@@ -319,3 +319,23 @@ def test_leaving_the_line_wakes_those_still_in_it() -> None:
     b.wait_in_line("gen")
     b.leave_line("vision")  # nothing left to run
     assert woken == ["gen", "gen"]
+
+
+def test_a_model_s_old_and_new_versions_keep_their_own_places_in_the_line() -> None:
+    """While a model is reloaded its old version drains as the new one serves: both consume, and
+    the old one leaving the line (its last batch ran) must not take the new one's place. The
+    metrics count the model's waits across both."""
+    clock = Clock()
+    b = budget(FixedProbe(1000, total_bytes=2000), clock)
+    old, new, gen = b.consumer("vision"), b.consumer("vision"), b.consumer("gen")
+    assert len({old, new, gen}) == 3
+    b.wait_in_line(new)
+    clock.now = 0.5
+    b.wait_in_line(old)
+    clock.now = 0.6
+    b.leave_line(old)  # the old version is done: it waited 0.1 s
+    assert b.first_in_line(new) and not b.try_reserve(100, waiter=gen)  # the new one is still ahead
+    assert b.line_report()["vision"] == (True, 2, pytest.approx(0.1))
+    b.leave_line(new)  # 0.6 s
+    assert b.try_reserve(100, waiter=gen)
+    assert b.line_report()["vision"] == (False, 2, pytest.approx(0.7))

@@ -448,7 +448,7 @@ async def test_an_engine_model_waiting_for_memory_is_served_before_the_generator
             out = await runtime.infer(InferRequest(model="vibration", inputs={"signal": signal}, timeout_s=3.0))
             assert out.outputs["class_probs"].shape == (1, 4)
         assert generator.statistics()["held_back_for_memory"] > held_back_before  # it gave way
-        assert budget.first_in_line("tinylm")  # served, the engine model left the line
+        assert budget.first_in_line(generator._loop.line_key)  # served, the engine model left the line
         text = runtime.metrics.render()  # what an operator sees of it
         assert 'edge_batcher_memory_waiting{model="vibration"} 0' in text
         waits = re.search(r'edge_batcher_memory_waits_total\{model="vibration"\} (\S+)', text)
@@ -576,7 +576,8 @@ async def test_a_held_back_generator_admits_when_the_memory_others_held_comes_ba
         answer = asyncio.ensure_future(service.generate(PROMPTS[0], {"max_new_tokens": 8, **NO_STOP}))
         while service.statistics()["held_back_for_memory"] == 0:
             await asyncio.sleep(0.001)
-        assert not budget.first_in_line("vibration")  # it stands in the line for the memory
+        assert budget.first_in_line(service._loop.line_key)  # it stands in the line for the memory,
+        assert not budget.first_in_line("vibration")  # ahead of anyone who comes now
         budget.release(others)  # the batch finished
         result = await asyncio.wait_for(answer, timeout=10)
         assert len(result.token_ids) == 8
