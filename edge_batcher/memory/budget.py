@@ -280,8 +280,8 @@ class MemoryBudget:
             self._wakers[name] = wake
 
     def forget_waker(self, name: str, wake: Callable[[], None]) -> None:
-        """Undo on_memory_back(name, wake), unless a later consumer of that name (the model loaded
-        again) registered its own since."""
+        """Undo on_memory_back(name, wake), unless another waker was registered for `name` since
+        (a consumer keyed by a plain name, not by consumer())."""
         with self._lock:
             if self._wakers.get(name) == wake:
                 del self._wakers[name]
