@@ -449,18 +449,12 @@ class DecodeLoop:
 
     def run_bytes(self, rows: int, longest_prompt: int) -> int:
         """What the largest run among these sequences' holds beyond the KV cache (one run at a
-        time), which the KV footprint counts none of: its logits (float32 over the vocabulary: a
-        decode step's rows, every admitted sequence once all are running, or a prefill run's
-        positions, every position of the chunk for a model without `logits_from`: an Optimum
-        export's 128 x 49,152 x 4 B = 24 MiB for SmolLM2's chunk, 78 MiB with Qwen2.5's
-        vocabulary), and while a prompt is prefilled, the prefill run's intermediates as
-        measured at load."""
-        positions = scratch = 0
-        if longest_prompt:
-            chunk = min(self.prefill_chunk or longest_prompt, longest_prompt)
-            positions = 1 if self.decoder.has_logits_from else chunk
-            scratch = self.prefill_scratch
-        return 4 * self.decoder.vocab * max(rows, positions) + scratch
+        time), which the KV footprint counts none of: its logits (a decode step's rows, every
+        admitted sequence once all are running, or a prefill run's chunk: Decoder.logits_bytes),
+        and while a prompt is prefilled, the prefill run's intermediates as measured at load."""
+        chunk = min(self.prefill_chunk or longest_prompt, longest_prompt)
+        scratch = self.prefill_scratch if longest_prompt else 0
+        return self.decoder.logits_bytes(rows, chunk) + scratch
 
     def _settle(self, cache: KvCache | None, running: list[Sequence], filling: list[_Filling]) -> None:
         """End of a round: the reservation comes down to what the admitted sequences can still

@@ -192,6 +192,14 @@ class Decoder:
         assert self.kv is not None
         return CacheFootprint(self.kv, self.shared_kv, self.max_context)
 
+    def logits_bytes(self, rows: int = 0, prefill_tokens: int = 0) -> int:
+        """The float32 logits over the vocabulary of the larger of a decode step of `rows` rows
+        and a prefill run of `prefill_tokens` tokens: one position of the run's with
+        `logits_from`, every one without (an Optimum export: 128 x 49,152 x 4 B = 24 MiB for
+        SmolLM2's chunk, 78 MiB with Qwen2.5's vocabulary)."""
+        positions = (1 if self.has_logits_from else prefill_tokens) if prefill_tokens else 0
+        return 4 * self.vocab * max(rows, positions)
+
     @property
     def weights_bytes(self) -> int:
         try:

@@ -49,8 +49,8 @@ def measurable_context(decoder: Decoder, available: int) -> int:
     Optimum's layout: a run returns a new one beside the old) would take more than half of what
     the budget has (the other half for what is measured)."""
     assert decoder.kv is not None
-    copies = 1 if decoder.shared_kv else 2
-    return max(0, min(decoder.max_context, available // 2 // (copies * decoder.kv.bytes_per_token)))
+    per_token = decoder.footprint().holding_beside(decoder.kv.bytes_per_token)
+    return max(0, min(decoder.max_context, available // 2 // per_token))
 
 
 def measure_prefill(decoder: Decoder, tokens: int, context: int,
@@ -89,9 +89,8 @@ def measuring_bytes(decoder: Decoder, tokens: int, context: int) -> int:
     """What the measuring prompt's caches and logits hold at most: reserved in the budget while
     it runs, so that models serving beside a reload do not take that memory meanwhile."""
     assert decoder.kv is not None
-    copies = 1 if decoder.shared_kv else 2
-    positions = 1 if decoder.has_logits_from else tokens
-    return copies * context * decoder.kv.bytes_per_token + 4 * decoder.vocab * positions
+    caches = decoder.footprint().holding_beside(context * decoder.kv.bytes_per_token)
+    return caches + decoder.logits_bytes(prefill_tokens=tokens)
 
 
 def prefill_scratch(decoder: Decoder, chunk: int, available: int, name: str,
