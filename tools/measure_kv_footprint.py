@@ -26,7 +26,8 @@ sys.path.insert(0, str(ROOT))  # edge_batcher from a checkout, installed or not
 sys.path.insert(0, str(ROOT / "tools"))
 
 from bench_llm import prompt_texts  # noqa: E402
-from measure_kv_memory import _status, reset_peak  # noqa: E402
+
+from edge_batcher.memory import rss_peak  # noqa: E402
 
 MiB = 1 << 20
 
@@ -51,32 +52,31 @@ async def run(model: Path, long: tuple[int, int], short: tuple[int, int, int], t
         # (kernels' buffers, thread pools), which is not the cache
         await asyncio.gather(*(service.generate(t, {"max_new_tokens": 4, **no_stop}, apply_template=False)
                                for t in [long_text] + short_texts))
-        before = _status("VmRSS")
-        reset_peak()
-        peak = {"cache": 0, "reserved": 0}
-        done = asyncio.Event()
+        with rss_peak.measure() as rss:
+            peak = {"cache": 0, "reserved": 0}
+            done = asyncio.Event()
 
-        async def watch():
-            while not done.is_set():
-                kv = service.statistics()["kv"]
-                peak["cache"] = max(peak["cache"], kv["cache_bytes"])
-                peak["reserved"] = max(peak["reserved"], kv["reserved_bytes"])
-                await asyncio.sleep(0.002)
+            async def watch():
+                while not done.is_set():
+                    kv = service.statistics()["kv"]
+                    peak["cache"] = max(peak["cache"], kv["cache_bytes"])
+                    peak["reserved"] = max(peak["reserved"], kv["reserved_bytes"])
+                    await asyncio.sleep(0.002)
 
-        watcher = asyncio.ensure_future(watch())
-        first = await service.submit(long_text, {"max_new_tokens": long[1], **no_stop}, apply_template=False)
-        events = service.events(first)
-        await events.__anext__()
+            watcher = asyncio.ensure_future(watch())
+            first = await service.submit(long_text, {"max_new_tokens": long[1], **no_stop}, apply_template=False)
+            events = service.events(first)
+            await events.__anext__()
 
-        async def rest():
-            async for kind, payload in events:
-                if kind == "done":
-                    return payload
+            async def rest():
+                async for kind, payload in events:
+                    if kind == "done":
+                        return payload
 
-        results = await asyncio.gather(rest(), *(service.generate(t, {"max_new_tokens": short_new, **no_stop},
-                                                                  apply_template=False) for t in short_texts))
-        done.set()
-        await watcher
+            results = await asyncio.gather(rest(), *(service.generate(t, {"max_new_tokens": short_new, **no_stop},
+                                                                      apply_template=False) for t in short_texts))
+            done.set()
+            await watcher
         per_token = service.decoder.kv.bytes_per_token
         per_sequence = sum(r.prompt_tokens + len(r.token_ids) for r in results) * per_token
         stats = service.statistics()
@@ -86,7 +86,7 @@ async def run(model: Path, long: tuple[int, int], short: tuple[int, int, int], t
             "per_sequence_sum_mib": round(per_sequence / MiB, 1),
             "cache_peak_mib": round(peak["cache"] / MiB, 1),
             "reserved_peak_mib": round(peak["reserved"] / MiB, 1),
-            "rss_peak_above_start_mib": round((_status("VmHWM") - before) / MiB, 1),
+            "rss_peak_above_start_mib": round((rss.peak - rss.before) / MiB, 1),
             "cache_over_per_sequence_sum": round(peak["cache"] / per_sequence, 2),
         }
     finally:

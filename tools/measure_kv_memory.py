@@ -29,23 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
+from edge_batcher.memory import rss_peak
+
 MiB = 1 << 20
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def rss() -> int:
     gc.collect()
-    return _status("VmRSS")
-
-
-def reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
+    return rss_peak.resident()
 
 
 def measure(model: Path, tokens: int, counts: list[int], arena: bool = False) -> list[dict]:
@@ -82,9 +73,9 @@ def measure(model: Path, tokens: int, counts: list[int], arena: bool = False) ->
         assert cache is not None
         _, cache = decoder.step(cache, np.zeros(n, dtype=np.int64))  # now n x `tokens` tokens
         held, held_cache = rss(), cache.nbytes
-        reset_peak()
-        _, stepped = decoder.step(cache, np.zeros(n, dtype=np.int64))
-        peak = _status("VmHWM")
+        with rss_peak.measure() as step:
+            _, stepped = decoder.step(cache, np.zeros(n, dtype=np.int64))
+        peak = step.peak
         del stepped
         estimate = kv.bytes_per_token * tokens * n
         del cache
