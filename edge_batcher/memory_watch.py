@@ -6,8 +6,11 @@ in the budget as resident memory (it is held now, whatever holds it), and, while
 budget overdrawn, the batch sizes of the engine models that ran shrink by one step per look, down
 to the smallest: their largest batches are the ones that could grow further; once the budget is
 no longer overdrawn they grow back one step per look. Growth of the process's own memory that
-the meter no longer shows later is given back to the budget (docs/memory.md, "The plan under
-traffic"). The daemon calls `settle` just before ready and
+the meter no longer shows later is given back to the budget. While a model is loaded or
+unloaded (`changing`) the watch does not look: the loading version's memory is in no model's
+resident figure until it is measured, and a version taken out of service holds its memory until
+it has drained; what such changes leave behind is counted at the next look, named after them
+(docs/memory.md, "The plan under traffic"). The daemon calls `settle` just before ready and
 `check` every `[memory] check_interval_s`; both read the meters only (cheap enough for the event
 loop).
 """
@@ -15,7 +18,8 @@ loop).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 from .memory.budget import MemoryBudget
 from .memory.plan import MemoryPlan
@@ -34,6 +38,20 @@ class MemoryWatch:
         self._servables = servables  # the loaded models
         self._batches_seen: dict[str, int] = {}  # batches started per model at the last look
         self.unplanned = 0  # overruns counted into budget.resident since the start
+        self._changing = 0  # model loads and unloads in progress
+        self._changes: list[str] = []  # those finished since the last look
+
+    @contextmanager
+    def changing(self, what: str) -> Iterator[None]:
+        """Around a change of the loaded models ("loading model x", "unloading model y"): no look
+        meanwhile; what the change left beyond the models' measured memory is counted at the next
+        look after it, named after the change rather than after the models that ran."""
+        self._changing += 1
+        try:
+            yield
+        finally:
+            self._changing -= 1
+            self._changes.append(what)
 
     def start(self) -> None:
         """Before any model loads."""
@@ -61,7 +79,11 @@ class MemoryWatch:
 
     def check(self) -> None:
         """Compare the memory in use with the plan; growth beyond it is logged at WARNING, naming
-        the models that ran since the last look, and counted; an overdrawn budget shrinks them."""
+        the models that ran since the last look (at INFO, naming the model changes, after a load
+        or an unload), and counted; an overdrawn budget shrinks them."""
+        if self._changing:
+            return  # the loaded models and their memory are changing: look once they have
+        changes, self._changes = self._changes, []
         residents = self.residents()
         # The process's own memory always (request bodies and Python objects use the headroom);
         # a device's, where other processes allocate too, only once it holds measured models.
@@ -73,12 +95,20 @@ class MemoryWatch:
             if servable.batches_started != self._batches_seen.get(servable.name, 0):
                 ran.append(servable)
             self._batches_seen[servable.name] = servable.batches_started
+        ran_names = ", ".join(_what_ran(s) for s in ran) or "none"
         for overrun in overruns:
-            log.warning("memory: %s in use is %.1f MiB, %.1f MiB above the plan (%.1f MiB): growth that no "
-                        "measurement at load saw%s, now counted in the plan; models that ran since the last check: %s",
-                        overrun.meter, overrun.used / MiB, overrun.excess / MiB, overrun.planned / MiB,
-                        "" if overrun.meter == "process" else " (by this daemon or another process on the device)",
-                        ", ".join(_what_ran(s) for s in ran) or "none")
+            where = "" if overrun.meter == "process" else " (by this daemon or another process on the device)"
+            figures = (overrun.meter, overrun.used / MiB, overrun.excess / MiB, overrun.planned / MiB)
+            if changes:
+                # Expected: an allocator keeps much of what an unloaded version freed (glibc's heap),
+                # and a reload's new version reuses it; held all the same, so counted.
+                log.info("memory: %s in use is %.1f MiB, %.1f MiB above the plan (%.1f MiB) after %s: what the "
+                         "change left beyond the models' measured memory%s, now counted in the plan; models that "
+                         "ran since the last check: %s", *figures, "; ".join(dict.fromkeys(changes)), where, ran_names)
+            else:
+                log.warning("memory: %s in use is %.1f MiB, %.1f MiB above the plan (%.1f MiB): growth that no "
+                            "measurement at load saw%s, now counted in the plan; models that ran since the last check: "
+                            "%s", *figures, where, ran_names)
             self.budget.resident += overrun.excess
             self.unplanned += overrun.excess
         if not overruns and self.unplanned:

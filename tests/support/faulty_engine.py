@@ -12,6 +12,13 @@ LeakyEngine (another test double) instead keeps LEAK_BYTES of memory, touched, f
 carrying -777: memory that serving takes and no measurement at load saw; -776 takes the same
 until the file named by FAULTY_ENGINE_RELEASE exists (at most 60 s), then gives it back to the
 system: a transient peak.
+
+HeavyLoadEngine (a third) takes LOAD_BYTES of memory, touched, as its load's own and holds it,
+the load taking LOAD_SECONDS: a model whose load takes long enough for the memory watch to look
+meanwhile. Its subclass LeavesMemoryEngine keeps those pages when closed, as an allocator keeps
+much of what an unloaded model freed. HeapLoadEngine (a fourth) holds as much in the C heap,
+in blocks of 64 KiB (below glibc's mmap threshold), and frees it when closed: glibc keeps those
+pages in the process until malloc_trim.
 """
 
 from __future__ import annotations
@@ -86,3 +93,44 @@ def _close_when_released(pages: mmap.mmap) -> None:
     while not release.exists() and time.monotonic() < deadline:
         time.sleep(0.02)
     pages.close()
+
+
+LOAD_BYTES = 48 << 20
+LOAD_SECONDS = 1.0
+
+
+class HeavyLoadEngine(OnnxRuntimeEngine):
+    def load(self) -> None:
+        super().load()
+        self._pages = mmap.mmap(-1, LOAD_BYTES)  # a mapping of its own: closing it unmaps the pages
+        self._pages.write(b"\1" * LOAD_BYTES)
+        time.sleep(LOAD_SECONDS)
+
+    def close(self) -> None:
+        super().close()
+        if hasattr(self, "_pages"):
+            self._pages.close()
+
+
+class LeavesMemoryEngine(HeavyLoadEngine):
+    left: list[mmap.mmap] = []
+
+    def close(self) -> None:
+        OnnxRuntimeEngine.close(self)
+        if hasattr(self, "_pages"):
+            self.left.append(self._pages)
+
+
+HEAP_BLOCK = 64 << 10
+_heap_pins: list[bytearray] = []  # one small block after each load's: the heap's top stays above them
+
+
+class HeapLoadEngine(OnnxRuntimeEngine):
+    def load(self) -> None:
+        super().load()
+        self._blocks = [bytearray(b"\1") * HEAP_BLOCK for _ in range(LOAD_BYTES // HEAP_BLOCK)]
+        _heap_pins.append(bytearray(b"\1") * 1024)
+
+    def close(self) -> None:
+        super().close()
+        self._blocks = []
