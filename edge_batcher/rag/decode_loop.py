@@ -263,27 +263,12 @@ class DecodeLoop:
     def _admit(self, running: list[Sequence], filling: list[Sequence], cache: KvCache | None) -> list[Sequence]:
         """Under self._cond: pop the waiting sequences that may join now (arrival order,
         guaranteed-no-evict: the batch's footprint with them is reserved). Cancelled and expired
-        ones are answered and removed."""
-        now = time.monotonic()
+        ones are answered and removed, wherever they wait."""
+        self._drop_waiting(time.monotonic())
         admitted: list[Sequence] = []
         held_back = False
         while self.waiting and len(running) + len(filling) + len(admitted) < self.max_running:
             seq = self.waiting[0]
-            if seq.cancelled:  # its caller went away while it waited
-                self.waiting.popleft()
-                with self._lock:
-                    self._counters.cancelled += 1
-                seq.finished = True
-                continue
-            if now >= seq.deadline:
-                self.waiting.popleft()
-                with self._lock:
-                    self._counters.expired += 1
-                seq.finished = True
-                seq.fail(DeadlineExceeded(
-                    f"model {self.name!r}: waited {now - seq.arrival:.1f} s for KV-cache memory "
-                    f"({seq.need / MiB:.2f} MiB) without getting it"))
-                continue
             extra = self._need(running, filling + admitted + [seq], cache) - self._held
             # In the budget's line: while an engine model has waited longer for memory, nothing
             # new is admitted, and what the running sequences free reaches it first.
@@ -300,6 +285,32 @@ class DecodeLoop:
         if not held_back:
             self.budget.leave_line(self.line_key)
         return admitted
+
+    def _drop_waiting(self, now: float) -> None:
+        """Under self._cond: answer and remove the waiting sequences whose caller went away or
+        whose deadline passed, every round: not only the head, and also while every running
+        place is taken (before, one waiting for a place waited until a place freed, whatever its
+        deadline)."""
+        if not any(seq.cancelled or now >= seq.deadline for seq in self.waiting):
+            return
+        kept: deque[Sequence] = deque()
+        for seq in self.waiting:
+            if seq.cancelled:  # its caller went away while it waited
+                with self._lock:
+                    self._counters.cancelled += 1
+                seq.finished = True
+            elif now >= seq.deadline:
+                with self._lock:
+                    self._counters.expired += 1
+                seq.finished = True
+                seq.fail(DeadlineExceeded(
+                    f"model {self.name!r}: waited {now - seq.arrival:.1f} s to start (a place among its "
+                    f"{self.max_running} running sequences and {seq.need / MiB:.2f} MiB of KV-cache memory) "
+                    "and its deadline passed"))
+            else:
+                kept.append(seq)
+        self.waiting.clear()
+        self.waiting.extend(kept)
 
     def _prefill(self, filling: list[_Filling], running: list[Sequence], cache: KvCache | None) -> KvCache | None:
         """Prefill the next chunk of the oldest admitted prompt; once the whole prompt is in its

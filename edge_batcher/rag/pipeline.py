@@ -18,7 +18,7 @@ from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 
 from ..config import ModelConfig
-from ..errors import ConfigError, InvalidInput, Unavailable
+from ..errors import ConfigError, DeadlineExceeded, InvalidInput, Unavailable
 from ..offload.client import PeerError
 from ..scheduler.runner import ModelRunner
 from ..types import InferRequest, InferResponse, TensorSpec
@@ -225,18 +225,20 @@ class RagService(ServiceAccounting):
         runner = self.runtime.runners.get(self.settings.embedding_model)
         return runner.engines[0].tokenizer if isinstance(runner, ModelRunner) else None
 
-    async def _embed(self, texts: list[str], request: InferRequest):
+    async def _embed(self, texts: list[str], request: InferRequest, deadline: float):
         """Embeddings of texts through the core scheduler (batched with every other request),
-        in requests of at most the embedding model's batch size."""
+        in requests of at most the embedding model's batch size, within what is left of the
+        rag request's time."""
         import numpy as np
 
         step = self._embed_rows or len(texts)
+        left = self._left(deadline, "the embedding model's answer")
         responses = await asyncio.gather(*(self.runtime.infer(InferRequest(
             model=self.settings.embedding_model, inputs={"text": bytes_array(texts[i:i + step])},
-            priority=request.priority, timeout_s=request.timeout_s)) for i in range(0, len(texts), step)))
+            priority=request.priority, timeout_s=left)) for i in range(0, len(texts), step)))
         return np.concatenate([next(iter(r.outputs.values())) for r in responses])
 
-    async def _retrieve(self, questions: list[str], top_k: int, request: InferRequest):
+    async def _retrieve(self, questions: list[str], top_k: int, request: InferRequest, deadline: float):
         """The hits of each question (best first) and the questions' embeddings."""
         index = await self._current_index()
         t0 = time.perf_counter()
@@ -246,7 +248,7 @@ class RagService(ServiceAccounting):
                 None, lambda: [speller.correct(q) for q in questions])
             self.counters["questions_corrected"] += sum(a != b for a, b in zip(questions, corrected))
             questions = corrected
-        vectors = await self._embed(questions, request)
+        vectors = await self._embed(questions, request, deadline)
         t1 = time.perf_counter()
         ranked = index.search_fused(vectors, questions, top_k, self.fusion)
         hits = [on_topic(row, self.settings.min_score) for row in ranked]
@@ -273,7 +275,7 @@ class RagService(ServiceAccounting):
         gen.check_fits_context(tokens, max_new)  # even without passages: a clear error
         return prompt, used, tokens
 
-    async def _extract(self, vector, hits: list[Hit], request: InferRequest) -> str:
+    async def _extract(self, vector, hits: list[Hit], request: InferRequest, deadline: float) -> str:
         """The extractive answer: the best one or two sentences of the first `answer_passages`
         hits (extract.py); the close-call line still names the first two."""
         if not hits:
@@ -284,7 +286,7 @@ class RagService(ServiceAccounting):
         t0 = time.perf_counter()
         vectors = stored_vectors(quoted, candidates)
         if vectors is None:
-            vectors = await self._embed([c.embed_text(quoted) for c in candidates], request)
+            vectors = await self._embed([c.embed_text(quoted) for c in candidates], request, deadline)
             self.counters["sentences_embedded"] += len(candidates)
         else:
             self.counters["sentences_from_index"] += len(candidates)
@@ -294,9 +296,21 @@ class RagService(ServiceAccounting):
         return answer_text(chosen, hits)
 
     def _deadline(self, request: InferRequest, started: float) -> float:
-        """The request's deadline on the time.monotonic() clock (its timeout, else the model's)."""
-        timeout = request.timeout_s if request.timeout_s is not None else self.config.batching.default_timeout_ms / 1000
-        return started + timeout
+        """The request's deadline on the time.monotonic() clock: its timeout up to the model's
+        max_timeout_ms, else the model's default_timeout_ms, from its arrival. Every stage it
+        goes through (the embedding model, the generator, the peer) gets what is left of it."""
+        b = self.config.batching
+        timeout = b.default_timeout_ms / 1000 if request.timeout_s is None else request.timeout_s
+        if timeout <= 0:
+            raise DeadlineExceeded(f"request timeout {timeout * 1000:.1f} ms has already passed")
+        return started + min(timeout, b.max_timeout_ms / 1000)
+
+    def _left(self, deadline: float, stage: str) -> float:
+        """Seconds left before `deadline` for `stage`, or DeadlineExceeded."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"model {self.name!r}: the request's deadline passed before {stage}")
+        return left
 
     async def _start_generation(self, question: str, hits: list[Hit], generation: dict, request: InferRequest,
                                 deadline: float):
@@ -319,14 +333,15 @@ class RagService(ServiceAccounting):
                 None, self._prompt, gen, question, hits, max_new)
             late = too_slow(s.generator, gen.estimate(tokens, max_new), deadline - time.monotonic())
             if late is None and (self.peer is None or gen.fits_now(tokens, max_new)):
-                seq = await gen.submit(prompt, generation, timeout_s=request.timeout_s, apply_template=False)
+                seq = await gen.submit(prompt, generation, timeout_s=self._left(deadline, "generation"),
+                                       apply_template=False)
                 return "local", used, gen.events(seq), None
             reasons.append(late or f"local generator {s.generator!r}: no room in the KV memory budget now")
             fallback = "deadline" if late else "local"
         if self.peer is not None:
             if self.peer.usable():
                 events = self.peer.stream(render(s.prompt_template, s.passage_template, question, hits),
-                                          generation, request.timeout_s)
+                                          generation, self._left(deadline, "generation on the peer"))
                 try:
                     first = await events.__anext__()  # the peer is judged before anything is sent on
                 except PeerError as exc:
@@ -352,7 +367,7 @@ class RagService(ServiceAccounting):
                       request: InferRequest, deadline: float) -> tuple[str, list[Hit], dict]:
         route, used, events, reason = await self._start_generation(question, hits, generation, request, deadline)
         if events is None:
-            answer = await self._extract(vector, hits, request)
+            answer = await self._extract(vector, hits, request, deadline)
             self.counters["extractive"] += 1
             return answer, hits, {"mode": "extractive", **self._routed(route, reason)}
         t0 = time.perf_counter()
@@ -371,10 +386,10 @@ class RagService(ServiceAccounting):
         started = time.monotonic()
         self.queue.count += 1
         try:
+            deadline = self._deadline(request, started)
             questions = self._questions(request, self._max_rows)
             top_k, generation = self._parameters(request.parameters)
-            hits, vectors = await self._retrieve(questions, top_k, request)
-            deadline = self._deadline(request, started)
+            hits, vectors = await self._retrieve(questions, top_k, request, deadline)
             answers = await asyncio.gather(*(self._answer(q, v, h, generation, request, deadline)
                                              for q, v, h in zip(questions, vectors, hits)))
         except BaseException as exc:
@@ -396,14 +411,15 @@ class RagService(ServiceAccounting):
         started = time.monotonic()
         self.queue.count += 1
         try:
+            deadline = self._deadline(request, started)
             questions = self._questions(request, 1)
             top_k, generation = self._parameters(request.parameters)
-            hits, vectors = await self._retrieve(questions, top_k, request)
+            hits, vectors = await self._retrieve(questions, top_k, request, deadline)
             hits = hits[0]
             route, used, events, reason = await self._start_generation(questions[0], hits, generation, request,
-                                                                       self._deadline(request, started))
+                                                                       deadline)
             if events is None:
-                answer = await self._extract(vectors[0], hits, request)
+                answer = await self._extract(vectors[0], hits, request, deadline)
                 self.counters["extractive"] += 1
                 yield final_response(self.name, request.id, {
                     ANSWER: bytes_array([answer]), SOURCES: bytes_array([_sources(hits)])},

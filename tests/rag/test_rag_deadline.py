@@ -9,6 +9,11 @@ aiohttp chat-completions app of test_rag_peer.py."""
 
 from __future__ import annotations
 
+import asyncio
+import shutil
+import time
+from pathlib import Path
+
 import pytest
 import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
@@ -32,6 +37,9 @@ async def setup(rag_repo, tmp_path_factory):
     (repo / "minilm").symlink_to(rag_repo / "minilm")
     _tool("build_tiny_decoder").build(repo, "slowlm", quiet=True, hidden=512, layers=4, heads=8, kv_heads=4,
                                       ffn=2048)
+    shutil.copytree(repo / "slowlm", repo / "slowlm2")  # a twin running one sequence at a time
+    toml = repo / "slowlm2" / "model.toml"
+    toml.write_text(toml.read_text().replace("max_running = 8", "max_running = 1"))
     url = str(server.make_url("")).rstrip("/")
     (repo / "ragslow").mkdir()
     (repo / "ragslow" / "model.toml").write_text(RAG_TOML.format(index=rag_repo / "index", generator="slowlm"))
@@ -103,3 +111,63 @@ async def test_a_generation_that_would_miss_the_deadline_goes_to_the_peer_else_e
     # A short answer fits the same deadline: local again.
     short = await generate(client, "ragslow", 4, tight_ms)
     assert short["route"] == "local" and short["completion_tokens"] == 4
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_rag_request_waits_for_the_generator_only_until_its_own_deadline(setup):
+    """A rag request without a timeout has its model's default_timeout_ms (here 60% of what a
+    long generation takes) from its arrival; the sequence it submits waits for admission only as
+    long as that leaves. Before, the generator
+    was given the request's own timeout, None here, so its default (30 s; SmolLM2's 60 s, where
+    a soak's rag questions outlived a 60 s client timeout with the rag model's default at 30 s).
+    The twin generator runs one sequence at a time: a long generation holds it."""
+    client, runtime = setup
+    started = time.monotonic()  # how long LONG new tokens take here
+    await generate(client, "slowlm", LONG, 60_000)
+    took = time.monotonic() - started
+    repo = Path(runtime.config.models.repository)
+    (repo / "ragshort").mkdir()
+    (repo / "ragshort" / "model.toml").write_text(
+        (repo / "ragslow" / "model.toml").read_text().replace('generator = "slowlm"', 'generator = "slowlm2"')
+        .replace("top_k = 3", "top_k = 1")  # a short prompt: the route's estimate well within the deadline
+        .replace("default_timeout_ms = 30000", f"default_timeout_ms = {took * 1000 * 0.6:.0f}"))
+    assert await runtime.load_model("ragshort") == "loaded"
+
+    holder = asyncio.create_task(client.post("/v2/models/slowlm2/generate", json={
+        "text_input": QUESTION, "parameters": {"max_new_tokens": LONG, "ignore_stop": True}}))
+    while not runtime.runners["slowlm2"].statistics()["running"]:
+        await asyncio.sleep(0.005)
+    started = time.monotonic()
+    r = await client.post("/v2/models/ragshort/generate", json={"text_input": QUESTION,
+                                                                "parameters": {"max_new_tokens": 1}})
+    body = await r.json()
+    waited = time.monotonic() - started
+    assert not holder.done()  # the long generation still holds the generator's one place
+    # Before: 200, once the long generation had finished. (The route's estimate, a prefill and a
+    # step, left it local: it does not count a wait for admission.)
+    assert r.status == 504, (body.get("route"), body.get("route_reason"), body.get("error"))
+    assert "slowlm2" in body["error"] and waited < took * 0.9
+    assert (await holder).status == 200
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_sequence_waiting_for_a_running_place_fails_at_its_deadline(setup):
+    """A generation request waiting while every running place is taken gets its 504 when its
+    timeout passes, not when a place frees (before: only the head of the line, and only once a
+    place had freed, was checked against its deadline)."""
+    client, runtime = setup
+    await generate(client, "slowlm2", 16, 60_000)  # measured: the estimate below
+    started = time.monotonic()
+    holder = asyncio.create_task(client.post("/v2/models/slowlm2/generate", json={
+        "text_input": QUESTION, "parameters": {"max_new_tokens": LONG, "ignore_stop": True}}))
+    while not runtime.runners["slowlm2"].statistics()["running"]:
+        await asyncio.sleep(0.005)
+    local = runtime.runners["slowlm2"].estimate(0, LONG)
+    assert local is not None
+    r = await client.post("/v2/models/slowlm2/generate", json={"text_input": QUESTION, "parameters": {
+        "max_new_tokens": 1, "timeout_ms": local.seconds * 300}})
+    body = await r.json()
+    assert not holder.done()
+    assert r.status == 504 and "to start (a place among its 1 running sequences" in body["error"], body
+    assert time.monotonic() - started < local.seconds * 0.9
+    assert (await holder).status == 200
