@@ -312,8 +312,7 @@ class RagService(ServiceAccounting):
             raise DeadlineExceeded(f"model {self.name!r}: the request's deadline passed before {stage}")
         return left
 
-    async def _start_generation(self, question: str, hits: list[Hit], generation: dict, request: InferRequest,
-                                deadline: float):
+    async def _start_generation(self, question: str, hits: list[Hit], generation: dict, deadline: float):
         """Decide where this answer is generated, and start it there: (route, passages used,
         generation events or None for an extractive answer, why the earlier choices were passed
         over or None).
@@ -365,7 +364,7 @@ class RagService(ServiceAccounting):
 
     async def _answer(self, question: str, vector, hits: list[Hit], generation: dict,
                       request: InferRequest, deadline: float) -> tuple[str, list[Hit], dict]:
-        route, used, events, reason = await self._start_generation(question, hits, generation, request, deadline)
+        route, used, events, reason = await self._start_generation(question, hits, generation, deadline)
         if events is None:
             answer = await self._extract(vector, hits, request, deadline)
             self.counters["extractive"] += 1
@@ -416,8 +415,7 @@ class RagService(ServiceAccounting):
             top_k, generation = self._parameters(request.parameters)
             hits, vectors = await self._retrieve(questions, top_k, request, deadline)
             hits = hits[0]
-            route, used, events, reason = await self._start_generation(questions[0], hits, generation, request,
-                                                                       deadline)
+            route, used, events, reason = await self._start_generation(questions[0], hits, generation, deadline)
             if events is None:
                 answer = await self._extract(vectors[0], hits, request, deadline)
                 self.counters["extractive"] += 1

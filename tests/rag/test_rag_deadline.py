@@ -117,10 +117,10 @@ async def test_a_generation_that_would_miss_the_deadline_goes_to_the_peer_else_e
 async def test_a_rag_request_waits_for_the_generator_only_until_its_own_deadline(setup):
     """A rag request without a timeout has its model's default_timeout_ms (here 60% of what a
     long generation takes) from its arrival; the sequence it submits waits for admission only as
-    long as that leaves. Before, the generator
-    was given the request's own timeout, None here, so its default (30 s; SmolLM2's 60 s, where
-    a soak's rag questions outlived a 60 s client timeout with the rag model's default at 30 s).
-    The twin generator runs one sequence at a time: a long generation holds it."""
+    long as that leaves. Before, the generator was given the request's own timeout, None here,
+    so its default (30 s; SmolLM2's 60 s, where a soak's rag questions outlived a 60 s client
+    timeout with the rag model's default at 30 s). The twin generator runs one sequence at a
+    time: a long generation holds it."""
     client, runtime = setup
     started = time.monotonic()  # how long LONG new tokens take here
     await generate(client, "slowlm", LONG, 60_000)
@@ -135,7 +135,7 @@ async def test_a_rag_request_waits_for_the_generator_only_until_its_own_deadline
 
     holder = asyncio.create_task(client.post("/v2/models/slowlm2/generate", json={
         "text_input": QUESTION, "parameters": {"max_new_tokens": LONG, "ignore_stop": True}}))
-    while not runtime.runners["slowlm2"].statistics()["running"]:
+    while not runtime.runners["slowlm2"].statistics()["running"] and not holder.done():
         await asyncio.sleep(0.005)
     started = time.monotonic()
     r = await client.post("/v2/models/ragshort/generate", json={"text_input": QUESTION,
@@ -160,7 +160,7 @@ async def test_a_sequence_waiting_for_a_running_place_fails_at_its_deadline(setu
     started = time.monotonic()
     holder = asyncio.create_task(client.post("/v2/models/slowlm2/generate", json={
         "text_input": QUESTION, "parameters": {"max_new_tokens": LONG, "ignore_stop": True}}))
-    while not runtime.runners["slowlm2"].statistics()["running"]:
+    while not runtime.runners["slowlm2"].statistics()["running"] and not holder.done():
         await asyncio.sleep(0.005)
     local = runtime.runners["slowlm2"].estimate(0, LONG)
     assert local is not None
