@@ -20,7 +20,7 @@ from .engines.registry import REMOTE, create_engine, is_service, service_class
 from .errors import ConfigError, InvalidInput, ModelNotFound
 from .memory.budget import MemoryBudget
 from .memory.device import DeviceLoad, ModelDoesNotFit
-from .memory.heap import malloc_trim
+from .memory.heap import trim_heap
 from .memory.wiring import MiB, build_budget, model_admission, release_resident
 from .memory_watch import MemoryWatch
 from .metrics import Metrics
@@ -296,9 +296,7 @@ class Runtime:
         # can tell, and reused by the next load unseen.
         if self.after_unload is not None:
             self.after_unload(what)
-        trim = malloc_trim()
-        if trim is not None:
-            await asyncio.get_running_loop().run_in_executor(None, trim, 0)
+        await asyncio.get_running_loop().run_in_executor(None, trim_heap)
 
     async def _reload(self) -> dict[str, list[str]]:
         """reload()'s work, under its lock; returns the models added, changed, removed, failed."""

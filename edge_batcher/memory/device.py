@@ -28,7 +28,7 @@ from ..engines.base import DEVICE_PROVIDERS
 from ..errors import ConfigError, OutOfMemory
 from ..types import DATATYPE_TO_NUMPY, TensorSpec
 from .budget import MemoryBudget
-from .heap import malloc_trim
+from .heap import trim_heap
 from .snapshot import MemoryProbe
 
 log = logging.getLogger(__name__)
@@ -259,12 +259,10 @@ class DeviceLoad:
         self.available_before = 0
         self._used_before: dict[str, int] = {}
         if budget is not None:
-            trim = malloc_trim()
-            if trim is not None:
-                # What the process freed before (a version unloaded, an earlier load's transients)
-                # back to the system first: a load that reused that heap would not show as growth
-                # (a reloaded SmolLM2 measured 12 MiB of its ~160).
-                trim(0)
+            # What the process freed before (a version unloaded, an earlier load's transients)
+            # back to the system first: a load that reused that heap would not show as growth
+            # (a reloaded SmolLM2 measured 12 MiB of its ~160).
+            trim_heap()
             budget.refresh()
             self.available_before = budget.available()
             self._used_before = memory_in_use(budget.probe)
