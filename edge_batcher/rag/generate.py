@@ -20,7 +20,6 @@ from ..config import ModelConfig, backend_settings
 from ..cpu_affinity import full_affinity
 from ..errors import (
     ConfigError,
-    DeadlineExceeded,
     DoesNotFit,
     EngineError,
     InvalidInput,
@@ -30,6 +29,7 @@ from ..errors import (
 )
 from ..memory.device import UNIFIED_PROBES, DeviceLoad, ModelDoesNotFit, runs_on_device
 from ..memory.heap import malloc_trim
+from ..scheduler.validate import timeout_within
 from ..types import InferRequest, InferResponse, TensorSpec
 from . import kv as kvmath
 from .deadline import LocalEstimate
@@ -237,10 +237,7 @@ class GenerationService(ServiceAccounting):
         params = parse_params(parameters or {}, default_max_new_tokens=s.max_new_tokens,
                               max_new_tokens_limit=s.max_new_tokens_limit, defaults=base,
                               stop_token_ids=self.stop_ids)
-        timeout = self.config.batching.default_timeout_ms / 1000.0 if timeout_s is None else timeout_s
-        if timeout <= 0:
-            raise DeadlineExceeded(f"request timeout {timeout * 1000:.1f} ms has already passed")
-        deadline = time.monotonic() + min(timeout, self.config.batching.max_timeout_ms / 1000.0)
+        deadline = time.monotonic() + timeout_within(timeout_s, self.config.batching)
         if len(self._loop.waiting) >= self.config.batching.queue_capacity:  # before any work on the prompt
             raise Overloaded(f"model {self.name!r}: {len(self._loop.waiting)} sequences already wait for admission")
         text = s.prompt_template.replace("{prompt}", prompt) if apply_template else prompt

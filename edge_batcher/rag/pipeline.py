@@ -21,6 +21,7 @@ from ..config import ModelConfig
 from ..errors import ConfigError, DeadlineExceeded, InvalidInput, Unavailable
 from ..offload.client import PeerError
 from ..scheduler.runner import ModelRunner
+from ..scheduler.validate import timeout_within
 from ..types import InferRequest, InferResponse, TensorSpec
 from .deadline import too_slow
 from .documents import Documents
@@ -299,11 +300,7 @@ class RagService(ServiceAccounting):
         """The request's deadline on the time.monotonic() clock: its timeout up to the model's
         max_timeout_ms, else the model's default_timeout_ms, from its arrival. Every stage it
         goes through (the embedding model, the generator, the peer) gets what is left of it."""
-        b = self.config.batching
-        timeout = b.default_timeout_ms / 1000 if request.timeout_s is None else request.timeout_s
-        if timeout <= 0:
-            raise DeadlineExceeded(f"request timeout {timeout * 1000:.1f} ms has already passed")
-        return started + min(timeout, b.max_timeout_ms / 1000)
+        return started + timeout_within(request.timeout_s, self.config.batching)
 
     def _left(self, deadline: float, stage: str) -> float:
         """Seconds left before `deadline` for `stage`, or DeadlineExceeded."""

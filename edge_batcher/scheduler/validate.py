@@ -44,8 +44,7 @@ class RequestValidator:
         b = batching or BatchingSettings()
         self._default_priority = b.default_priority
         self._priority_levels = b.priority_levels
-        self._default_timeout_s = b.default_timeout_ms / 1000.0
-        self._max_timeout_s = b.max_timeout_ms / 1000.0
+        self._batching = b
         self._input_names = [spec.name for spec in inputs]
         self._output_names = [spec.name for spec in outputs]
         self.checks = [self._check_of(spec) for spec in inputs]
@@ -64,10 +63,7 @@ class RequestValidator:
 
     def timeout_s(self, request: InferRequest) -> float:
         """The request's timeout in seconds: its own up to the model's max_timeout_ms, else the default."""
-        timeout_s = self._default_timeout_s if request.timeout_s is None else request.timeout_s
-        if timeout_s <= 0:
-            raise DeadlineExceeded(f"request timeout {timeout_s * 1000:.1f} ms has already passed")
-        return min(timeout_s, self._max_timeout_s)
+        return timeout_within(request.timeout_s, self._batching)
 
     def seq_axis(self, name: str) -> int | None:
         seq = self.sequence
@@ -198,6 +194,16 @@ class RequestValidator:
             if seq_len <= boundary:
                 return boundary
         raise AssertionError("check_seq_len rejects lengths beyond the largest bucket")
+
+
+def timeout_within(timeout_s: float | None, batching: BatchingSettings) -> float:
+    """A request's timeout in seconds: its own up to the model's max_timeout_ms, else the model's
+    default_timeout_ms; DeadlineExceeded when it has already passed. The one rule for engine
+    models, generators and the rag service."""
+    timeout = batching.default_timeout_ms / 1000.0 if timeout_s is None else timeout_s
+    if timeout <= 0:
+        raise DeadlineExceeded(f"request timeout {timeout * 1000:.1f} ms has already passed")
+    return min(timeout, batching.max_timeout_ms / 1000.0)
 
 
 def v2_name(dtype: np.dtype[Any]) -> str:
