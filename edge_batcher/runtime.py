@@ -88,13 +88,13 @@ def _load_within_budget(config: ModelConfig, metrics: Metrics, budget: MemoryBud
     the budget cannot hold left out (memory/device.py). Not warmed up yet."""
     created = [create_engine(config) for _ in range(config.instances)]
     load = DeviceLoad(budget, config.instances, known_load_bytes)  # memory before the load (memory/device.py)
-    load.check_weights(config)
     engines = []
     try:
-        for engine in created:
-            load.prepare(engine)
-            engine.load()
-            engines.append(engine)
+        with load.held(config):
+            for engine in created:
+                load.prepare(engine)
+                engine.load()
+                engines.append(engine)
     except BaseException:
         for engine in engines:
             engine.close()

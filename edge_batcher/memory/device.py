@@ -15,7 +15,8 @@ admission plans with. Blocking: call it off the event loop.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,7 +44,7 @@ UNIFIED_PROBES = frozenset({"jetson"})
 # Runtime's per-shape pools hold 1.6-1.75x the liveness peak: docs/memory.md, "Calibration"), so
 # a size the budget cannot hold is not run at all, also not once to find out.
 PREDICTION_FACTOR = 2.0
-# Loading an ONNX model into host memory peaks at about this times its file (DeviceLoad.check_weights).
+# Loading an ONNX model into host memory peaks at about this times its file (DeviceLoad.held).
 LOAD_PEAK_FACTOR = 2.0
 
 
@@ -246,7 +247,7 @@ def load_need(config: ModelConfig, probe: MemoryProbe, instances: int) -> tuple[
 class DeviceLoad:
     """Memory around one model's load. Create it before the engines load, off the event loop (it
     gives the C heap's free pages back to the system, then reads the meters and what the budget
-    has available), pass each new engine to `prepare` before its
+    has available), load the engines within `held`, pass each new engine to `prepare` before its
     load() (the engine's arena limit comes from the budget), and hand it to model_admission.
     Does nothing without a budget."""
 
@@ -267,17 +268,29 @@ class DeviceLoad:
             self.available_before = budget.available()
             self._used_before = memory_in_use(budget.probe)
 
-    def check_weights(self, config: ModelConfig) -> None:
-        """Refuse a model whose load alone would not fit (load_need), before loading it: the
-        load would fail, or on unified memory meet the OOM killer, before anything could be
-        measured."""
-        if self.budget is None:
+    @contextmanager
+    def held(self, config: ModelConfig) -> Iterator[None]:
+        """Around the engines' load: refuse a model whose load alone would not fit (load_need)
+        before loading it (the load would fail, or on unified memory meet the OOM killer, before
+        anything could be measured), and hold what it needs in the budget until the block ends,
+        so that batches and sequences of the models serving meanwhile (a load through the API,
+        a reload) are not admitted against memory the load is about to take. What the load has
+        taken shows in free memory too and is counted twice until then, as a batch's is: the
+        safe side, for the load's seconds."""
+        need = load_need(config, self.budget.probe, self.instances) if self.budget is not None else None
+        if need is None:
+            yield
             return
-        need = load_need(config, self.budget.probe, self.instances)
-        if need is not None and need[0] > self.available_before:
+        assert self.budget is not None
+        if need[0] > self.available_before or not self.budget.try_reserve(need[0]):
             raise ModelDoesNotFit(
                 f"model {config.name!r}: loading it needs about {need[0] / MiB:.1f} MiB ({need[1]}), more "
-                f"than the {self.available_before / MiB:.1f} MiB the memory budget has; it was not loaded")
+                f"than the {min(self.available_before, self.budget.available()) / MiB:.1f} MiB the memory "
+                "budget has; it was not loaded")
+        try:
+            yield
+        finally:
+            self.budget.release(need[0])
 
     def meter(self, engine: Any) -> Meter | None:
         """The meter for a loaded engine (meter_for), or None without a budget."""

@@ -126,9 +126,9 @@ class GenerationService(ServiceAccounting):
         no meter sees it: memory/device.py), measured by `resident_meter`. A load the budget
         cannot hold raises ModelDoesNotFit."""
         load = DeviceLoad(self.runtime.budget)
-        load.check_weights(self.config)
         with full_affinity():  # the session's native thread pool may use every CPU (cpu_affinity.py)
-            self.decoder.load()
+            with load.held(self.config):
+                self.decoder.load()
             meter = load.meter(self.decoder.engine)
             loaded = load.load_bytes(meter) if meter is not None else self.decoder.weights_bytes
             try:  # before the load's growth is read: what the runs leave (an arena's growth) is the load's

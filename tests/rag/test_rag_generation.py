@@ -268,6 +268,32 @@ def test_the_decoder_s_memory_is_measured_and_a_budget_too_small_refuses_it(tiny
     assert "model 'tinylm': loading it needs about" in refusal
 
 
+async def test_a_generator_s_decoder_load_is_held_in_the_budget(tiny_repo, monkeypatch):
+    """What loading the decoder needs is held in the budget while it loads (memory/device.py
+    DeviceLoad.held), then given back: its measured figure is what stays."""
+    from edge_batcher.memory.device import load_need
+    from edge_batcher.rag import decoder as decoder_module
+    from edge_batcher.rag.generate import GenerationService
+
+    runtime = Runtime(DaemonConfig(memory=MemorySettings(probe="cpu")))
+    config = load_model_config(tiny_repo / "tinylm")
+    held_while_loading = []
+    load = decoder_module.Decoder.load
+
+    def loading(decoder):
+        held_while_loading.append(runtime.budget.reserved)
+        return load(decoder)
+
+    monkeypatch.setattr(decoder_module.Decoder, "load", loading)
+    service = GenerationService(config, runtime)
+    await service.start()
+    try:
+        assert held_while_loading == [load_need(config, runtime.budget.probe, 1)[0]]
+        assert runtime.budget.reserved == 0
+    finally:
+        await service.close()
+
+
 async def test_a_moment_of_less_free_memory_holds_a_sequence_back_instead_of_refusing_it(tiny_repo):
     """The budget's capacity follows the probe, which dips whenever something else holds memory
     for a moment: a sequence that fits what the budget could give since the load waits for the
