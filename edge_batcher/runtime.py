@@ -338,8 +338,15 @@ class Runtime:
         model that does not fit is not loaded (ModelDoesNotFit) and the old version stays.
         Returns "loaded" or "reloaded"."""
         with self.memory_watch.changing(f"loading model {name}"):
-            async with self._reload_lock:
-                outcome = await self._load_model(name)
+            try:
+                async with self._reload_lock:
+                    outcome = await self._load_model(name)
+            except ModelNotFound:
+                raise
+            except Exception as exc:  # answered to the caller; the operator reads the journal
+                log.warning("model %s: loading it through the API failed (%s): %s", name,
+                            "the version serving stays" if name in self.runners else "not loaded", exc)
+                raise
             if outcome == "reloaded":
                 await self._unloaded(f"model {name}'s old version unloaded")
         return outcome

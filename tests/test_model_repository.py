@@ -146,6 +146,8 @@ def test_what_cannot_be_loaded_or_unloaded_is_a_clear_error(daemon):
     (daemon.repo / "broken" / "model.toml").write_text('backend = "onnxruntime"\nmodel_file = "none.onnx"\n')
     with pytest.raises(InferenceServerException, match="failed to load 'broken'"):
         http.load_model("broken", headers=HEADERS)
+    assert "WARNING edge_batcher.runtime: model broken: loading it through the API failed (not loaded): " \
+        in daemon.log_text()
     assert http.is_server_ready(headers=HEADERS) and http.is_model_ready("vibration", headers=HEADERS)
     with pytest.raises(InferenceServerException, match="missing or invalid bearer token"):
         http.load_model("seqsum")  # the TCP API's token guards model control too
