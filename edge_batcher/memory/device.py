@@ -292,6 +292,18 @@ class DeviceLoad:
         finally:
             self.budget.release(need[0])
 
+    @contextmanager
+    def holding(self, nbytes: int) -> Iterator[None]:
+        """`nbytes` reserved in the budget until the block ends: what a size's measuring runs
+        are predicted to take (measure_device), which models serving meanwhile must not be
+        admitted against. measure_device decides what fits by what the budget had before the
+        load; this only keeps the others off it."""
+        if self.budget is None or nbytes <= 0:
+            yield
+            return
+        with self.budget.reservation(nbytes):
+            yield
+
     def meter(self, engine: Any) -> Meter | None:
         """The meter for a loaded engine (meter_for), or None without a budget."""
         return meter_for(self.budget.probe, engine) if self.budget is not None else None
@@ -346,11 +358,12 @@ def measure_device(config: ModelConfig, specs: list[TensorSpec], run: RunOnInsta
 
     Within what the budget had for this model before its load (`load.available_before`): a
     load that took more raises ModelDoesNotFit; a size whose predicted growth (its liveness
-    estimate above the largest measured so far, x PREDICTION_FACTOR) would not fit is not run;
-    a size that runs out of memory, or that took the model past the budget all the same, ends
-    its bucket (larger ones would too) and is in `failed`. The caller serves only the sizes
-    below the smallest failed one, and reloads the engines when the profile is over budget
-    (their arenas hold what that size took)."""
+    estimate above the largest measured so far, x PREDICTION_FACTOR) would not fit is not run,
+    else held in the budget while it runs (DeviceLoad.holding); a size that runs out of
+    memory, or that took the model past the budget all the same, ends its bucket (larger ones
+    would too) and is in `failed`. The caller serves only the sizes below the smallest failed
+    one, and reloads the engines when the profile is over budget (their arenas hold what that
+    size took)."""
     room = load.available_before
     profile = DeviceProfile(load.load_bytes(meter), unified=meter.unified, meter=meter.name, budget_bytes=room)
     where = "device memory" if meter.name != "process" else "memory (the process's resident set)"
@@ -377,19 +390,21 @@ def measure_device(config: ModelConfig, specs: list[TensorSpec], run: RunOnInsta
                 log.warning("model %s: not running %s: %s", config.name, label, profile.failed[(size, bucket)])
                 break
             try:
-                first, second = [], []
-                for instance in range(instances):
+                with load.holding(predicted):
+                    first, second = [], []
+                    for instance in range(instances):
+                        before = meter.used()
+                        outputs = run(instance, batch)
+                        io_bytes = (sum(int(a.nbytes) for a in batch.values())
+                                    + sum(int(o.nbytes) for o in outputs.values()))
+                        del outputs  # host arrays: not the device's, except on unified memory (io_bytes)
+                        middle = meter.used()
+                        run(instance, batch)
+                        first.append(middle - before)
+                        second.append(meter.used() - middle)
                     before = meter.used()
-                    outputs = run(instance, batch)
-                    io_bytes = sum(int(a.nbytes) for a in batch.values()) + sum(int(o.nbytes) for o in outputs.values())
-                    del outputs  # host arrays: not the device's, except on unified memory (io_bytes)
-                    middle = meter.used()
-                    run(instance, batch)
-                    first.append(middle - before)
-                    second.append(meter.used() - middle)
-                before = meter.used()
-                run(0, batch)
-                repeat = meter.used() - before
+                    run(0, batch)
+                    repeat = meter.used() - before
             except OutOfMemory as exc:
                 profile.failed[(size, bucket)] = str(exc)
                 log.warning("model %s: %s ran out of memory while measuring: %s", config.name, label, exc)

@@ -93,3 +93,28 @@ async def test_a_model_loaded_while_others_serve_is_held_in_the_budget_while_it_
     finally:
         await runtime.close()
 
+
+
+async def test_each_size_s_measuring_runs_are_held_in_the_budget(repo, monkeypatch):
+    """A size's first runs at load grow the model's memory by about its predicted growth; that
+    figure is held while they run (DeviceLoad.holding in measure_device), then given back."""
+    from edge_batcher.scheduler.runner import ModelRunner
+
+    runtime = Runtime(DaemonConfig(models=ModelsSettings(repository=str(repo), warmup=False, load=["vibration"]),
+                                   memory=MemorySettings(probe="cpu")))
+    held: list[tuple[int, int]] = []  # (rows, reserved) at each measuring run
+    infer_on = ModelRunner.infer_on
+
+    def measuring(runner, instance, batch):
+        held.append((next(iter(batch.values())).shape[0], runtime.budget.reserved))
+        return infer_on(runner, instance, batch)
+
+    monkeypatch.setattr(ModelRunner, "infer_on", measuring)
+    await runtime.start()
+    try:
+        assert sorted({rows for rows, _ in held}) == [2, 4, 8]
+        assert len(held) == 3 * 3  # first, second and third run of each size, one instance
+        assert all(reserved > 0 for _, reserved in held), held
+        assert runtime.budget.reserved == 0
+    finally:
+        await runtime.close()
