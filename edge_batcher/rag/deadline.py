@@ -18,6 +18,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+# Kept back from what the local generator's sequence may wait for admission: the time an
+# extractive answer takes (a few ms with the index's sentence vectors, an embedding batch without
+# them), so that a sequence that could not start in time is still answered, extractively.
+EXTRACTIVE_RESERVE_S = 0.05
+
 
 @dataclass(frozen=True)
 class LocalEstimate:
@@ -54,3 +59,9 @@ def too_slow(generator: str, local: LocalEstimate | None, remaining_s: float) ->
         return None
     return (f"local generator {generator!r}: generation would take {local.describe()}, "
             f"the request has {max(remaining_s, 0.0):.2f} s left")
+
+
+def generation_timeout(left_s: float) -> float:
+    """What the local generator's sequence gets of the `left_s` seconds its request has: all but
+    the extractive answer's reserve (at most half of it)."""
+    return left_s - min(EXTRACTIVE_RESERVE_S, left_s / 2)

@@ -23,7 +23,7 @@ from ..offload.client import PeerError
 from ..scheduler.runner import ModelRunner
 from ..scheduler.validate import timeout_within
 from ..types import InferRequest, InferResponse, TensorSpec
-from .deadline import too_slow
+from .deadline import generation_timeout, too_slow
 from .documents import Documents
 from .extract import NO_PASSAGE, answer_text, choose, quoted_sentences, stored_vectors
 from .index import Hit, Index, IndexWatcher, load_index, on_topic
@@ -316,7 +316,8 @@ class RagService(ServiceAccounting):
 
         The local generator when it would finish before the deadline (deadline.py) and its KV
         cache fits the memory budget now (or when it is the only generator), else the peer when
-        it is usable and answers, else extractive."""
+        it is usable and answers, else extractive. A local sequence that could not start before
+        the deadline (less the extractive answer's reserve) is answered extractively too."""
         s = self.settings
         reasons: list[str] = []
         fallback = None  # what an extractive answer is counted as in the stats' fallbacks
@@ -329,9 +330,16 @@ class RagService(ServiceAccounting):
                 None, self._prompt, gen, question, hits, max_new)
             late = too_slow(s.generator, gen.estimate(tokens, max_new), deadline - time.monotonic())
             if late is None and (self.peer is None or gen.fits_now(tokens, max_new)):
-                seq = await gen.submit(prompt, generation, timeout_s=self._left(deadline, "generation"),
-                                       apply_template=False)
-                return "local", used, gen.events(seq), None
+                seq = await gen.submit(prompt, generation, apply_template=False,
+                                       timeout_s=generation_timeout(self._left(deadline, "generation")))
+                events = gen.events(seq)
+                try:  # judged before anything is sent on, as the peer is
+                    first = await events.__anext__()
+                except DeadlineExceeded as exc:
+                    # It could not start before its deadline (a place, its KV memory): answered
+                    # extractively in the time kept back for that, too little for the peer.
+                    return self._extractive(hits, f"local generator {s.generator!r}: {exc}", "deadline")
+                return "local", used, _prepended(first, events), None
             reasons.append(late or f"local generator {s.generator!r}: no room in the KV memory budget now")
             fallback = "deadline" if late else "local"
         if self.peer is not None:
@@ -349,7 +357,10 @@ class RagService(ServiceAccounting):
                 reasons.append(f"generation peer {self.peer.name}: " + (
                     "unhealthy" if self.peer.healthy is False else f"circuit breaker {self.peer.breaker.state}"))
             fallback = "peer"
-        reason = "; ".join(reasons) or None
+        return self._extractive(hits, "; ".join(reasons) or None, fallback)
+
+    def _extractive(self, hits: list[Hit], reason: str | None, fallback: str | None):
+        """The extractive route, counted in the stats' fallbacks as the last choice that failed."""
         if fallback:
             self.fallbacks[fallback] = self.fallbacks.get(fallback, 0) + 1
             log.debug("model %s: answering extractively: %s", self.name, reason)

@@ -24,7 +24,7 @@ from edge_batcher.runtime import Runtime
 from edge_batcher.transports.http import create_app
 from edge_batcher.transports.http_generate import add_generate_routes
 from tests.rag.conftest import RAG_TOML, _tool
-from tests.rag.test_rag_peer import PEER_TOML, PIECES, QUESTION, TOKEN, ChatPeerApp
+from tests.rag.test_rag_peer import PEER_TOML, PIECES, QUESTION, TOKEN, ChatPeerApp, sse
 
 LONG = 256  # new tokens asked for: the estimate grows with them
 
@@ -57,9 +57,10 @@ async def setup(rag_repo, tmp_path_factory):
     await server.close()
 
 
-async def generate(client, model: str, max_new_tokens: int, timeout_ms: float) -> dict:
+async def generate(client, model: str, max_new_tokens: int, timeout_ms: float | None) -> dict:
+    timeout = {"timeout_ms": timeout_ms} if timeout_ms is not None else {}
     r = await client.post(f"/v2/models/{model}/generate", json={"text_input": QUESTION, "parameters": {
-        "max_new_tokens": max_new_tokens, "ignore_stop": True, "timeout_ms": timeout_ms}})
+        "max_new_tokens": max_new_tokens, "ignore_stop": True, **timeout}})
     body = await r.json()
     assert r.status == 200, body
     return body
@@ -117,10 +118,11 @@ async def test_a_generation_that_would_miss_the_deadline_goes_to_the_peer_else_e
 async def test_a_rag_request_waits_for_the_generator_only_until_its_own_deadline(setup):
     """A rag request without a timeout has its model's default_timeout_ms (here 60% of what a
     long generation takes) from its arrival; the sequence it submits waits for admission only as
-    long as that leaves. Before, the generator was given the request's own timeout, None here,
-    so its default (30 s; SmolLM2's 60 s, where a soak's rag questions outlived a 60 s client
-    timeout with the rag model's default at 30 s). The twin generator runs one sequence at a
-    time: a long generation holds it."""
+    long as that leaves, less the time kept back for an extractive answer, which it then gets
+    (streamed too: one chunk). Before, the generator was given the request's own timeout, None
+    here, so its default (30 s; SmolLM2's 60 s, where a soak's rag questions outlived a 60 s
+    client timeout with the rag model's default at 30 s); then a 504 at the deadline. The twin
+    generator runs one sequence at a time: a long generation holds it."""
     client, runtime = setup
     started = time.monotonic()  # how long LONG new tokens take here
     await generate(client, "slowlm", LONG, 60_000)
@@ -133,20 +135,31 @@ async def test_a_rag_request_waits_for_the_generator_only_until_its_own_deadline
         .replace("default_timeout_ms = 30000", f"default_timeout_ms = {took * 1000 * 0.6:.0f}"))
     assert await runtime.load_model("ragshort") == "loaded"
 
-    holder = asyncio.create_task(client.post("/v2/models/slowlm2/generate", json={
-        "text_input": QUESTION, "parameters": {"max_new_tokens": LONG, "ignore_stop": True}}))
-    while not runtime.runners["slowlm2"].statistics()["running"] and not holder.done():
-        await asyncio.sleep(0.005)
+    async def hold():
+        holder = asyncio.create_task(client.post("/v2/models/slowlm2/generate", json={
+            "text_input": QUESTION, "parameters": {"max_new_tokens": LONG, "ignore_stop": True}}))
+        while not runtime.runners["slowlm2"].statistics()["running"] and not holder.done():
+            await asyncio.sleep(0.005)
+        return holder
+
+    holder = await hold()
     started = time.monotonic()
-    r = await client.post("/v2/models/ragshort/generate", json={"text_input": QUESTION,
-                                                                "parameters": {"max_new_tokens": 1}})
-    body = await r.json()
+    body = await generate(client, "ragshort", 1, None)
     waited = time.monotonic() - started
     assert not holder.done()  # the long generation still holds the generator's one place
-    # Before: 200, once the long generation had finished. (The route's estimate, a prefill and a
-    # step, left it local: it does not count a wait for admission.)
-    assert r.status == 504, (body.get("route"), body.get("route_reason"), body.get("error"))
-    assert "slowlm2" in body["error"] and waited < took * 0.9
+    # (The route's estimate, a prefill and a step, left it local: it does not count a wait for
+    # admission.)
+    assert body["route"] == "extractive" and body["mode"] == "extractive" and "3.3 V" in body["answer"], body
+    assert "local generator 'slowlm2': model 'slowlm2': waited" in body["route_reason"]
+    assert "to start (a place among its 1 running sequences" in body["route_reason"]
+    assert waited < took * 0.9
+    assert (await holder).status == 200
+    holder = await hold()
+    chunks = await sse(await client.post("/v2/models/ragshort/generate_stream", json={
+        "text_input": QUESTION, "parameters": {"max_new_tokens": 1}}))
+    assert not holder.done() and len(chunks) == 1, chunks
+    assert chunks[0]["route"] == "extractive" and "3.3 V" in chunks[0]["answer"] and chunks[0]["sources"]
+    assert runtime.runners["ragshort"].statistics()["fallbacks"] == {"deadline": 2}
     assert (await holder).status == 200
 
 
