@@ -61,7 +61,15 @@ def too_slow(generator: str, local: LocalEstimate | None, remaining_s: float) ->
             f"the request has {max(remaining_s, 0.0):.2f} s left")
 
 
-def generation_timeout(left_s: float) -> float:
-    """What the local generator's sequence gets of the `left_s` seconds its request has: all but
-    the extractive answer's reserve (at most half of it)."""
-    return left_s - min(EXTRACTIVE_RESERVE_S, left_s / 2)
+def extractive_reserve(left_s: float) -> float:
+    """Of the `left_s` seconds a request has, what is kept back for an extractive answer."""
+    return min(EXTRACTIVE_RESERVE_S, left_s / 2)
+
+
+def start_within(left_s: float, local: LocalEstimate | None) -> float:
+    """How long the local generator's sequence may wait to start, of the `left_s` seconds its
+    request has: what its estimated generation and the extractive answer's reserve leave, so
+    that a sequence that starts in time can also end in time (the estimate is an upper bound),
+    and one that cannot start in time is still answered. Without an estimate, all but the
+    reserve."""
+    return max(left_s - extractive_reserve(left_s) - (local.seconds if local is not None else 0.0), 1e-3)

@@ -23,7 +23,7 @@ from ..offload.client import PeerError
 from ..scheduler.runner import ModelRunner
 from ..scheduler.validate import timeout_within
 from ..types import InferRequest, InferResponse, TensorSpec
-from .deadline import generation_timeout, too_slow
+from .deadline import extractive_reserve, start_within, too_slow
 from .documents import Documents
 from .extract import NO_PASSAGE, answer_text, choose, quoted_sentences, stored_vectors
 from .index import Hit, Index, IndexWatcher, load_index, on_topic
@@ -316,8 +316,8 @@ class RagService(ServiceAccounting):
 
         The local generator when it would finish before the deadline (deadline.py) and its KV
         cache fits the memory budget now (or when it is the only generator), else the peer when
-        it is usable and answers, else extractive. A local sequence that could not start before
-        the deadline (less the extractive answer's reserve) is answered extractively too."""
+        it is usable and answers, else extractive. A local sequence that could not start in time
+        to end before the deadline (deadline.start_within) is answered extractively too."""
         s = self.settings
         reasons: list[str] = []
         fallback = None  # what an extractive answer is counted as in the stats' fallbacks
@@ -328,16 +328,18 @@ class RagService(ServiceAccounting):
                 raise InvalidInput(f"parameters.max_new_tokens must be an integer, got {max_new!r}")
             prompt, used, tokens = await asyncio.get_running_loop().run_in_executor(
                 None, self._prompt, gen, question, hits, max_new)
-            late = too_slow(s.generator, gen.estimate(tokens, max_new), deadline - time.monotonic())
+            local = gen.estimate(tokens, max_new)
+            left = deadline - time.monotonic()
+            late = too_slow(s.generator, local, left - extractive_reserve(left))
             if late is None and (self.peer is None or gen.fits_now(tokens, max_new)):
-                seq = await gen.submit(prompt, generation, apply_template=False,
-                                       timeout_s=generation_timeout(self._left(deadline, "generation")))
-                events = gen.events(seq)
                 try:  # judged before anything is sent on, as the peer is
+                    seq = await gen.submit(prompt, generation, apply_template=False,
+                                           timeout_s=start_within(self._left(deadline, "generation"), local))
+                    events = gen.events(seq)
                     first = await events.__anext__()
                 except DeadlineExceeded as exc:
-                    # It could not start before its deadline (a place, its KV memory): answered
-                    # extractively in the time kept back for that, too little for the peer.
+                    # It could not start in time to end before the deadline (a place, its KV
+                    # memory): answered extractively in the time kept back, too little for the peer.
                     return self._extractive(hits, f"local generator {s.generator!r}: {exc}", "deadline")
                 return "local", used, _prepended(first, events), None
             reasons.append(late or f"local generator {s.generator!r}: no room in the KV memory budget now")

@@ -19,7 +19,7 @@ import pytest_asyncio
 from aiohttp.test_utils import TestClient, TestServer
 
 from edge_batcher.config import DaemonConfig, MemorySettings, ModelsSettings
-from edge_batcher.rag.deadline import LocalEstimate, estimate, too_slow
+from edge_batcher.rag.deadline import EXTRACTIVE_RESERVE_S, LocalEstimate, estimate, start_within, too_slow
 from edge_batcher.runtime import Runtime
 from edge_batcher.transports.http import create_app
 from edge_batcher.transports.http_generate import add_generate_routes
@@ -73,6 +73,14 @@ def test_the_estimate_is_the_prompt_s_prefill_and_a_step_per_new_token():
     reason = too_slow("g", local, 0.5)
     assert "~1.10 s" in reason and "200 steps x 5.00 ms" in reason and "0.50 s left" in reason
     assert estimate(None, 200) is None and too_slow("g", None, 0.0) is None  # nothing measured: no veto
+
+
+def test_a_local_sequence_may_wait_to_start_what_its_generation_and_the_reserve_leave():
+    local = LocalEstimate(prefill_s=0.5, step_s=0.01, max_new_tokens=100)
+    assert start_within(10.0, local) == pytest.approx(10.0 - 1.5 - EXTRACTIVE_RESERVE_S)
+    assert start_within(10.0, None) == pytest.approx(10.0 - EXTRACTIVE_RESERVE_S)
+    assert start_within(0.04, None) == pytest.approx(0.02)  # half of what is left at most
+    assert start_within(1.0, local) == 1e-3  # not a moment to wait: it starts now or not at all
 
 
 def test_a_prompt_prefilled_in_chunks_waits_a_step_of_the_running_batch_between_them():
@@ -159,8 +167,31 @@ async def test_a_rag_request_waits_for_the_generator_only_until_its_own_deadline
         "text_input": QUESTION, "parameters": {"max_new_tokens": 1}}))
     assert not holder.done() and len(chunks) == 1, chunks
     assert chunks[0]["route"] == "extractive" and "3.3 V" in chunks[0]["answer"] and chunks[0]["sources"]
-    assert runtime.runners["ragshort"].statistics()["fallbacks"] == {"deadline": 2}
     assert (await holder).status == 200
+    assert runtime.runners["ragshort"].statistics()["fallbacks"] == {"deadline": 2}
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_longer_answer_s_estimated_generation_comes_off_its_wait(setup, monkeypatch):
+    """Started any later than its deadline less its estimated generation, a sequence would end
+    after the deadline (a soak saw rag requests admitted just before theirs, then generating for
+    30 s more, past their clients' timeout): that is as long as it may wait to start."""
+    client, runtime = setup
+    gen = runtime.runners["slowlm"]
+    waits = []
+    submit = type(gen).submit
+
+    async def submitting(self, prompt, parameters=None, **kwargs):
+        waits.append(kwargs["timeout_s"])
+        return await submit(self, prompt, parameters, **kwargs)
+
+    await generate(client, "slowlm", 16, 60_000)  # measured: an estimate
+    local = gen.estimate(0, LONG // 2)  # without the prompt's prefill, which the rag request's adds
+    assert local is not None
+    monkeypatch.setattr(type(gen), "submit", submitting)
+    body = await generate(client, "ragslow", LONG // 2, 5_000)
+    assert body["route"] == "local", body
+    assert 5.0 - 1.0 - local.seconds < waits[0] < 5.0 - EXTRACTIVE_RESERVE_S - local.seconds, (waits, local)
 
 
 @pytest.mark.asyncio(loop_scope="module")
