@@ -63,7 +63,7 @@ def too_slow(generator: str, local: LocalEstimate | None, remaining_s: float) ->
 
 def extractive_reserve(left_s: float) -> float:
     """Of the `left_s` seconds a request has, what is kept back for an extractive answer."""
-    return min(EXTRACTIVE_RESERVE_S, left_s / 2)
+    return min(EXTRACTIVE_RESERVE_S, max(left_s, 0.0) / 2)
 
 
 def start_within(left_s: float, local: LocalEstimate | None) -> float:

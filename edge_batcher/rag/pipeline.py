@@ -332,9 +332,9 @@ class RagService(ServiceAccounting):
             left = deadline - time.monotonic()
             late = too_slow(s.generator, local, left - extractive_reserve(left))
             if late is None and (self.peer is None or gen.fits_now(tokens, max_new)):
+                wait = start_within(self._left(deadline, "generation"), local)  # passed: 504
                 try:  # judged before anything is sent on, as the peer is
-                    seq = await gen.submit(prompt, generation, apply_template=False,
-                                           timeout_s=start_within(self._left(deadline, "generation"), local))
+                    seq = await gen.submit(prompt, generation, apply_template=False, timeout_s=wait)
                     events = gen.events(seq)
                     first = await events.__anext__()
                 except DeadlineExceeded as exc:
