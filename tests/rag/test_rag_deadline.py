@@ -191,7 +191,8 @@ async def test_a_longer_answer_s_estimated_generation_comes_off_its_wait(setup, 
     monkeypatch.setattr(type(gen), "submit", submitting)
     body = await generate(client, "ragslow", LONG // 2, 5_000)
     assert body["route"] == "local", body
-    assert 5.0 - 1.0 - local.seconds < waits[0] < 5.0 - EXTRACTIVE_RESERVE_S - local.seconds, (waits, local)
+    # less what retrieval took and the prompt's prefill, which the rag request's estimate adds
+    assert 5.0 - 3.0 - local.seconds < waits[0] < 5.0 - EXTRACTIVE_RESERVE_S - local.seconds, (waits, local)
 
 
 @pytest.mark.asyncio(loop_scope="module")
