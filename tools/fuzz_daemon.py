@@ -6,8 +6,10 @@ that leave mid-request; with --grpc-socket, the gRPC RPCs too (junk in every fie
 requests, and bytes that are no message). It fails on a 5xx other than 503/504 (gRPC: INTERNAL
 or UNKNOWN), on a request that hangs, on a
 daemon no longer ready at the end, and (with --pid) on the daemon's memory growing more than
---max-growth-mb over the run. Found the speller's quadratic work on one long "word" (64-135 MiB
-a question) and the stream whose client left before its headers (an ERROR with a traceback).
+--max-growth-mb over the run (less what generators have reserved for their KV caches at the
+time: memory in the plan while their sequences run). Found the speller's quadratic work on one
+long "word" (64-135 MiB a question) and the stream whose client left before its headers (an
+ERROR with a traceback).
 
     python tools/fuzz_daemon.py --socket /run/edge-batcher/edge-batcher.sock --seconds 60 --pid "$(pidof ...)"
 """
@@ -298,14 +300,29 @@ def run(sock: str, seconds: float, clients: int, seed: int, pid: int | None, max
         grpc_socket: str | None = None) -> dict:
     status, stats = http_request(sock, "GET", "/v2/models/stats")
     models = [m["name"] for m in stats["model_stats"]] if status == 200 else []
+    generators = [m["name"] for m in stats["model_stats"] if "kv" in m] if status == 200 else []
     fuzzer = Fuzzer(sock, models, seconds, seed, grpc_socket)
     start = rss_of(pid) if pid else 0
     peak = [start]
     done = threading.Event()
 
+    def kv_reserved() -> int:
+        """What the generators have reserved for their KV caches now: memory in the plan while
+        their sequences run, not growth."""
+        total = 0
+        for name in generators:
+            code, body = http_request(sock, "GET", f"/v2/models/{name}/stats")
+            if code == 200:
+                total += body["model_stats"][0]["kv"]["reserved_bytes"]
+        return total
+
     def sample() -> None:
+        kv, n = 0, 0
         while not done.wait(0.02):
-            peak[0] = max(peak[0], rss_of(pid))
+            if generators and n % 5 == 0:
+                kv = kv_reserved()
+            n += 1
+            peak[0] = max(peak[0], rss_of(pid) - kv)
 
     sampler = threading.Thread(target=sample, daemon=True)
     if pid:
