@@ -93,11 +93,12 @@ def test_a_generator_filling_the_memory_leaves_the_other_models_what_it_does_not
     nothing is refused for memory within the cgroup, in both layouts: Optimum's failed until its
     decode loop trimmed glibc's heap (docs/memory.md, "A generator's cache counted once").
 
-    The headroom, which the soak also allows above the plan, is 24 MiB: with 16, Optimum's layout
+    The headroom, which the soak also allows above the plan, is 32 MiB: with 16, Optimum's layout
     peaked 16.3-21.1 MiB above ready + reserved in 3 of 12 runs, before and after 2026-11-29's
     changes alike (the process's memory beyond any reservation: request bodies and events of 12
-    clients, glibc's heap; docs/rag.md lists what of a run is in no plan)."""
-    result = _soak_with_generator(demo_repo, tmp_path, 200, "headroom_mb = 24\n", kv_layout)
+    clients, glibc's heap; docs/rag.md lists what of a run is in no plan); with 24, one fresh-clone
+    CI run peaked 24.9 MiB above (its cgroup at 176 of 200 MiB), four runs here -4 to +7."""
+    result = _soak_with_generator(demo_repo, tmp_path, 200, "headroom_mb = 32\n", kv_layout)
     assert result.failures() == [], result.report() + "\n" + result.memory_log + "\n" + result.log_tail
     # nothing refused for memory (a 504 on a busy machine is the soak's overload, not a refusal)
     assert "503" not in result.statuses, result.report() + "\n" + "\n".join(result.errors)
