@@ -30,6 +30,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))
+
+from fuzz_daemon import rss_of  # noqa: E402
 
 from edge_batcher.client import Client, ClientError  # noqa: E402
 from tests.support.rawhttp import request as http_request  # noqa: E402
@@ -37,14 +40,6 @@ from tests.support.rawhttp import request as http_request  # noqa: E402
 DTYPES = {"FP32": np.float32, "FP16": np.float16, "UINT8": np.uint8, "INT64": np.int64, "INT32": np.int32,
           "BOOL": np.bool_}
 EXPECTED = (404, 429, 503, 504)  # a model unloaded meanwhile, overload, not ready (draining), deadline
-
-
-def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024  # kB
-    return 0.0
 
 
 def request_inputs(meta: dict) -> dict[str, np.ndarray]:
@@ -127,7 +122,7 @@ class Churn:
 def run(sock: str, repo: Path | None, pid: int | None, seconds: float, clients: int, seed: int,
         max_growth_mb: float) -> dict:
     churn = Churn(sock, repo, pid, seconds, seed)
-    start = rss_mib(pid) if pid else None
+    start = rss_of(pid) if pid else None
     threads = [threading.Thread(target=churn.client) for _ in range(clients)]
     threads.append(threading.Thread(target=churn.changer))
     for t in threads:
@@ -154,7 +149,7 @@ def run(sock: str, repo: Path | None, pid: int | None, seconds: float, clients: 
     growth = None
     if pid:
         time.sleep(3.0)  # the last unloads' memory back to the system
-        growth = rss_mib(pid) - start
+        growth = (rss_of(pid) - start) / (1 << 20)
         if growth > max_growth_mb:
             churn.fail(f"the daemon's memory grew {growth:.1f} MiB over the run (limit {max_growth_mb} MiB)")
     return {"models": churn.models, "answers": dict(churn.answers), "changes": dict(churn.actions),
