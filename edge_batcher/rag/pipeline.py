@@ -329,10 +329,12 @@ class RagService(ServiceAccounting):
             prompt, used, tokens = await asyncio.get_running_loop().run_in_executor(
                 None, self._prompt, gen, question, hits, max_new)
             local = gen.estimate(tokens, max_new)
-            left = deadline - time.monotonic()
+            # One reading of the clock for the whole decision: passed here is a 504 whatever the
+            # estimate says, as it is on the way to the peer.
+            left = self._left(deadline, "generation")
             late = too_slow(s.generator, local, left - extractive_reserve(left))
             if late is None and (self.peer is None or gen.fits_now(tokens, max_new)):
-                wait = start_within(self._left(deadline, "generation"), local)  # passed: 504
+                wait = start_within(left, local)
                 try:  # judged before anything is sent on, as the peer is
                     seq = await gen.submit(prompt, generation, apply_template=False, timeout_s=wait)
                     events = gen.events(seq)

@@ -216,3 +216,24 @@ async def test_a_sequence_waiting_for_a_running_place_fails_at_its_deadline(setu
     assert r.status == 504 and "to start (a place among its 1 running sequences" in body["error"], body
     assert time.monotonic() - started < local.seconds * 0.9
     assert (await holder).status == 200
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_deadline_that_passes_while_the_prompt_is_built_is_a_504(setup, monkeypatch):
+    """Passed once the prompt is built, the deadline is a 504 whether or not the generator has an
+    estimate (before: with one, and no peer, the estimate's veto sent it to a late extractive
+    answer, while without one it was a 504)."""
+    client, runtime = setup
+    await generate(client, "slowlm", 16, 60_000)  # measured: an estimate
+    service = runtime.runners["ragslow"]
+    build = type(service)._prompt
+
+    def slow_prompt(self, *args):
+        time.sleep(1.2)  # a loaded machine: the deadline (1 s) passes while the prompt is built
+        return build(self, *args)
+
+    monkeypatch.setattr(type(service), "_prompt", slow_prompt)
+    r = await client.post("/v2/models/ragslow/generate", json={"text_input": QUESTION, "parameters": {
+        "max_new_tokens": 4, "timeout_ms": 1000}})
+    body = await r.json()
+    assert r.status == 504 and "deadline passed before generation" in body["error"], body
