@@ -316,3 +316,31 @@ async def test_a_moment_of_less_free_memory_holds_a_sequence_back_instead_of_ref
         assert len(result.token_ids) == 8 and service.statistics()["rejected_does_not_fit"] == 0
     finally:
         await service.close()
+
+
+async def test_a_generator_is_built_off_the_event_loop(tiny_repo, tmp_path, monkeypatch):
+    """Building a generator service reads its tokenizer and sets up ONNX Runtime (0.2 s for
+    SmolLM2 here): a load over the repository API must not hold the loop that serves the other
+    models meanwhile, so the runtime builds it on a worker thread."""
+    import threading
+
+    from edge_batcher.config import ModelsSettings
+    from edge_batcher.rag.generate import GenerationService
+
+    shutil.copytree(tiny_repo / "tinylm", tmp_path / "tinylm")
+    built_on = []
+    build = GenerationService.__init__
+
+    def recording(self, *args, **kwargs):
+        built_on.append(threading.current_thread())
+        build(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationService, "__init__", recording)
+    runtime = Runtime(DaemonConfig(models=ModelsSettings(repository=str(tmp_path), warmup=False),
+                                   memory=MemorySettings(probe="fixed", budget_mb=256)))
+    await runtime.start()  # loads the repository's one model
+    try:
+        assert await runtime.load_model("tinylm") == "reloaded"
+        assert len(built_on) == 2 and threading.current_thread() not in built_on, built_on
+    finally:
+        await runtime.close()
