@@ -10,7 +10,8 @@ camera would write them there), so what is timed is the transport and the daemon
 process's encoding. Outputs come back as JSON, as binary tensors, or written into the caller's
 region. The three are run in turn, `--repeats` times in rotated order; the table has each one's
 median run (throughput, p50, p99, ratios to binary) and the daemon's CPU time per request in that
-run, with its event loop thread's share in brackets. It also splits each request's mean latency
+run, with its event loop thread's share in brackets, and the callers' own CPU per request (this
+process's: the load generator's part of what follows). It also splits each request's mean latency
 into the daemon's own time for it (from arrival at the model's queue to its answer: batching, the
 engine, the split; the model statistics' `success` time) and the rest, the transport's share
 (sending and reading the body, decoding, encoding and the answer's way back), and prints how far
@@ -139,6 +140,7 @@ def closed_loop(callers: list[Caller], seconds: float, server_time: Callable[[],
     for caller in callers:
         caller.call()  # connections open, daemon paths warm
     count0, ns0 = server_time()
+    cpu0 = time.process_time()  # this process's: the callers' own cost
     t0 = time.perf_counter()
     stop_at = t0 + seconds
     threads = [threading.Thread(target=work, args=(c, out)) for c, out in zip(callers, latencies, strict=True)]
@@ -147,13 +149,15 @@ def closed_loop(callers: list[Caller], seconds: float, server_time: Callable[[],
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    client_cpu = time.process_time() - cpu0
     count1, ns1 = server_time()
     flat = np.asarray([x for out in latencies for x in out])
     mean_ms = float(flat.mean()) * 1e3
     in_daemon_ms = (ns1 - ns0) / max(count1 - count0, 1) / 1e6
     return {"requests": len(flat), "throughput_rps": len(flat) / wall,
             "p50_ms": float(np.percentile(flat, 50)) * 1e3, "p99_ms": float(np.percentile(flat, 99)) * 1e3,
-            "mean_ms": mean_ms, "model_ms": in_daemon_ms, "transport_ms": mean_ms - in_daemon_ms}
+            "mean_ms": mean_ms, "model_ms": in_daemon_ms, "transport_ms": mean_ms - in_daemon_ms,
+            "client_cpu_ms": client_cpu / max(len(flat), 1) * 1e3}
 
 
 def success_time(sock: str, model: str) -> tuple[int, int]:
@@ -228,14 +232,14 @@ def main() -> int:
     ref = "binary tensors" if "binary tensors" in medians else next(iter(medians))
     base = medians[ref]
     print(f"| transport | requests/s | (min-max of the runs) | vs {ref} | p50 ms | p50 vs {ref} | p99 ms | "
-          "daemon CPU ms/request (event loop) | mean ms = in the daemon + transport |\n"
-          "|---|---|---|---|---|---|---|---|---|")
+          "daemon CPU ms/request (event loop) | callers' CPU ms/request | mean ms = in the daemon + transport |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
     for mode, r in medians.items():
         low, high = r["range_rps"]
         print(f"| {mode} | {r['throughput_rps']:.1f} | {low:.1f}-{high:.1f} | "
               f"{r['throughput_rps'] / base['throughput_rps']:.2f}x | {r['p50_ms']:.2f} | "
               f"{r['p50_ms'] / base['p50_ms']:.2f}x | {r['p99_ms']:.2f} | "
-              f"{r['daemon_cpu_ms']:.2f} ({r['loop_cpu_ms']:.2f}) | "
+              f"{r['daemon_cpu_ms']:.2f} ({r['loop_cpu_ms']:.2f}) | {r['client_cpu_ms']:.2f} | "
               f"{r['mean_ms']:.2f} = {r['model_ms']:.2f} + {r['transport_ms']:.2f} |")
     if "shared memory" in medians and "binary tensors" in medians:
         shm = medians["shared memory"]
