@@ -14,6 +14,8 @@ user property) and nowhere else::
     ├── Unavailable                   503  model not ready, daemon draining, no peer
     │   └── DoesNotFit                503  not even the smallest batch fits device memory
     ├── DeadlineExceeded              504  the request's deadline passed before it could run
+    ├── StorageError                  500  the daemon could not write its own files (an index)
+    │   └── StorageFull               507  ... for want of room on their file system
     └── EngineError                   500  the engine failed on a batch (the daemon keeps serving)
         └── OutOfMemory               500  the engine ran out of memory on a batch
 """
@@ -72,6 +74,18 @@ class DoesNotFit(Unavailable):
 
 class DeadlineExceeded(EdgeBatcherError):
     status = 504
+
+
+class StorageError(EdgeBatcherError):
+    """The daemon could not write its own files (a document index): a read-only file system,
+    permissions. What was there stays as it was."""
+
+
+class StorageFull(StorageError):
+    """... for want of room (a full disk, a quota): WebDAV's 507 Insufficient Storage, which an
+    operator can free."""
+
+    status = 507
 
 
 class EngineError(EdgeBatcherError):

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidInput, Unavailable
+from ..errors import InvalidInput, StorageError, Unavailable
 from ..scheduler.runner import ModelRunner
 from .index import read_meta
 from .index_update import Document, add_documents, remove_documents
@@ -40,10 +40,14 @@ class Documents:
         max_chars = min(DEFAULT_MAX_CHARS, engine.tokenizer.max_chars)
         t0 = time.perf_counter()
         async with self._lock:
-            summary = await asyncio.get_running_loop().run_in_executor(None, partial(
-                add_documents, self.service.index_dir, documents, partial(_embed_in_turns, runner),
-                embedding_model=self.service.settings.embedding_model, dim=engine.dim, max_chars=max_chars,
-                rebuild=rebuild))
+            try:
+                summary = await asyncio.get_running_loop().run_in_executor(None, partial(
+                    add_documents, self.service.index_dir, documents, partial(_embed_in_turns, runner),
+                    embedding_model=self.service.settings.embedding_model, dim=engine.dim, max_chars=max_chars,
+                    rebuild=rebuild))
+            except StorageError as exc:  # the device's state, not a bug: said in the log, no traceback
+                log.warning("model %s: %d document(s) not added: %s", self.service.name, len(documents), exc)
+                raise
         await self.service.reload_index()
         log.info("model %s: %d passages from %d document(s) added through the API (replacing %d) in %.1f s; "
                  "the index holds %d, version %d", self.service.name, summary["added"], len(documents),
@@ -52,8 +56,12 @@ class Documents:
 
     async def remove(self, sources: list[str]) -> dict[str, Any]:
         async with self._lock:
-            summary = await asyncio.get_running_loop().run_in_executor(
-                None, remove_documents, self.service.index_dir, set(sources))
+            try:
+                summary = await asyncio.get_running_loop().run_in_executor(
+                    None, remove_documents, self.service.index_dir, set(sources))
+            except StorageError as exc:
+                log.warning("model %s: %d source(s) not removed: %s", self.service.name, len(sources), exc)
+                raise
         if summary is None:
             raise InvalidInput(f"model {self.service.name!r} has no document index yet: add documents first")
         await self.service.reload_index()

@@ -34,6 +34,7 @@ headings.npy ranks without those signals until the next `index add`, which embed
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -46,7 +47,7 @@ from pathlib import Path
 import numpy as np
 
 from ..durable import fsync_dir
-from ..errors import Unavailable
+from ..errors import StorageError, StorageFull, Unavailable
 from .fusion import Fusion, fused_scores
 from .lexical import ANALYZER, Bm25
 from .passages import Passage
@@ -391,7 +392,22 @@ def write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray
                 sources: dict[str, dict] | None = None, sentences: SentenceVectors | None = None,
                 headings: np.ndarray | None = None) -> dict:
     """Replace the index in `directory` (created if needed); returns the new meta. Without
-    `sentences` (`headings`) no sentence (heading) vectors are written, and search does without them."""
+    `sentences` (`headings`) no sentence (heading) vectors are written, and search does without them.
+    A file system that fails the write (full, read-only) raises StorageError (StorageFull), the
+    index as it was: every file is staged before any is replaced."""
+    try:
+        return _write_index(directory, passages, embeddings, embedding_model=embedding_model, sources=sources,
+                            sentences=sentences, headings=headings)
+    except OSError as exc:
+        what = f"could not write the index in {directory}: {exc.strerror or exc}; the index is as it was"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise StorageFull(what + " (free some room there, then add again)") from exc
+        raise StorageError(what) from exc
+
+
+def _write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray, *, embedding_model: str,
+                 sources: dict[str, dict] | None, sentences: SentenceVectors | None,
+                 headings: np.ndarray | None) -> dict:
     directory.mkdir(parents=True, exist_ok=True)
     embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
     if embeddings.shape[0] != len(passages):
@@ -472,11 +488,15 @@ def _stage(directory: Path, name: str, write) -> Path:
     # mkstemp's 0600 would keep the index from the service's user when root writes it (issue 32:
     # "meta.json cannot be read: Permission denied", then 503 for every question): the mode an
     # ordinary file gets under the umask instead.
-    os.fchmod(fd, 0o666 & ~_UMASK)
-    with os.fdopen(fd, "wb") as fh:
-        write(fh)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            os.fchmod(fd, 0o666 & ~_UMASK)
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:  # a full disk: what was written of it must not keep the room
+        Path(tmp).unlink(missing_ok=True)
+        raise
     return Path(tmp)
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 from edge_batcher.client import ClientError
 from tests.support.models import ROOT
@@ -61,3 +62,62 @@ def test_documents_are_added_and_removed_through_the_daemon(start_daemon, rag_re
             raise AssertionError("an embedding model took documents")
     bad = index(d, "add", str(tmp_path / "none.md"))
     assert bad.returncode == 2 and "no such file" in bad.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A file system with little room (tmpfs, 1 MiB): an index directory on a full eMMC."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_disk_fails_the_add_and_keeps_the_index(start_daemon, rag_repo, tmp_path, small_disk):
+    """An index directory whose file system fills while documents are added: the add is answered
+    507 naming the directory and the error, the index serves what it held, and no staged file is
+    left taking the little room there is (before: 500 "internal error" and a traceback)."""
+    repo = tmp_path / "engines"
+    shutil.copytree(rag_repo / "minilm", repo / "minilm")
+    shutil.copytree(rag_repo / "index", small_disk / "index")
+    (repo / "rag").mkdir()
+    (repo / "rag" / "model.toml").write_text(
+        (rag_repo / "rag" / "model.toml").read_text().replace(str(rag_repo / "index"), str(small_disk / "index")))
+    before = sorted(p.name for p in (small_disk / "index").iterdir())
+    d = start_daemon("", repo=repo)
+    # passages enough that their vectors and text do not fit in what is left
+    text = "\n\n".join(f"## Section {i}\n\n" + f"Pump {i} takes {i} grams of grease every {i * 10} hours. " * 8
+                       for i in range(400))
+    with d.client() as client:
+        count = client.index_info("rag")["count"]
+        with pytest.raises(ClientError) as failed:
+            client.index_add("rag", [("big.md", text)])
+        assert failed.value.status == 507, failed.value.message
+        assert "No space left on device" in failed.value.message and str(small_disk / "index") in failed.value.message
+        assert "the index is as it was" in failed.value.message
+        assert client.index_info("rag")["count"] == count
+        out = client.infer("rag", {"question": np.array([b"How do I replace the battery?"], dtype=object)})
+        assert out["answer"][0]
+    assert sorted(p.name for p in (small_disk / "index").iterdir()) == before
+    log = d.log_text()
+    assert "Traceback" not in log and "no space left" in log.lower(), log[-2000:]
+
+
+def test_a_full_disk_fails_the_command_line_add_with_a_message(rag_repo, tmp_path, small_disk):
+    """`edge-batcher index add` without a daemon, its index on a file system that fills: exit 1
+    and one line naming the directory and the error (before: a traceback), the index unchanged."""
+    shutil.copytree(rag_repo / "index", small_disk / "index")
+    before = {p.name: p.read_bytes() for p in (small_disk / "index").iterdir()}
+    notes = tmp_path / "big.md"
+    notes.write_text("\n\n".join(f"## Section {i}\n\n" + f"Pump {i} takes {i} grams of grease. " * 8
+                                 for i in range(60)))
+    done = subprocess.run([sys.executable, "-m", "edge_batcher.cli", "index", "add", str(notes), "--index",
+                           str(small_disk / "index"), "--model-repo", str(rag_repo)],
+                          capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    assert f"could not write the index in {small_disk / 'index'}: No space left on device" in done.stderr
+    assert {p.name: p.read_bytes() for p in (small_disk / "index").iterdir()} == before
