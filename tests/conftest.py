@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,18 @@ def demo_repo(tmp_path_factory, minilm_dir) -> Path:
     """What `make run` builds and serves: vibration, minilm and rag (extractive, over an index of
     the shipped manual)."""
     return build_demo_repository(tmp_path_factory.mktemp("demo_engines"), minilm_dir)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A file system with little room (tmpfs, 1 MiB): a device's full eMMC. Needs root (mount)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
 
 
 @pytest.fixture(scope="session")

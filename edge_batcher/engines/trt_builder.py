@@ -411,9 +411,13 @@ def _write_atomic(path: Path, data: bytes) -> None:
     """Replace `path` with `data` whole: on disk before the rename, so that power lost on a
     device right after a build leaves the old file or the new one, never an empty plan."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:  # a full disk: the part written must not keep the room, nor the old file go
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     fsync_dir(path.parent)

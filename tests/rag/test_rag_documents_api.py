@@ -64,18 +64,6 @@ def test_documents_are_added_and_removed_through_the_daemon(start_daemon, rag_re
     assert bad.returncode == 2 and "no such file" in bad.stderr
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A file system with little room (tmpfs, 1 MiB): an index directory on a full eMMC."""
-    mount = tmp_path / "small"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
-
-
 def test_a_full_disk_fails_the_add_and_keeps_the_index(start_daemon, rag_repo, tmp_path, small_disk):
     """An index directory whose file system fills while documents are added: the add is answered
     507 naming the directory and the error, the index serves what it held, and no staged file is

@@ -342,3 +342,16 @@ def test_an_fp16_build_that_cannot_be_converted_says_how_to_convert_it(tmp_path,
     err = capsys.readouterr().err
     assert "cannot convert" in err and "Resize" in err and "modelopt.onnx.autocast" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_plan_that_does_not_fit_on_the_disk_leaves_the_old_one_and_no_scrap(small_disk):
+    """A build writing its plan on a full device: the write fails with the file system's error,
+    the plan there before stays whole, and the part written is removed."""
+    from edge_batcher.engines.trt_builder import _write_atomic
+
+    plan = small_disk / "model.plan"
+    plan.write_bytes(b"old plan")
+    with pytest.raises(OSError) as failed:
+        _write_atomic(plan, b"\0" * (2 << 20))
+    assert failed.value.errno == 28  # ENOSPC
+    assert plan.read_bytes() == b"old plan" and [p.name for p in small_disk.iterdir()] == ["model.plan"]
