@@ -320,3 +320,21 @@ def test_sigterm_answers_grpc_calls_in_flight_and_queued_before_exit(grpc_daemon
 def _queue_depth(g: GrpcDaemon) -> int:
     status, stats = rawhttp.request(g.daemon.socket, "GET", "/v2/models/faulty/stats")
     return stats["model_stats"][0]["queue_depth"] if status == 200 else 0
+
+
+def test_every_error_of_the_tree_has_its_own_grpc_code():
+    """A status of the error tree missing from the table would reach gRPC clients as INTERNAL,
+    which says "the server's bug" where the HTTP status says what happened."""
+    from edge_batcher import errors
+    from edge_batcher.transports.grpc_v2.call import Status
+    from edge_batcher.transports.grpc_v2.edge import grpc_code
+
+    def subclasses(cls):
+        for sub in cls.__subclasses__():
+            yield sub
+            yield from subclasses(sub)
+
+    statuses = {cls.status for cls in subclasses(errors.EdgeBatcherError) if cls.__module__ == errors.__name__}
+    assert 507 in statuses
+    for status in statuses - {500}:
+        assert grpc_code(status) is not Status.INTERNAL, status

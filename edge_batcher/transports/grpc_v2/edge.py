@@ -37,6 +37,7 @@ GRPC_CODES = {
     429: Status.RESOURCE_EXHAUSTED,
     503: Status.UNAVAILABLE,
     504: Status.DEADLINE_EXCEEDED,
+    507: Status.RESOURCE_EXHAUSTED,
 }
 OPEN_METHODS = frozenset({"ServerLive"})  # liveness without a secret, as HTTP's /v2/health/live
 UNIX_PREFIX = "unix:"
