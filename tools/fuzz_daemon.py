@@ -28,6 +28,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tools"))  # memory_soak, beside this script
+
+from memory_soak import kv_reserved  # noqa: E402
 
 from tests.support.rawhttp import request as http_request  # noqa: E402
 
@@ -306,21 +309,11 @@ def run(sock: str, seconds: float, clients: int, seed: int, pid: int | None, max
     peak = [start]
     done = threading.Event()
 
-    def kv_reserved() -> int:
-        """What the generators have reserved for their KV caches now: memory in the plan while
-        their sequences run, not growth."""
-        total = 0
-        for name in generators:
-            code, body = http_request(sock, "GET", f"/v2/models/{name}/stats")
-            if code == 200:
-                total += body["model_stats"][0]["kv"]["reserved_bytes"]
-        return total
-
     def sample() -> None:
         kv, n = 0, 0
         while not done.wait(0.02):
             if generators and n % 5 == 0:
-                kv = kv_reserved()
+                kv = kv_reserved(sock, generators)
             n += 1
             peak[0] = max(peak[0], rss_of(pid) - kv)
 

@@ -393,6 +393,20 @@ class SoakResult:
             "failures": self.failures()}
 
 
+def kv_reserved(sock: str, generators: list[str]) -> int:
+    """What the generators have reserved for their KV caches now (their statistics): memory in
+    the plan while their sequences run, not growth. A generator that does not answer counts 0."""
+    total = 0
+    for name in generators:
+        try:
+            status, body = _http(sock, "GET", f"/v2/models/{name}/stats")
+        except OSError:
+            continue
+        if status == 200:
+            total += json.loads(body)["model_stats"][0]["kv"]["reserved_bytes"]
+    return total
+
+
 class KvReservations:
     """The generators' KV reservations together, read from their statistics every 100 ms on a
     thread; stop() gives the most they reached."""
@@ -410,15 +424,7 @@ class KvReservations:
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):
-            total = 0
-            for name in self.generators:
-                try:
-                    status, body = _http(self.sock, "GET", f"/v2/models/{name}/stats")
-                except OSError:
-                    continue
-                if status == 200:
-                    total += json.loads(body)["model_stats"][0]["kv"]["reserved_bytes"]
-            self.peak = max(self.peak, total)
+            self.peak = max(self.peak, kv_reserved(self.sock, self.generators))
 
     def stop(self) -> int:
         self._stop.set()
