@@ -20,7 +20,8 @@ time dominates. The load generator shares the machine
 with the daemon: compare figures from one run only.
 
 Usage: python tools/bench_shared_memory.py [--repo engines] [--model vision] [--shape 480,640,3]
-           [--seconds 5] [--concurrency 4] [--repeats 3] [--frames 8] [--modes 0,1,2] [--json]
+           [--seconds 5] [--concurrency 4] [--repeats 3] [--frames 8] [--modes 0,1,2]
+           [--caller-cpus 0] [--json]
 """
 
 from __future__ import annotations
@@ -214,11 +215,16 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--frames", type=int, default=8, help="distinct frames each caller cycles through")
     parser.add_argument("--modes", default="", help="which of 0 (JSON), 1 (binary), 2 (shared memory): e.g. 1,2")
+    parser.add_argument("--caller-cpus", default="",
+                        help="keep the callers on these CPUs (e.g. 0), the daemon on all: on a small machine, "
+                             "cameras whose processes run beside the daemon's rather than in its way")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="eb-bench-shm-") as tmp:
         daemon = start_daemon(Path(tmp), Path(args.repo).resolve(), None,
                               {"server": {"max_body_bytes": 256 << 20}, "models": {"load": [args.model]}})
+        if args.caller_cpus:  # after the daemon started: it keeps every CPU
+            os.sched_setaffinity(0, {int(c) for c in args.caller_cpus.split(",")})
         try:
             medians = run(args, str(Path(tmp) / "eb.sock"), daemon)
         finally:
@@ -227,7 +233,8 @@ def main() -> int:
         print(json.dumps(medians, indent=2))
         return 0
     print(f"{args.model}, 1-frame uint8 [{args.shape}] requests over the Unix socket, {args.concurrency} callers, "
-          f"{args.seconds:g} s x {args.repeats} (median run), {os.cpu_count()} CPUs\n")
+          f"{args.seconds:g} s x {args.repeats} (median run), {os.cpu_count()} CPUs"
+          f"{f', callers on CPU {args.caller_cpus}' if args.caller_cpus else ''}\n")
     # ratios against binary tensors; a run without them compares with its first transport
     ref = "binary tensors" if "binary tensors" in medians else next(iter(medians))
     base = medians[ref]
