@@ -399,10 +399,16 @@ def write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray
         return _write_index(directory, passages, embeddings, embedding_model=embedding_model, sources=sources,
                             sentences=sentences, headings=headings)
     except OSError as exc:
-        what = f"could not write the index in {directory}: {exc.strerror or exc}; the index is as it was"
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise StorageFull(what + " (free some room there, then add again)") from exc
-        raise StorageError(what) from exc
+        raise not_written(directory, exc) from exc
+
+
+def not_written(directory: Path, exc: OSError) -> StorageError:
+    """The error for an index its file system would not let be written: StorageFull (507) for
+    want of room, else StorageError."""
+    what = f"could not write the index in {directory}: {exc.strerror or exc}; the index is as it was"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return StorageFull(what + " (free some room there, then add again)")
+    return StorageError(what)
 
 
 def _write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray, *, embedding_model: str,

@@ -179,7 +179,7 @@ def _add(args, index_dir: Path, embedding_model: str, repo: Path) -> int:
         print(f"embedding {len(args.files)} file(s) with {embedding_model} ...", file=sys.stderr, flush=True)
         summary = add_documents(index_dir, documents, partial(engine.embed, progress=_progress("new passages")),
                                 embedding_model=embedding_model, dim=engine.dim, max_chars=args.max_chars,
-                                rebuild=args.rebuild)
+                                rebuild=args.rebuild, waiting=_say)
     finally:
         engine.close()
     for source in summary["empty"]:
@@ -220,8 +220,12 @@ def _progress(what: str) -> Callable[[int, int], None]:
     return report
 
 
+def _say(line: str) -> None:
+    print(f"edge-batcher index: {line}", file=sys.stderr, flush=True)
+
+
 def _remove(args, index_dir: Path) -> int:
-    summary = remove_documents(index_dir, {str(p.resolve()) for p in args.files})
+    summary = remove_documents(index_dir, {str(p.resolve()) for p in args.files}, waiting=_say)
     if summary is None:
         raise _NotThere(f"no index in {index_dir}: build one with `edge-batcher index add FILE...`")
     print(f"removed {summary['removed']} passages; {index_dir} now holds {summary['count']}, "

@@ -7,13 +7,18 @@ A document is a source name and its text, split like a file of that name (markdo
 returns the texts' vectors; it is called for the new passages, their sentences and headings (and
 for the kept passages' sentences and headings of an index written before sentence or heading
 vectors). Blocking: files and
-embedding; the daemon runs it off the event loop.
+embedding; the daemon runs it off the event loop. Writers take turns (one_writer): each reads
+the index, adds or removes, and writes it back, so two at once would lose one's change.
 """
 
 from __future__ import annotations
 
+import fcntl
+import logging
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,8 +26,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from .index import SentenceVectors, embed_headings, embed_passages, load_index, write_index
+from .index import SentenceVectors, embed_headings, embed_passages, load_index, not_written, write_index
 from .passages import Passage, split_markdown, split_text
+
+log = logging.getLogger(__name__)
 
 Embed = Callable[[list[str]], np.ndarray]
 MARKDOWN_SUFFIXES = (".md", ".markdown")
@@ -44,11 +51,43 @@ def split_document(document: Document, max_chars: int) -> list[Passage]:
     return split_text(document.text, stem, max_chars, document.source)
 
 
+@contextmanager
+def one_writer(index_dir: Path, waiting: Callable[[str], None] | None = None) -> Iterator[None]:
+    """The index directory to this writer alone, from reading the index to writing it: another
+    writer (an `index add`, the daemon's API, a second rag model on the same index) reading it
+    meanwhile would write its own change over this one, which would be lost. An advisory lock
+    (flock) on the directory itself: nothing to clean up, released when a writer dies.
+    `waiting(why)` is told when another writer holds it; this one then waits its turn."""
+    try:
+        index_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(index_dir, os.O_RDONLY)
+    except OSError as exc:
+        raise not_written(index_dir, exc) from exc
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            why = f"another writer of index {index_dir} is at work (an `index add`, or the daemon): waiting for it"
+            (waiting or log.info)(why)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # the lock goes with it
+
+
 def add_documents(index_dir: Path, documents: list[Document], embed: Embed, *, embedding_model: str, dim: int,
-                  max_chars: int, rebuild: bool = False) -> dict[str, Any]:
+                  max_chars: int, rebuild: bool = False, waiting: Callable[[str], None] | None = None
+                  ) -> dict[str, Any]:
     """Split, embed and add `documents` (replacing earlier versions of the same sources); write the
-    index. Returns {"added", "replaced", "count", "version", "empty"}: "empty" names documents with
-    no text to index."""
+    index, one writer at a time (one_writer). Returns {"added", "replaced", "count", "version",
+    "empty"}: "empty" names documents with no text to index."""
+    with one_writer(index_dir, waiting):
+        return _add(index_dir, documents, embed, embedding_model=embedding_model, dim=dim, max_chars=max_chars,
+                    rebuild=rebuild)
+
+
+def _add(index_dir: Path, documents: list[Document], embed: Embed, *, embedding_model: str, dim: int,
+         max_chars: int, rebuild: bool) -> dict[str, Any]:
     passages, embeddings, meta, sentences, headings = _current(index_dir, rebuild)
     if meta and meta.get("embedding_model") != embedding_model:
         raise ConfigError(f"index {index_dir} was built with embedding model {meta.get('embedding_model')!r}, not "
@@ -95,8 +134,17 @@ def add_documents(index_dir: Path, documents: list[Document], embed: Embed, *, e
             "version": written["version"], "empty": empty}
 
 
-def remove_documents(index_dir: Path, sources: set[str]) -> dict[str, Any] | None:
-    """Remove the passages of `sources`; write the index. None when there is no index."""
+def remove_documents(index_dir: Path, sources: set[str], waiting: Callable[[str], None] | None = None
+                     ) -> dict[str, Any] | None:
+    """Remove the passages of `sources`; write the index, one writer at a time. None when there
+    is no index."""
+    if not index_dir.is_dir():
+        return None
+    with one_writer(index_dir, waiting):
+        return _remove(index_dir, sources)
+
+
+def _remove(index_dir: Path, sources: set[str]) -> dict[str, Any] | None:
     passages, embeddings, meta, sentences, headings = _current(index_dir, rebuild=False)
     if not meta:
         return None

@@ -1,0 +1,76 @@
+"""Writers of one document index take turns (rag/index_update.py: one_writer): each reads the
+index, adds or removes, and writes it back, and a second writer working meanwhile (another `index
+add`, the daemon's API, a second rag model on the same index) would have written its change over
+the first one's, which was lost without a word."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from edge_batcher.config import load_model_config
+from edge_batcher.rag.embed import TextEmbeddingEngine
+from edge_batcher.rag.index import load_index
+from edge_batcher.rag.index_update import Document, add_documents, one_writer
+from tests.support.models import ROOT
+
+PUMP = Document("pump.md", "# Pump\n\n## Grease\n\nPump 7 takes 12 grams of grease every 400 hours.\n")
+FAN = Document("fan.md", "# Fan\n\n## Belts\n\nThe fan's belts are tensioned to 45 N every quarter.\n")
+
+
+@pytest.fixture(scope="module")
+def engine(minilm_dir):
+    engine = TextEmbeddingEngine(load_model_config(minilm_dir))
+    engine.load()
+    yield engine
+    engine.close()
+
+
+def test_two_writers_at_once_both_keep_their_documents(engine, tmp_path):
+    index_dir = tmp_path / "idx"
+    one_at_a_time = threading.Lock()
+    told: list[str] = []
+
+    def slow_embed(texts):  # the long part, during which the other writer comes
+        with one_at_a_time:
+            vectors = engine.embed(texts)
+        time.sleep(0.5)
+        return vectors
+
+    def add(document: Document) -> None:
+        add_documents(index_dir, [document], slow_embed, embedding_model="minilm", dim=engine.dim, max_chars=600,
+                      waiting=told.append)
+
+    writers = [threading.Thread(target=add, args=(d,)) for d in (PUMP, FAN)]
+    for w in writers:
+        w.start()
+        time.sleep(0.1)  # the first has read the index (none yet) and is embedding
+    for w in writers:
+        w.join()
+    index = load_index(index_dir)
+    assert sorted(index.meta["sources"]) == ["fan.md", "pump.md"]
+    assert sorted(p.source for p in index.passages) == ["fan.md", "pump.md"]
+    assert index.meta["version"] == 2
+    assert len(told) == 1 and "another writer of index" in told[0], told
+
+
+def test_the_command_line_waits_for_the_daemon_s_write_and_says_so(engine, tmp_path, rag_repo):
+    index_dir = tmp_path / "idx"
+    pump, fan = (Document(str(tmp_path / d.source), d.text) for d in (PUMP, FAN))  # as `index add` names files
+    add_documents(index_dir, [pump, fan], engine.embed, embedding_model="minilm", dim=engine.dim, max_chars=600)
+    with one_writer(index_dir):  # another process at work on it (the daemon, an `index add`)
+        remover = subprocess.Popen(
+            [sys.executable, "-m", "edge_batcher.cli", "index", "remove", "pump.md", "--index", str(index_dir),
+             "--model-repo", str(rag_repo)], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env={"PYTHONPATH": str(ROOT)})
+        time.sleep(3)
+        assert remover.poll() is None  # waiting its turn
+    out, err = remover.communicate(timeout=60)
+    assert remover.returncode == 0, err
+    assert "another writer of index" in err and "waiting for it" in err
+    assert "removed 1 passages" in out
+    assert sorted(load_index(index_dir).meta["sources"]) == [fan.source]
