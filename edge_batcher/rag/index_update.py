@@ -26,11 +26,20 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
-from .index import SentenceVectors, embed_headings, embed_passages, load_index, not_written, write_index
+from .index import (
+    SentenceVectors,
+    embed_headings,
+    embed_passages,
+    load_index,
+    not_written,
+    remove_leftovers,
+    write_index,
+)
 from .passages import Passage, split_markdown, split_text
 
 log = logging.getLogger(__name__)
 
+MiB = 1 << 20
 Embed = Callable[[list[str]], np.ndarray]
 MARKDOWN_SUFFIXES = (".md", ".markdown")
 
@@ -70,6 +79,9 @@ def one_writer(index_dir: Path, waiting: Callable[[str], None] | None = None) ->
             why = f"another writer of index {index_dir} is at work (an `index add`, or the daemon): waiting for it"
             (waiting or log.info)(why)
             fcntl.flock(fd, fcntl.LOCK_EX)
+        freed = remove_leftovers(index_dir)
+        if freed:
+            log.info("index %s: removed %.1f MiB of files a writer that stopped midway left", index_dir, freed / MiB)
         yield
     finally:
         os.close(fd)  # the lock goes with it

@@ -74,3 +74,23 @@ def test_the_command_line_waits_for_the_daemon_s_write_and_says_so(engine, tmp_p
     assert "another writer of index" in err and "waiting for it" in err
     assert "removed 1 passages" in out
     assert sorted(load_index(index_dir).meta["sources"]) == [fan.source]
+
+
+def test_what_a_killed_writer_left_is_removed_by_the_next(engine, tmp_path):
+    """A writer killed while it stages a file (kill -9, the power lost) leaves it in the index
+    directory, the size of the index: the next writer, alone there, removes it."""
+    index_dir = tmp_path / "idx"
+    add_documents(index_dir, [PUMP], engine.embed, embedding_model="minilm", dim=engine.dim, max_chars=600)
+    killed = subprocess.run([sys.executable, "-c", (
+        "import os, signal, sys; from pathlib import Path; from edge_batcher.rag import index\n"
+        "def write(fh):\n"
+        "    fh.write(b'x' * (1 << 20)); fh.flush(); os.kill(os.getpid(), signal.SIGKILL)\n"
+        "index._stage(Path(sys.argv[1]), index.EMBEDDINGS, write)\n"), str(index_dir)],
+        env={"PYTHONPATH": str(ROOT)}, capture_output=True)
+    assert killed.returncode == -9, killed.stderr
+    (left,) = [p for p in index_dir.iterdir() if p.name.startswith(".embeddings.npy.")]
+    assert left.stat().st_size == 1 << 20
+    (index_dir / ".keep").write_text("not the index's")
+    add_documents(index_dir, [FAN], engine.embed, embedding_model="minilm", dim=engine.dim, max_chars=600)
+    assert not left.exists() and (index_dir / ".keep").exists()
+    assert sorted(load_index(index_dir).meta["sources"]) == ["fan.md", "pump.md"]
