@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,14 +29,19 @@ def index(d, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, env={"PYTHONPATH": str(ROOT)})
 
 
-def test_documents_are_added_and_removed_through_the_daemon(start_daemon, rag_repo, tmp_path):
+def repository_with_index_in(rag_repo: Path, tmp_path: Path, index: Path) -> Path:
+    """minilm and a rag model whose index, a copy of the shipped manual's, is `index`."""
     repo = tmp_path / "engines"
     shutil.copytree(rag_repo / "minilm", repo / "minilm")
-    shutil.copytree(rag_repo / "index", tmp_path / "index")
+    shutil.copytree(rag_repo / "index", index)
     (repo / "rag").mkdir()
     (repo / "rag" / "model.toml").write_text(
-        (rag_repo / "rag" / "model.toml").read_text().replace(str(rag_repo / "index"), str(tmp_path / "index")))
-    d = start_daemon("", repo=repo)
+        (rag_repo / "rag" / "model.toml").read_text().replace(str(rag_repo / "index"), str(index)))
+    return repo
+
+
+def test_documents_are_added_and_removed_through_the_daemon(start_daemon, rag_repo, tmp_path):
+    d = start_daemon("", repo=repository_with_index_in(rag_repo, tmp_path, tmp_path / "index"))
     question = {"question": np.array([b"How much grease do the bearings of pump 7 take?"], dtype=object)}
     notes = tmp_path / "pump7.md"
     notes.write_text(NOTES)
@@ -68,12 +74,7 @@ def test_a_full_disk_fails_the_add_and_keeps_the_index(start_daemon, rag_repo, t
     """An index directory whose file system fills while documents are added: the add is answered
     507 naming the directory and the error, the index serves what it held, and no staged file is
     left taking the little room there is (before: 500 "internal error" and a traceback)."""
-    repo = tmp_path / "engines"
-    shutil.copytree(rag_repo / "minilm", repo / "minilm")
-    shutil.copytree(rag_repo / "index", small_disk / "index")
-    (repo / "rag").mkdir()
-    (repo / "rag" / "model.toml").write_text(
-        (rag_repo / "rag" / "model.toml").read_text().replace(str(rag_repo / "index"), str(small_disk / "index")))
+    repo = repository_with_index_in(rag_repo, tmp_path, small_disk / "index")
     before = sorted(p.name for p in (small_disk / "index").iterdir())
     d = start_daemon("", repo=repo)
     # passages enough that their vectors and text do not fit in what is left
