@@ -500,7 +500,7 @@ def remove_leftovers(directory: Path) -> int:
             try:
                 size = path.stat().st_size
                 path.unlink()
-            except FileNotFoundError:
+            except OSError:  # gone already, or a read-only file system: the write says so next
                 continue
             freed += size
     return freed
