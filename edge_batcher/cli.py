@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import every_setting, load_config, parse_host_port, read_secret
-from .errors import ConfigError, EdgeBatcherError
+from .errors import ConfigError, EdgeBatcherError, StorageError
 from .model_config import repository_models
 
 log = logging.getLogger("edge_batcher")
@@ -33,6 +33,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"edge-batcher: configuration error: {exc}", file=sys.stderr)
         return 2
+    except StorageError as exc:  # a full or read-only disk: the device's state, said in one line
+        print(f"edge-batcher: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -22,6 +22,8 @@ user property) and nowhere else::
 
 from __future__ import annotations
 
+import errno
+
 
 class EdgeBatcherError(Exception):
     """Root of every error the daemon raises on purpose."""
@@ -77,8 +79,17 @@ class DeadlineExceeded(EdgeBatcherError):
 
 
 class StorageError(EdgeBatcherError):
-    """The daemon could not write its own files (a document index): a read-only file system,
-    permissions. What was there stays as it was."""
+    """The daemon could not write its own files (a document index, a TensorRT plan): a
+    read-only file system, permissions. What was there stays as it was."""
+
+    @staticmethod
+    def of(what: str, exc: OSError, kept: str) -> StorageError:
+        """`what` ("could not write X"), the file system's reason, and what was `kept`: StorageFull
+        for want of room."""
+        message = f"{what}: {exc.strerror or exc}; {kept}"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return StorageFull(message + " (free some room there, then try again)")
+        return StorageError(message)
 
 
 class StorageFull(StorageError):

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..config import SequenceSettings, TensorOverride, load_model_config
-from ..errors import ConfigError
+from ..errors import ConfigError, StorageError
 from ..progress import is_terminal
 from ..types import TensorSpec
 from . import trt_profiles as tp
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace, trt_module: Any = None, cuda_module: Any = Non
     except ConfigError as exc:  # this TensorRT cannot build what was asked; the message says what to do
         print(f"edge-batcher build-engine: {exc}", file=sys.stderr)
         return 2
-    except BuildError as exc:
+    except (BuildError, StorageError) as exc:  # StorageError: a full or read-only disk for the plan
         print(f"edge-batcher build-engine: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -27,7 +27,7 @@ from typing import Any, TextIO
 
 from ..config import ModelConfig
 from ..durable import fsync_dir
-from ..errors import ConfigError
+from ..errors import ConfigError, StorageError
 from ..progress import Progress
 from ..types import TensorSpec
 from . import onnx_fp16
@@ -374,8 +374,14 @@ def _build(request: BuildRequest, trt: Any, cuda: Any, caps: TensorRTCapabilitie
     plan = bytes(memoryview(serialized))
     seconds = time.monotonic() - t0
 
+    created = not request.model_dir.exists()
     request.model_dir.mkdir(parents=True, exist_ok=True)
-    _write_atomic(request.plan_path, plan)
+    try:
+        _write_atomic(request.plan_path, plan)
+    except StorageError:
+        if created:  # nothing of this build stays in the repository (an empty model directory)
+            request.model_dir.rmdir()
+        raise
     if onnx != request.onnx:  # keep the converted model the plan was built from, next to it
         built_from = request.model_dir / FP16_ONNX_FILE
         _write_atomic(built_from, onnx.read_bytes())
@@ -416,8 +422,10 @@ def _write_atomic(path: Path, data: bytes) -> None:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
-    except BaseException:  # a full disk: the part written must not keep the room, nor the old file go
+    except BaseException as exc:  # a full disk: the part written must not keep the room, nor the old file go
         tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise StorageError.of(f"could not write {path}", exc, "any file there before is as it was") from exc
         raise
     os.replace(tmp, path)
     fsync_dir(path.parent)

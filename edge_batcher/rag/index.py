@@ -34,7 +34,6 @@ headings.npy ranks without those signals until the next `index add`, which embed
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -47,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from ..durable import fsync_dir
-from ..errors import StorageError, StorageFull, Unavailable
+from ..errors import StorageError, Unavailable
 from .fusion import Fusion, fused_scores
 from .lexical import ANALYZER, Bm25
 from .passages import Passage
@@ -405,10 +404,7 @@ def write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray
 def not_written(directory: Path, exc: OSError) -> StorageError:
     """The error for an index its file system would not let be written: StorageFull (507) for
     want of room, else StorageError."""
-    what = f"could not write the index in {directory}: {exc.strerror or exc}; the index is as it was"
-    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-        return StorageFull(what + " (free some room there, then add again)")
-    return StorageError(what)
+    return StorageError.of(f"could not write the index in {directory}", exc, "the index is as it was")
 
 
 def _write_index(directory: Path, passages: list[Passage], embeddings: np.ndarray, *, embedding_model: str,

@@ -348,10 +348,27 @@ def test_a_plan_that_does_not_fit_on_the_disk_leaves_the_old_one_and_no_scrap(sm
     """A build writing its plan on a full device: the write fails with the file system's error,
     the plan there before stays whole, and the part written is removed."""
     from edge_batcher.engines.trt_builder import _write_atomic
+    from edge_batcher.errors import StorageFull
 
     plan = small_disk / "model.plan"
     plan.write_bytes(b"old plan")
-    with pytest.raises(OSError) as failed:
+    with pytest.raises(StorageFull) as failed:
         _write_atomic(plan, b"\0" * (2 << 20))
-    assert failed.value.errno == 28  # ENOSPC
+    assert failed.value.status == 507
+    assert f"could not write {plan}: No space left on device" in failed.value.message
     assert plan.read_bytes() == b"old plan" and [p.name for p in small_disk.iterdir()] == ["model.plan"]
+
+
+def test_build_engine_on_a_full_disk_exits_1_saying_so(repo, trt10, cuda, small_disk, capsys):
+    """The repository to write the engine into is full: one line naming the file and the error,
+    exit 1, nothing of the build left there (before: a traceback, and the partial plan)."""
+    import os
+
+    free = os.statvfs(small_disk)
+    (small_disk / "filler").write_bytes(b"\0" * (free.f_bavail * free.f_frsize - 16 * 1024))  # a few KiB left
+    rc = trt_build.build_engine_main([str(repo / "vibration" / "model.onnx"), "--repository", str(small_disk),
+                                      "--quiet"], trt10, cuda)
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert "could not write" in err and "No space left on device" in err and "Traceback" not in err
+    assert [p.name for p in small_disk.iterdir()] == ["filler"]  # no partial plan, no empty model directory
