@@ -14,7 +14,7 @@ user property) and nowhere else::
     ├── Unavailable                   503  model not ready, daemon draining, no peer
     │   └── DoesNotFit                503  not even the smallest batch fits device memory
     ├── DeadlineExceeded              504  the request's deadline passed before it could run
-    ├── StorageError                  500  the daemon could not write its own files (an index)
+    ├── StorageError                  500  its own files could not be written (an index, a plan)
     │   └── StorageFull               507  ... for want of room on their file system
     └── EngineError                   500  the engine failed on a batch (the daemon keeps serving)
         └── OutOfMemory               500  the engine ran out of memory on a batch
