@@ -8,7 +8,8 @@ returns the texts' vectors; it is called for the new passages, their sentences a
 for the kept passages' sentences and headings of an index written before sentence or heading
 vectors). Blocking: files and
 embedding; the daemon runs it off the event loop. Writers take turns (one_writer): each reads
-the index, adds or removes, and writes it back, so two at once would lose one's change.
+the index, adds or removes, and writes it back, so two at once would lose one's change; new
+passages are embedded before the turn.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .index import (
     embed_passages,
     load_index,
     not_written,
+    read_meta,
     remove_leftovers,
     write_index,
 )
@@ -91,59 +93,63 @@ def add_documents(index_dir: Path, documents: list[Document], embed: Embed, *, e
                   max_chars: int, rebuild: bool = False, waiting: Callable[[str], None] | None = None
                   ) -> dict[str, Any]:
     """Split, embed and add `documents` (replacing earlier versions of the same sources); write the
-    index, one writer at a time (one_writer). Returns {"added", "replaced", "count", "version",
-    "empty"}: "empty" names documents with no text to index."""
-    with one_writer(index_dir, waiting):
-        return _add(index_dir, documents, embed, embedding_model=embedding_model, dim=dim, max_chars=max_chars,
-                    rebuild=rebuild)
-
-
-def _add(index_dir: Path, documents: list[Document], embed: Embed, *, embedding_model: str, dim: int,
-         max_chars: int, rebuild: bool) -> dict[str, Any]:
-    passages, embeddings, meta, sentences, headings = _current(index_dir, rebuild)
-    if meta and meta.get("embedding_model") != embedding_model:
-        raise ConfigError(f"index {index_dir} was built with embedding model {meta.get('embedding_model')!r}, not "
-                          f"{embedding_model!r}: rebuild it to re-embed everything with {embedding_model!r}")
+    index. The new passages are embedded first (the long part: minutes for a manual), then, in
+    the writers' turn (one_writer), the index is read, merged with them and written, so another
+    writer waits for a write, not for an embedding. Returns {"added", "replaced", "count",
+    "version", "empty"}: "empty" names documents with no text to index."""
+    if not rebuild:  # before minutes of embedding for an index that cannot take them
+        _check_model(read_meta(index_dir) or {}, index_dir, embedding_model)
     new: list[Passage] = []
-    sources = dict(meta.get("sources", {}))
     empty = []
     for document in documents:
         parts = split_document(document, max_chars)
         if not parts:
             empty.append(document.source)
         new.extend(parts)
-        sources[document.source] = {"passages": len(parts), "added": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    replaced_sources = {d.source for d in documents}
-    keep = [i for i, p in enumerate(passages) if p.source not in replaced_sources]
     vectors, new_sentences, new_headings = embed_passages(new, embed)
     vectors = vectors.reshape(len(new), dim)
     new_headings = new_headings.reshape(len(new), dim)
-    kept = embeddings[keep].reshape(-1, dim) if len(keep) else np.zeros((0, dim), np.float32)
-    kept_passages = [passages[i] for i in keep]
-    again = None
-    if sentences is None:  # an index written before sentence vectors: embed the kept passages' too
-        _, keep_sentences, again = embed_passages(kept_passages, embed)
-    else:
-        keep_sentences = sentences.select(keep)
-    if headings is not None:
-        keep_headings = headings[keep].reshape(-1, dim)
-    elif again is not None:
-        keep_headings = again.reshape(len(keep), dim)
-    else:  # written before heading vectors: only the kept passages' headings are missing
-        keep_headings = embed_headings(kept_passages, kept, embed).reshape(len(keep), dim)
-    used = {passages[i].id for i in keep}  # ids stay unique: a later clashing id gets a suffix
-    for p in new:
-        base, n = p.id, 2
-        while p.id in used:
-            p.id = f"{base}~{n}"
-            n += 1
-        used.add(p.id)
-    written = write_index(index_dir, [passages[i] for i in keep] + new, np.concatenate([kept, vectors], axis=0),
-                          embedding_model=embedding_model, sources=sources,
-                          sentences=keep_sentences.after(new_sentences, len(keep)),
-                          headings=np.concatenate([keep_headings, new_headings], axis=0))
+    with one_writer(index_dir, waiting):
+        passages, embeddings, meta, sentences, headings = _current(index_dir, rebuild)
+        _check_model(meta, index_dir, embedding_model)
+        sources = dict(meta.get("sources", {}))
+        for document in documents:
+            sources[document.source] = {"passages": sum(p.source == document.source for p in new),
+                                        "added": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        replaced_sources = {d.source for d in documents}
+        keep = [i for i, p in enumerate(passages) if p.source not in replaced_sources]
+        kept = embeddings[keep].reshape(-1, dim) if len(keep) else np.zeros((0, dim), np.float32)
+        kept_passages = [passages[i] for i in keep]
+        again = None
+        if sentences is None:  # an index written before sentence vectors: embed the kept passages' too
+            _, keep_sentences, again = embed_passages(kept_passages, embed)
+        else:
+            keep_sentences = sentences.select(keep)
+        if headings is not None:
+            keep_headings = headings[keep].reshape(-1, dim)
+        elif again is not None:
+            keep_headings = again.reshape(len(keep), dim)
+        else:  # written before heading vectors: only the kept passages' headings are missing
+            keep_headings = embed_headings(kept_passages, kept, embed).reshape(len(keep), dim)
+        used = {p.id for p in kept_passages}  # ids stay unique: a later clashing id gets a suffix
+        for p in new:
+            base, n = p.id, 2
+            while p.id in used:
+                p.id = f"{base}~{n}"
+                n += 1
+            used.add(p.id)
+        written = write_index(index_dir, kept_passages + new, np.concatenate([kept, vectors], axis=0),
+                              embedding_model=embedding_model, sources=sources,
+                              sentences=keep_sentences.after(new_sentences, len(keep)),
+                              headings=np.concatenate([keep_headings, new_headings], axis=0))
     return {"added": len(new), "replaced": len(passages) - len(keep), "count": written["count"],
             "version": written["version"], "empty": empty}
+
+
+def _check_model(meta: dict, index_dir: Path, embedding_model: str) -> None:
+    if meta and meta.get("embedding_model") != embedding_model:
+        raise ConfigError(f"index {index_dir} was built with embedding model {meta.get('embedding_model')!r}, not "
+                          f"{embedding_model!r}: rebuild it to re-embed everything with {embedding_model!r}")
 
 
 def remove_documents(index_dir: Path, sources: set[str], waiting: Callable[[str], None] | None = None

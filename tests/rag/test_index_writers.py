@@ -30,25 +30,26 @@ def engine(minilm_dir):
     engine.close()
 
 
-def test_two_writers_at_once_both_keep_their_documents(engine, tmp_path):
+def test_two_writers_at_once_both_keep_their_documents(engine, tmp_path, monkeypatch):
+    from edge_batcher.rag import index_update
+
     index_dir = tmp_path / "idx"
-    one_at_a_time = threading.Lock()
     told: list[str] = []
+    write = index_update.write_index
 
-    def slow_embed(texts):  # the long part, during which the other writer comes
-        with one_at_a_time:
-            vectors = engine.embed(texts)
+    def slow_write(*args, **kwargs):  # a large index on an SD card: the other writer comes meanwhile
         time.sleep(0.5)
-        return vectors
+        return write(*args, **kwargs)
 
+    monkeypatch.setattr(index_update, "write_index", slow_write)
     def add(document: Document) -> None:
-        add_documents(index_dir, [document], slow_embed, embedding_model="minilm", dim=engine.dim, max_chars=600,
+        add_documents(index_dir, [document], engine.embed, embedding_model="minilm", dim=engine.dim, max_chars=600,
                       waiting=told.append)
 
     writers = [threading.Thread(target=add, args=(d,)) for d in (PUMP, FAN)]
     for w in writers:
         w.start()
-        time.sleep(0.1)  # the first has read the index (none yet) and is embedding
+        time.sleep(0.2)  # the first has read the index (none yet) and is writing
     for w in writers:
         w.join()
     index = load_index(index_dir)
@@ -56,6 +57,28 @@ def test_two_writers_at_once_both_keep_their_documents(engine, tmp_path):
     assert sorted(p.source for p in index.passages) == ["fan.md", "pump.md"]
     assert index.meta["version"] == 2
     assert len(told) == 1 and "another writer of index" in told[0], told
+
+
+def test_a_writer_embeds_before_its_turn(engine, tmp_path):
+    """Embedding is the long part (minutes for a manual): a writer does it while another holds the
+    index, and waits only to read, merge and write."""
+    index_dir = tmp_path / "idx"
+    embedded = threading.Event()
+
+    def embed(texts):
+        vectors = engine.embed(texts)
+        embedded.set()
+        return vectors
+
+    with one_writer(index_dir):
+        writer = threading.Thread(target=add_documents, args=(index_dir, [PUMP], embed),
+                                  kwargs={"embedding_model": "minilm", "dim": engine.dim, "max_chars": 600})
+        writer.start()
+        assert embedded.wait(60)  # while the turn is someone else's
+        time.sleep(0.2)
+        assert writer.is_alive() and load_index(index_dir) is None  # its write waits for the turn
+    writer.join(60)
+    assert sorted(load_index(index_dir).meta["sources"]) == ["pump.md"]
 
 
 def test_the_command_line_waits_for_the_daemon_s_write_and_says_so(engine, tmp_path, rag_repo):
