@@ -101,11 +101,13 @@ def add_documents(index_dir: Path, documents: list[Document], embed: Embed, *, e
         _check_model(read_meta(index_dir) or {}, index_dir, embedding_model)
     new: list[Passage] = []
     empty = []
+    counts: dict[str, int] = {}  # passages per source (a source given twice: both copies')
     for document in documents:
         parts = split_document(document, max_chars)
         if not parts:
             empty.append(document.source)
         new.extend(parts)
+        counts[document.source] = counts.get(document.source, 0) + len(parts)
     vectors, new_sentences, new_headings = embed_passages(new, embed)
     vectors = vectors.reshape(len(new), dim)
     new_headings = new_headings.reshape(len(new), dim)
@@ -113,11 +115,9 @@ def add_documents(index_dir: Path, documents: list[Document], embed: Embed, *, e
         passages, embeddings, meta, sentences, headings = _current(index_dir, rebuild)
         _check_model(meta, index_dir, embedding_model)
         sources = dict(meta.get("sources", {}))
-        for document in documents:
-            sources[document.source] = {"passages": sum(p.source == document.source for p in new),
-                                        "added": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        replaced_sources = {d.source for d in documents}
-        keep = [i for i, p in enumerate(passages) if p.source not in replaced_sources]
+        added = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        sources.update({source: {"passages": n, "added": added} for source, n in counts.items()})
+        keep = [i for i, p in enumerate(passages) if p.source not in counts]
         kept = embeddings[keep].reshape(-1, dim) if len(keep) else np.zeros((0, dim), np.float32)
         kept_passages = [passages[i] for i in keep]
         again = None
